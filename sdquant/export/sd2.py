@@ -1,0 +1,133 @@
+"""The .sd2 deployable package: public API (spec: docs/FORMAT.md).
+
+    write_sd2(path, *, family, arch_config, float_tensors, quant_layers, extra_files=None, calibration=None,
+              high_precision=()) -> Path
+        float_tensors: Iterable[(name, Tensor)]; quant_layers: Iterable[(module name, QuantizedWeight |
+        Fp8Weight, bias | None, smooth | None)]; extra_files: {name: bytes | path}. Streams: iterators are
+        consumed one item at a time and written straight to a temporary file that is renamed at the end.
+    open_sd2(path, verify="full" | "lazy" | "none") -> Package
+        .manifest .family .arch_config .calibration .high_precision
+        .float_tensors(device=None) -> {name: Tensor}          zero-copy mmap views on the CPU
+        .quant_layers(device=None) -> {name: (weight, bias, smooth)}
+        .tensor(name) / .layer(name)                            one item (lazy verification per member)
+        .files() / .file(name) -> bytes
+        .verify() -> [problem, ...]   .close()   context manager
+    inspect_sd2(path) -> dict          format_inspect(info) -> str (the table `sdquant inspect` prints)
+    verify_sd2(path) -> [problem, ...] (empty list = every hash, header and shape checks out)
+
+Every malformed, corrupt, hostile or unsupported file raises ``sdquant.errors.PackageError`` with one line
+naming the member, layer or tensor.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from sdquant.errors import PackageError
+from sdquant.export.sd2_format import FORMAT_VERSION
+from sdquant.export.sd2_reader import Package, open_sd2
+from sdquant.export.sd2_writer import write_sd2
+
+__all__ = ["write_sd2", "open_sd2", "Package", "inspect_sd2", "verify_sd2", "format_inspect", "FORMAT_VERSION"]
+
+
+def _scheme_str(s: dict) -> str:
+    if s["type"] == "int":
+        g = "per-channel" if s["group_size"] == -1 else f"g{s['group_size']}"
+        return (f"int{s['bits']} {g} {'sym' if s['symmetric'] else 'asym'}"
+                + (" act-order" if s["act_order"] else ""))
+    return f"fp8 e4m3 {'static' if s['activation'] == 'static' else 'dynamic'}"
+
+
+def _per_layer_losses(cal: dict) -> dict[str, float]:
+    """Per-layer losses from the calibration report: ``per_layer: {layer: {"loss": x}}`` or
+    ``{layer: x}`` (docs/FORMAT.md, calibration report)."""
+    src = cal.get("per_layer")
+    out = {}
+    if isinstance(src, dict):
+        for k, v in src.items():
+            if isinstance(v, dict):
+                v = v.get("loss")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = float(v)
+    return out
+
+
+def inspect_sd2(path) -> dict:
+    """Summary of a package (structure, manifest and headers are validated; hashes are not computed)."""
+    with open_sd2(path, verify="none") as pkg:
+        man = pkg.manifest
+        losses = _per_layer_losses(man["calibration"])
+        layers, schemes = [], {}
+        qbytes, orig = 0, 0
+        for name, e in man["layers"].items():
+            member = pkg.members[e["member"]]
+            s = _scheme_str(e["scheme"])
+            schemes[s] = schemes.get(s, 0) + 1
+            nk = e["in_features"] * e["out_features"]
+            extra = sum(math.prod(t["shape"]) * 2 for k, t in e["tensors"].items() if k in ("bias", "smooth"))
+            orig += nk * 2 + extra
+            qbytes += member.size
+            layers.append({"name": name, "scheme": s, "shape": [e["out_features"], e["in_features"]],
+                           "bytes": member.size, "bf16_bytes": nk * 2 + extra, "loss": losses.get(name)})
+        fbytes = sum(pkg.members[e["member"]].size for e in man["float_tensors"].values())
+        fnum = sum(math.prod(e["shape"]) for e in man["float_tensors"].values())
+        orig += 2 * fnum
+        size = pkg.path.stat().st_size
+        cal = man["calibration"]
+        return {
+            "path": str(pkg.path), "file_bytes": size, "format_version": man["format_version"],
+            "sdquant_version": man["sdquant_version"], "family": man["family"],
+            "n_layers": len(layers), "schemes": schemes, "layers": layers,
+            "n_float_tensors": len(man["float_tensors"]), "float_bytes": fbytes, "quant_bytes": qbytes,
+            "high_precision": man["high_precision"], "files": man["files"],
+            "bf16_bytes": orig, "compression_ratio": orig / size if size else float("nan"),
+            "calibration": {"method": cal.get("method"), "metrics": cal.get("metrics", {})},
+        }
+
+
+def verify_sd2(path) -> list[str]:
+    """Every problem found in a package; [] when every hash, header and shape checks out."""
+    try:
+        with open_sd2(path, verify="none") as pkg:
+            return pkg.verify()
+    except PackageError as e:
+        return [str(e)]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def format_inspect(info: dict, max_layers: int = 40) -> str:
+    """Plain-text table for ``sdquant inspect`` (at most ``max_layers`` layer rows; 0 = all)."""
+    lines = [f"{info['path']}  (sd2 v{info['format_version']}, sdquant {info['sdquant_version']}, "
+             f"family {info['family']})",
+             f"size {_mb(info['file_bytes'])}  vs bf16 {_mb(info['bf16_bytes'])}  -> "
+             f"compression {info['compression_ratio']:.2f}x",
+             f"{info['n_layers']} quantized layers ({_mb(info['quant_bytes'])}), {info['n_float_tensors']} "
+             f"high-precision tensors ({_mb(info['float_bytes'])})"]
+    for s, c in sorted(info["schemes"].items()):
+        lines.append(f"  {c:5d} x {s}")
+    rows = info["layers"] if not max_layers else info["layers"][:max_layers]
+    if rows:
+        w = max(len("layer"), *(len(r["name"]) for r in rows))
+        lines.append("")
+        lines.append(f"{'layer':<{w}}  {'scheme':<24} {'shape':>14} {'size':>11} {'ratio':>6} {'loss':>10}")
+        for r in rows:
+            shape = "x".join(map(str, r["shape"]))
+            loss = "" if r["loss"] is None else f"{r['loss']:.4g}"
+            lines.append(f"{r['name']:<{w}}  {r['scheme']:<24} {shape:>14} {_mb(r['bytes']):>11} "
+                         f"{r['bf16_bytes'] / max(r['bytes'], 1):>5.2f}x {loss:>10}")
+        if len(rows) < len(info["layers"]):
+            lines.append(f"... {len(info['layers']) - len(rows)} more layers")
+    cal = info["calibration"]
+    if cal.get("method") or cal.get("metrics"):
+        lines.append("")
+        lines.append(f"calibration: {cal.get('method') or '?'}")
+        metrics = cal.get("metrics") if isinstance(cal.get("metrics"), dict) else {}
+        for k, v in metrics.items():
+            lines.append(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
+    if info["files"]:
+        lines.append("files: " + ", ".join(info["files"]))
+    return "\n".join(lines)

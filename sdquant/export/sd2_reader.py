@@ -1,0 +1,585 @@
+"""Validating, zero-copy .sd2 reader (spec: docs/FORMAT.md).
+
+Order of trust: nothing in the file is used before it is checked. (1) the ZIP structure is parsed with caps
+and bounds checks and compared byte for byte with the canonical form the writer produces (so overlaps,
+gaps, duplicates, compression, encryption, trailing garbage and every single-byte change of a header are
+refused); (2) the manifest is CRC-checked, parsed as strict JSON (no NaN, no duplicate keys, depth-limited)
+and validated field by field; (3) every weights member's safetensors header is parsed with a size cap and
+checked arithmetic and must agree with the manifest; (4) member sha256 hashes are checked at open
+(verify="full"), on first use of a member (verify="lazy"), or not at all (verify="none").
+
+Tensors are ``torch.frombuffer`` views of a private (copy-on-write) mmap of the whole file: loading costs
+page faults, not copies, and writing to a loaded tensor never modifies the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sdquant.errors import PackageError, ShapeError
+from sdquant.export import sd2_format as F
+from sdquant.quant.qtensor import SUPPORTED_BITS, Fp8Weight, QuantizedWeight
+
+VERIFY_MODES = ("full", "lazy", "none")
+_MAX_INT = 1 << 62
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc: int
+
+
+# =========================================================================================== ZIP layer
+def _u(fmt: struct.Struct, mm, off: int, what: str):
+    if off < 0 or off + fmt.size > len(mm):
+        raise PackageError(f"truncated file: {what} at offset {off} runs past the end")
+    return fmt.unpack_from(mm, off)
+
+
+def read_members(mm) -> dict[str, Member]:
+    """Parse and canonically check the ZIP structure; returns members in file order."""
+    size = len(mm)
+    if size < F.EOCD.size:
+        raise PackageError(f"truncated file: {size} bytes is too small to be an .sd2 package")
+    sig, disk, disk_cd, n_disk, n_total, cd_size, cd_off, clen = _u(F.EOCD, mm, size - F.EOCD.size, "end record")
+    if sig != F.SIG_EOCD:
+        raise PackageError("no ZIP end record at the end of the file (truncated, not an .sd2, or trailing bytes)")
+    if disk or disk_cd or n_disk != n_total or clen:
+        raise PackageError("ZIP end record: multi-disk archives and archive comments are not allowed")
+    cd_end = size - F.EOCD.size
+    if n_total == F.U16 or cd_size == F.U32 or cd_off == F.U32:
+        loc = size - F.EOCD.size - F.LOCATOR64.size
+        lsig, ldisk, eocd64_off, ndisks = _u(F.LOCATOR64, mm, loc, "ZIP64 locator")
+        if lsig != F.SIG_LOCATOR64 or ldisk or ndisks != 1 or eocd64_off != loc - F.EOCD64.size:
+            raise PackageError("ZIP64 end locator is missing or malformed")
+        r = _u(F.EOCD64, mm, eocd64_off, "ZIP64 end record")
+        if r[0] != F.SIG_EOCD64 or r[1] != F.EOCD64.size - 12 or r[4] or r[5] or r[6] != r[7]:
+            raise PackageError("ZIP64 end record is malformed")
+        n_total, cd_size, cd_off, cd_end = r[7], r[8], r[9], eocd64_off
+    if n_total > F.MAX_MEMBERS:
+        raise PackageError(f"{n_total} members exceed the cap of {F.MAX_MEMBERS}")
+    if cd_off + cd_size != cd_end or cd_size < n_total * F.CENTRAL.size:
+        raise PackageError("central directory size/offset do not match the file (truncated or corrupt)")
+    if bytes(mm[cd_end:size]) != F.end_records(n_total, cd_off, cd_size):
+        raise PackageError("ZIP end records are not in canonical sd2 form")
+
+    entries: list[tuple[str, bytes, int, int, int]] = []
+    folded: set[str] = set()
+    pos = cd_off
+    for i in range(n_total):
+        (sig, _vm, _vn, flags, method, _t, _d, crc, csize, usize, nlen, elen, clen, _ds, _ia, _ea,
+         off) = _u(F.CENTRAL, mm, pos, f"central directory entry {i}")
+        if sig != F.SIG_CENTRAL:
+            raise PackageError(f"central directory entry {i}: bad signature (corrupt)")
+        end = pos + F.CENTRAL.size + nlen + elen + clen
+        if end > cd_end:
+            raise PackageError(f"central directory entry {i}: runs past the directory (corrupt)")
+        raw = bytes(mm[pos + F.CENTRAL.size: pos + F.CENTRAL.size + nlen])
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PackageError(f"central directory entry {i}: member name is not UTF-8") from None
+        F.check_member_name(name)
+        if method != 0:
+            raise PackageError(f"member {name!r}: compressed (method {method}); .sd2 members must be STORED")
+        if flags & 1:
+            raise PackageError(f"member {name!r}: encrypted members are not allowed")
+        if name.casefold() in folded:
+            raise PackageError(f"member {name!r}: duplicate name")
+        folded.add(name.casefold())
+        vals = _zip64_values(mm, pos + F.CENTRAL.size + nlen, elen, name)
+        try:
+            usize = vals.pop(0) if usize == F.U32 else usize
+            csize = vals.pop(0) if csize == F.U32 else csize
+            off = vals.pop(0) if off == F.U32 else off
+        except IndexError:
+            raise PackageError(f"member {name!r}: ZIP64 extra field is missing values") from None
+        if csize != usize:
+            raise PackageError(f"member {name!r}: compressed size {csize} != size {usize}; must be STORED")
+        if bytes(mm[pos:end]) != F.central_header(raw, usize, crc, off):
+            raise PackageError(f"member {name!r}: central directory entry is not in canonical sd2 form")
+        entries.append((name, raw, usize, crc, off))
+        pos = end
+    if pos != cd_end:
+        raise PackageError("central directory has trailing bytes")
+
+    # members must tile [0, cd_off) exactly, in directory order: no gaps, no overlaps, no hidden data
+    members: dict[str, Member] = {}
+    expect = 0
+    for name, raw, usize, crc, off in entries:
+        if off != expect:
+            raise PackageError(f"member {name!r}: starts at {off}, expected {expect} (overlapping or hidden data)")
+        head = F.local_header(raw, usize, crc, off)
+        data = off + len(head)
+        if data + usize > cd_off:
+            raise PackageError(f"member {name!r}: data runs past the central directory (truncated or corrupt)")
+        if bytes(mm[off:data]) != head:
+            lsig, _v, _fl, lmethod = struct.unpack_from("<IHHH", mm, off)
+            if lsig != F.SIG_LOCAL:
+                raise PackageError(f"member {name!r}: bad local header signature (corrupt)")
+            if lmethod != 0:
+                raise PackageError(f"member {name!r}: compressed (method {lmethod}); must be STORED")
+            raise PackageError(f"member {name!r}: local header disagrees with the central directory (corrupt)")
+        members[name] = Member(name, off, data, usize, crc)
+        expect = data + usize
+    if expect != cd_off:
+        raise PackageError(f"{cd_off - expect} unaccounted bytes before the central directory")
+    return members
+
+
+def _zip64_values(mm, start: int, length: int, name: str) -> list[int]:
+    p, end = start, start + length
+    while p + 4 <= end:
+        hid, hsz = struct.unpack_from("<HH", mm, p)
+        if p + 4 + hsz > end:
+            break
+        if hid == F.ZIP64_ID:
+            if hsz % 8:
+                raise PackageError(f"member {name!r}: malformed ZIP64 extra field")
+            return list(struct.unpack_from(f"<{hsz // 8}Q", mm, p + 4))
+        p += 4 + hsz
+    return []
+
+
+# =========================================================================================== JSON layer
+def _no_dupes(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _bad_constant(c):
+    raise ValueError(f"{c} is not allowed")
+
+
+def _finite_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"{s[:20]} overflows a float")
+    return v
+
+
+def strict_json(raw: bytes, where: str):
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dupes, parse_constant=_bad_constant,
+                          parse_float=_finite_float)
+    except RecursionError:
+        raise PackageError(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise PackageError(f"{where}: invalid JSON ({str(e).splitlines()[0][:120]})") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_MAX_INT < v < _MAX_INT
+
+
+def _need(d, key, typ, where):
+    if not isinstance(d, dict) or key not in d:
+        raise PackageError(f"{where}: missing field {key!r}")
+    v = d[key]
+    ok = _is_int(v) if typ is int else isinstance(v, typ) and not (typ is not bool and isinstance(v, bool))
+    if not ok:
+        raise PackageError(f"{where}.{key}: expected {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _exact_keys(d: dict, keys: set, where: str, optional: set = frozenset()):
+    extra, missing = set(d) - keys - optional, keys - set(d)
+    if missing:
+        raise PackageError(f"{where}: missing field {sorted(missing)[0]!r}")
+    if extra:
+        raise PackageError(f"{where}: unknown field {sorted(extra)[0]!r}")
+
+
+def _shape(v, where) -> tuple:
+    if not isinstance(v, list) or len(v) > F.MAX_RANK or not all(_is_int(x) and x >= 0 for x in v):
+        raise PackageError(f"{where}: shape must be a list of at most {F.MAX_RANK} non-negative integers")
+    return tuple(v)
+
+
+def _dtype(v, where) -> str:
+    if v not in F.ST_DTYPES:
+        raise PackageError(f"{where}: unknown dtype {str(v)[:40]!r}")
+    return v
+
+
+def parse_safetensors_header(mm, m: Member) -> tuple[int, dict[str, tuple[str, tuple, int, int]]]:
+    """-> (absolute offset of the data section, {key: (dtype, shape, begin, end)}) with every offset checked."""
+    if m.size < 8:
+        raise PackageError(f"member {m.name!r}: too small for a safetensors header")
+    n = int.from_bytes(mm[m.data_offset:m.data_offset + 8], "little")
+    if n > F.MAX_ST_HEADER_BYTES or 8 + n > m.size:
+        raise PackageError(f"member {m.name!r}: safetensors header length {n} exceeds the cap or the member")
+    hdr = strict_json(bytes(mm[m.data_offset + 8:m.data_offset + 8 + n]), f"member {m.name!r} header")
+    if not isinstance(hdr, dict):
+        raise PackageError(f"member {m.name!r}: safetensors header is not an object")
+    meta = hdr.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise PackageError(f"member {m.name!r}: __metadata__ must map strings to strings")
+    if len(hdr) > F.MAX_TENSORS_PER_MEMBER:
+        raise PackageError(f"member {m.name!r}: {len(hdr)} tensors exceed the cap of {F.MAX_TENSORS_PER_MEMBER}")
+    base, data_len = m.data_offset + 8 + n, m.size - 8 - n
+    out, spans = {}, []
+    for key, info in hdr.items():
+        w = f"member {m.name!r} tensor {key!r}"
+        if not isinstance(info, dict):
+            raise PackageError(f"{w}: entry is not an object")
+        _exact_keys(info, {"dtype", "shape", "data_offsets"}, w)
+        dt, shape = _dtype(info["dtype"], w), _shape(info["shape"], w)
+        offs = info["data_offsets"]
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) for x in offs)
+                and 0 <= offs[0] <= offs[1] <= data_len):
+            raise PackageError(f"{w}: data_offsets {str(offs)[:60]} out of range [0, {data_len}]")
+        if math.prod(shape) * F.itemsize(dt) != offs[1] - offs[0]:
+            raise PackageError(f"{w}: {dt} {list(shape)} needs {math.prod(shape) * F.itemsize(dt)} bytes, "
+                               f"data_offsets span {offs[1] - offs[0]}")
+        if (base + offs[0]) % F.itemsize(dt):
+            raise PackageError(f"{w}: data is not aligned to its element size")
+        out[key] = (dt, shape, offs[0], offs[1])
+        spans.append((offs[0], offs[1]))
+    spans.sort()
+    pos = 0
+    for a, b in spans:  # safetensors: the data section is fully covered, no holes, no overlaps
+        if a != pos:
+            raise PackageError(f"member {m.name!r}: tensor data has holes or overlaps at byte {a}")
+        pos = b
+    if pos != data_len:
+        raise PackageError(f"member {m.name!r}: {data_len - pos} trailing bytes after the last tensor")
+    return base, out
+
+
+# =========================================================================================== manifest
+TOP_KEYS = {"format", "format_version", "sdquant_version", "family", "arch_config", "high_precision",
+            "calibration", "float_tensors", "layers", "files", "members"}
+
+
+def expected_layer_tensors(name: str, e: dict) -> dict[str, tuple]:
+    """The tensors a layer entry's scheme implies: key -> (allowed dtypes, shape). Validates the scheme."""
+    w = f"layer {name!r}"
+    _exact_keys(e, {"member", "scheme", "in_features", "out_features", "tensors"}, w)
+    k, n = _need(e, "in_features", int, w), _need(e, "out_features", int, w)
+    s = _need(e, "scheme", dict, w)
+    if k <= 0 or n <= 0:
+        raise PackageError(f"{w}: in_features/out_features must be positive")
+    t = _need(s, "type", str, w + ".scheme")
+    opt = {}
+    if t == "int":
+        _exact_keys(s, {"type", "bits", "group_size", "symmetric", "act_order"}, w + ".scheme")
+        bits, gs = _need(s, "bits", int, w + ".scheme"), _need(s, "group_size", int, w + ".scheme")
+        sym, act = _need(s, "symmetric", bool, w + ".scheme"), _need(s, "act_order", bool, w + ".scheme")
+        if bits not in SUPPORTED_BITS:
+            raise PackageError(f"{w}: bits={bits} is not supported {SUPPORTED_BITS}")
+        if not (gs == -1 or (gs > 0 and k % gs == 0)) or (k * bits) % 8:
+            raise PackageError(f"{w}: group_size {gs} / bits {bits} do not fit in_features {k}")
+        g = 1 if gs == -1 else k // gs
+        req = {"qweight": (("U8",), (n, k * bits // 8)), "scales": (("F16",), (n, g))}
+        opt = {"zeros": (("U8",), (n, g)), "g_idx": (("I32",), (k,))}
+        if not sym:
+            req["zeros"] = opt.pop("zeros")
+        if act:
+            req["g_idx"] = opt.pop("g_idx")
+        opt = {}
+    elif t == "fp8":
+        _exact_keys(s, {"type", "format", "weight", "activation"}, w + ".scheme")
+        if s["format"] != "e4m3" or s["weight"] != "per_channel" or s["activation"] not in ("static",
+                                                                                            "dynamic_per_token"):
+            raise PackageError(f"{w}: unsupported fp8 scheme {json.dumps(s)[:120]}")
+        req = {"weight": (("F8_E4M3",), (n, k)), "weight_scale": (("F32",), (n,))}
+        if s["activation"] == "static":
+            req["input_scale"] = (("F32",), ())
+    else:
+        raise PackageError(f"{w}: unknown scheme type {t[:40]!r}")
+    opt.update({"bias": (F.FLOAT_ST, (n,)), "smooth": (F.FLOAT_ST, (k,))})
+    got = _need(e, "tensors", dict, w)
+    for key in req:
+        if key not in got:
+            raise PackageError(f"{w}: manifest lacks tensor {key!r} required by its scheme")
+    out = {}
+    for key, spec in got.items():
+        if key not in req and key not in opt:
+            raise PackageError(f"{w}: unexpected tensor {key[:40]!r} for scheme {t}")
+        dts, shape = req.get(key) or opt[key]
+        wk = f"{w} tensor {key!r}"
+        if not isinstance(spec, dict):
+            raise PackageError(f"{wk}: entry is not an object")
+        _exact_keys(spec, {"dtype", "shape"}, wk)
+        dt, sh = _dtype(spec["dtype"], wk), _shape(spec["shape"], wk)
+        if dt not in dts or sh != shape:
+            raise PackageError(f"{wk}: manifest says {dt} {list(sh)}, the scheme requires "
+                               f"{'/'.join(dts)} {list(shape)}")
+        out[key] = (dt, sh)
+    return out
+
+
+def check_manifest(man, members: dict[str, Member]) -> dict[str, dict[str, tuple]]:
+    """Validate the manifest; returns {weights member: {tensor key: (dtype, shape)}} it promises."""
+    if not isinstance(man, dict):
+        raise PackageError(f"{F.MANIFEST}: top level is not an object")
+    if man.get("format") != F.FORMAT:
+        raise PackageError(f"{F.MANIFEST}: format is {str(man.get('format'))[:40]!r}, expected 'sd2'")
+    ver = man.get("format_version")
+    if not _is_int(ver) or ver not in F.SUPPORTED_VERSIONS:
+        raise PackageError(f"{F.MANIFEST}: unsupported format_version {str(ver)[:20]} "
+                           f"(this sdquant reads {', '.join(map(str, F.SUPPORTED_VERSIONS))}); upgrade sdquant")
+    _exact_keys(man, TOP_KEYS, F.MANIFEST)
+    for key, typ in (("sdquant_version", str), ("family", str), ("arch_config", dict), ("calibration", dict),
+                     ("high_precision", list), ("files", list), ("members", dict), ("float_tensors", dict),
+                     ("layers", dict)):
+        _need(man, key, typ, F.MANIFEST)
+    if not man["family"] or not all(isinstance(x, str) for x in man["high_precision"]):
+        raise PackageError(f"{F.MANIFEST}: family must be non-empty and high_precision a list of strings")
+
+    listed = man["members"]
+    for name, info in listed.items():
+        w = f"{F.MANIFEST} member {name[:80]!r}"
+        if not isinstance(info, dict):
+            raise PackageError(f"{w}: entry is not an object")
+        _exact_keys(info, {"size", "sha256"}, w)
+        h = _need(info, "sha256", str, w)
+        if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+            raise PackageError(f"{w}: sha256 must be 64 lowercase hex digits")
+        if name not in members:
+            raise PackageError(f"member {name[:80]!r} is listed in the manifest but missing from the archive")
+        if _need(info, "size", int, w) != members[name].size:
+            raise PackageError(f"member {name!r}: size {members[name].size} != manifest size {info['size']}")
+    for name in members:
+        if name != F.MANIFEST and name not in listed:
+            raise PackageError(f"member {name!r} is in the archive but not in the manifest")
+
+    used: dict[str, str] = {}
+
+    def claim(member, owner):
+        if not isinstance(member, str) or member not in listed or not member.startswith(F.WEIGHTS_DIR):
+            raise PackageError(f"{owner}: member {str(member)[:80]!r} is not a weights member of the archive")
+        if member in used:
+            raise PackageError(f"{owner}: member {member!r} is already used by {used[member]}")
+        used[member] = owner
+
+    promised: dict[str, dict[str, tuple]] = {}
+    for name, e in man["float_tensors"].items():
+        w = f"float tensor {name[:80]!r}"
+        if not isinstance(e, dict):
+            raise PackageError(f"{w}: entry is not an object")
+        _exact_keys(e, {"member", "dtype", "shape"}, w)
+        claim(e["member"], w)
+        promised[e["member"]] = {name: (_dtype(e["dtype"], w), _shape(e["shape"], w))}
+    for name, e in man["layers"].items():
+        if not isinstance(e, dict):
+            raise PackageError(f"layer {name[:80]!r}: entry is not an object")
+        specs = expected_layer_tensors(name, e)
+        claim(e["member"], f"layer {name!r}")
+        promised[e["member"]] = specs
+    for fname in man["files"]:
+        if not isinstance(fname, str):
+            raise PackageError(f"{F.MANIFEST}: files must be strings")
+        F.check_member_name(fname)
+        if F.FILES_DIR + fname not in listed or F.FILES_DIR + fname in used:
+            raise PackageError(f"file {fname[:80]!r}: missing from the archive or listed twice")
+        used[F.FILES_DIR + fname] = f"file {fname!r}"
+    for name in listed:
+        if name not in used:
+            raise PackageError(f"member {name!r} is not referenced by any tensor, layer or file")
+    return promised
+
+
+# =========================================================================================== package
+class Package:
+    """An open .sd2 package. Use as a context manager or call ``close()``. Tensors returned stay valid
+    after close (they keep the mapping alive)."""
+
+    def __init__(self, path, verify: str = "full"):
+        if verify not in VERIFY_MODES:
+            raise PackageError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.path, self.verify_mode = Path(path), verify
+        self._verified: set[str] = set()
+        try:
+            fh = open(self.path, "rb")
+        except OSError as e:
+            raise PackageError(f"{self.path}: cannot open ({e.strerror or e})") from None
+        with fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                raise PackageError(f"{self.path}: empty file (truncated)")
+            # private copy-on-write mapping: writable buffer for torch.frombuffer, never writes the file
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self):
+        self.members = read_members(self._mm)
+        mf = self.members.get(F.MANIFEST)
+        if mf is None:
+            raise PackageError(f"no {F.MANIFEST} member: not an .sd2 package")
+        if mf.size > F.MAX_MANIFEST_BYTES:
+            raise PackageError(f"{F.MANIFEST}: {mf.size} bytes exceed the cap of {F.MAX_MANIFEST_BYTES}")
+        raw = self._view(mf)
+        if zlib.crc32(raw) != mf.crc:  # CRC-32 catches every burst error up to 32 bits
+            raise PackageError(f"{F.MANIFEST}: CRC-32 mismatch (corrupt)")
+        self.manifest = strict_json(bytes(raw), F.MANIFEST)
+        promised = check_manifest(self.manifest, self.members)
+        self._headers: dict[str, tuple[int, dict]] = {}
+        for member, specs in promised.items():
+            base, hdr = parse_safetensors_header(self._mm, self.members[member])
+            if set(hdr) != set(specs):
+                diff = sorted(set(hdr) ^ set(specs))[0]
+                raise PackageError(f"member {member!r}: tensor {diff[:80]!r} is in only one of manifest and header")
+            for key, (dt, shape) in specs.items():
+                if hdr[key][:2] != (dt, shape):
+                    raise PackageError(f"member {member!r} tensor {key!r}: manifest says {dt} {list(shape)}, "
+                                       f"safetensors header says {hdr[key][0]} {list(hdr[key][1])}")
+            self._headers[member] = (base, hdr)
+        if self.verify_mode == "full":
+            for m in self.members.values():
+                if m.name != F.MANIFEST:
+                    self._check_hash(m)
+
+    # ------------------------------------------------------------------ internals
+    def _view(self, m: Member) -> memoryview:
+        return memoryview(self._mm)[m.data_offset:m.data_offset + m.size]
+
+    def _check_hash(self, m: Member) -> None:
+        if m.name in self._verified:
+            return
+        h = hashlib.sha256(self._view(m)).hexdigest()
+        if h != self.manifest["members"][m.name]["sha256"]:
+            raise PackageError(f"member {m.name!r}: sha256 mismatch (corrupt data)")
+        self._verified.add(m.name)
+
+    def _use(self, member: str) -> dict[str, torch.Tensor]:
+        if self._mm is None:
+            raise PackageError(f"{self.path}: package is closed")
+        if self.verify_mode != "none":
+            self._check_hash(self.members[member])
+        base, hdr = self._headers[member]
+        out = {}
+        for key, (dt, shape, a, b) in hdr.items():
+            dtype = F.ST_DTYPES[dt]
+            if b == a:
+                out[key] = torch.empty(shape, dtype=dtype)
+            else:
+                out[key] = torch.frombuffer(self._mm, dtype=dtype, count=(b - a) // dtype.itemsize,
+                                            offset=base + a).view(shape)
+        return out
+
+    # ------------------------------------------------------------------ public
+    @property
+    def family(self) -> str:
+        return self.manifest["family"]
+
+    @property
+    def arch_config(self) -> dict:
+        return self.manifest["arch_config"]
+
+    @property
+    def calibration(self) -> dict:
+        return self.manifest["calibration"]
+
+    @property
+    def high_precision(self) -> list:
+        return self.manifest["high_precision"]
+
+    def tensor(self, name: str, device=None) -> torch.Tensor:
+        e = self.manifest["float_tensors"].get(name)
+        if e is None:
+            raise PackageError(f"no float tensor {name!r} in {self.path.name}")
+        t = self._use(e["member"])[name]
+        return t if device is None else t.to(device)
+
+    def float_tensors(self, device=None) -> dict[str, torch.Tensor]:
+        return {name: self.tensor(name, device) for name in self.manifest["float_tensors"]}
+
+    def layer(self, name: str, device=None):
+        """-> (QuantizedWeight | Fp8Weight, bias | None, smooth | None) of one quantized module."""
+        e = self.manifest["layers"].get(name)
+        if e is None:
+            raise PackageError(f"no quantized layer {name!r} in {self.path.name}")
+        t = self._use(e["member"])
+        if device is not None:
+            t = {k: v.to(device) for k, v in t.items()}
+        s = e["scheme"]
+        try:
+            if s["type"] == "int":
+                w = QuantizedWeight(t["qweight"], t["scales"], t.get("zeros"), s["bits"], s["group_size"],
+                                    e["in_features"], t.get("g_idx"))
+            else:
+                w = Fp8Weight(t["weight"], t["weight_scale"], t.get("input_scale"))
+        except ShapeError as err:
+            raise PackageError(f"layer {name!r}: {err}") from None
+        return w, t.get("bias"), t.get("smooth")
+
+    def quant_layers(self, device=None) -> dict:
+        return {name: self.layer(name, device) for name in self.manifest["layers"]}
+
+    def files(self) -> list[str]:
+        return list(self.manifest["files"])
+
+    def file(self, name: str) -> bytes:
+        if name not in self.manifest["files"]:
+            raise PackageError(f"no file {name!r} in {self.path.name}")
+        m = self.members[F.FILES_DIR + name]
+        if self.verify_mode != "none":
+            self._check_hash(m)
+        return bytes(self._view(m))
+
+    def verify(self) -> list[str]:
+        """Re-check every member's sha256 and CRC-32 and every layer's tensors; returns the problems found
+        (empty = package is intact). Does not raise for corrupt data."""
+        problems = []
+        for m in self.members.values():
+            view = self._view(m)
+            if zlib.crc32(view) != m.crc:
+                problems.append(f"member {m.name!r}: CRC-32 mismatch (corrupt data)")
+            if m.name != F.MANIFEST and hashlib.sha256(view).hexdigest() != self.manifest["members"][m.name]["sha256"]:
+                problems.append(f"member {m.name!r}: sha256 mismatch (corrupt data)")
+            del view
+        if problems:
+            return problems
+        for name in self.manifest["layers"]:
+            try:
+                w, _, _ = self.layer(name)
+            except PackageError as e:
+                problems.append(str(e))
+                continue
+            scale = w.scales if isinstance(w, QuantizedWeight) else w.weight_scale
+            if not bool(torch.isfinite(scale.float()).all()):
+                problems.append(f"layer {name!r}: non-finite scales")
+        return problems
+
+    def close(self) -> None:
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # tensors still view the mapping; it is unmapped when the last one is freed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_sd2(path, verify: str = "full") -> Package:
+    """Open and validate an .sd2 package. verify: "full" (hash every member now), "lazy" (hash each member
+    on first use), "none" (structure, manifest and headers only)."""
+    return Package(path, verify)
