@@ -15,7 +15,10 @@ __all__ = ["calibrate", "export", "load", "compile", "load_config", "Config", "S
 
 def __getattr__(name):
     # lazy: keeps `import sdquant` cheap and free of side effects
-    if name in ("calibrate", "export", "load", "compile"):
+    if name in ("calibrate", "export"):  # callable subpackages, see sdquant/_callable.py
+        import importlib
+        return importlib.import_module(f"sdquant.{name}")
+    if name in ("load", "compile"):
         from sdquant import api
         return getattr(api, name)
     if name in ("load_config", "Config"):
