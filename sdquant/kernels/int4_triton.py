@@ -1,0 +1,267 @@
+"""Triton W4A16 kernels over the layout of ``int4_layout.repack_triton``, as the op ``sdquant::w4a16_triton``.
+
+    torch.ops.sdquant.w4a16_triton(x, qweight, scales, zs, perm, bias) -> y
+        x       fp16/bf16 [..., K]        (dtype must match scales)
+        qweight int32 [K/8, N]            scales / zs  dtype [G, N]  (G = K / group_size; 1 = per-channel)
+        perm    int32 [K] or None         act-order: the kernels read x[:, perm] (gathered in the load)
+        bias    dtype [N] or None
+        y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
+
+Two kernels:
+* ``_splitk_kernel`` for M <= 32 (decode): a 16/32-row tensor-core tile per program over BLOCK_N columns and
+  one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets work even at M = 1 on K >> N
+  shapes. With SPLIT_K > 1 each program stores its fp32 partial and ``_reduce_kernel`` sums them in a fixed
+  order (deterministic; no memset, no atomics).
+* ``_gemm_kernel`` for larger M: a classic tiled GEMM (grouped program order for L2 reuse) whose B tile is
+  dequantized in registers right after the load.
+Dequantization: the int32 tile [BLOCK_K/8, BLOCK_N] is unpacked by broadcasting 8 shifts -> [BLOCK_K, BLOCK_N];
+then ``code * s + zs`` (one FMA; scale rows broadcast over the group). Group sizes >= 32 dividing K.
+
+Devices: CUDA tensors run the compiled kernels. CPU tensors run the same kernels through Triton's interpreter
+when ``TRITON_INTERPRET=1`` is set at call time (how CI tests them), otherwise a pure-PyTorch evaluation of
+the layout (``int4_layout.dequantize_triton``). Kernels are built lazily per interpreter mode, so importing
+this module starts no compiler and changes no global setting.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from sdquant.errors import ShapeError
+from sdquant.kernels import int4_layout
+
+try:  # Triton is optional (CPU-only installs, macOS); the op then uses the PyTorch path on CPU only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+NUM_SMS_DEFAULT = 132
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _splitk_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
+                   GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr,
+                   CDT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    m_mask = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for kt in range(0, K_SPLIT, BLOCK_K):
+        k0 = k_begin + kt
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            kx = tl.load(perm_ptr + offs_k)
+        else:
+            kx = offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])      # [BK/8, BN] int32
+        w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF                              # [BK/8, 8, BN]
+        if GS >= BLOCK_K:
+            g = k0 // GS
+            s = tl.load(s_ptr + g * N + offs_n).to(CDT)
+            zs = tl.load(zs_ptr + g * N + offs_n).to(CDT)
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(CDT) * s[None, :] + zs[None, :]
+        else:
+            offs_g = k0 // GS + tl.arange(0, BLOCK_K // GS)
+            s = tl.load(s_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)         # [BK/GS, BN]
+            zs = tl.load(zs_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            w = tl.reshape(w, (BLOCK_K // GS, GS, BLOCK_N)).to(CDT) * s[:, None, :] + zs[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x.to(CDT), w)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None])
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
+
+
+def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _gemm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, M, N, K, stride_xm,
+                 GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = N // BLOCK_N
+    # grouped order: GROUP_M row-blocks share each weight column-block while it sits in L2
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    m_mask = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            kx = tl.load(perm_ptr + offs_k)
+        else:
+            kx = offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])
+        w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF
+        if GS >= BLOCK_K:
+            g = k0 // GS
+            s = tl.load(s_ptr + g * N + offs_n).to(CDT)
+            zs = tl.load(zs_ptr + g * N + offs_n).to(CDT)
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(CDT) * s[None, :] + zs[None, :]
+        else:
+            offs_g = k0 // GS + tl.arange(0, BLOCK_K // GS)
+            s = tl.load(s_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            zs = tl.load(zs_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            w = tl.reshape(w, (BLOCK_K // GS, GS, BLOCK_N)).to(CDT) * s[:, None, :] + zs[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x.to(CDT), w)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
+
+
+_KERNELS: dict = {}
+
+
+def _kernels():
+    """(splitk, reduce, gemm) compiled for the current mode; built on first use, one set per mode."""
+    mode = _interpret()
+    if mode not in _KERNELS:
+        # triton.jit reads TRITON_INTERPRET when it wraps a function, so wrapping here (not at import)
+        # lets one process run both the interpreter (CPU tests) and compiled kernels.
+        _KERNELS[mode] = tuple(triton.jit(f) for f in (_splitk_kernel, _reduce_kernel, _gemm_kernel))
+    return _KERNELS[mode]
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def _block_k(k: int, gs: int, choices) -> int:
+    # a K tile must lie in one group or hold whole groups, so one scale row (or a reshape) covers it
+    for bk in choices:
+        if k % bk == 0 and (gs % bk == 0 or bk % gs == 0):
+            return bk
+    return 32
+
+
+def splitk_config(m: int, n: int, k: int, gs: int, num_sms: int) -> dict:
+    """Tile sizes of the small-M kernel: enough programs for ~2 per SM, each slice of K a whole number of
+    BLOCK_K tiles (and of groups where a group spans several tiles)."""
+    block_m = 16 if m <= 16 else 32
+    block_n = 128 if n % 128 == 0 and n >= 16384 else (64 if n % 64 == 0 else 32)
+    block_k = _block_k(k, gs, (128, 64, 32))
+    tiles_n = n // block_n
+    split = 1
+    while (tiles_n * split * 2 <= 2 * num_sms and k % (split * 2 * block_k) == 0
+           and k // (split * 2) >= 4 * block_k):
+        split *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+            "num_warps": 4, "num_stages": 4}
+
+
+def gemm_config(m: int, n: int, k: int, gs: int) -> dict:
+    block_m = 64 if m <= 64 else 128
+    block_n = 128 if n % 128 == 0 else (64 if n % 64 == 0 else 32)
+    block_k = _block_k(k, gs, (64, 32))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+            "num_warps": 8 if block_m * block_n >= 128 * 128 else 4, "num_stages": 4}
+
+
+# ------------------------------------------------------------------------------------------------- launch
+def _check(x, qweight, scales, zs, perm):
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[-1] != k:
+        raise ShapeError(f"x: last dim {x.shape[-1]} does not match the weight's in_features {k}")
+    if x.dtype not in (torch.float16, torch.bfloat16) or scales.dtype != x.dtype or zs.dtype != x.dtype:
+        raise ShapeError(f"x: dtype {x.dtype} must be float16/bfloat16 and equal the layout's {scales.dtype}")
+    g = scales.shape[0]
+    if k % 32 or n % 32 or g == 0 or k % g or (g > 1 and (k // g) % 32):
+        raise ShapeError(f"w4a16_triton: K={k}, N={n}, groups={g}: K and N must be multiples of 32 and the "
+                         f"group size a multiple of 32")
+    if perm is not None and perm.shape != (k,):
+        raise ShapeError(f"perm: expected [{k}], got {list(perm.shape)}")
+    return k, n, k // g
+
+
+def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None):
+    k, n, gs = _check(x, qweight, scales, zs, perm)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if x.device.type == "cpu" and not _interpret():
+        w = int4_layout.dequantize_triton({"qweight": qweight, "scales": scales, "zs": zs, "perm": perm})
+        return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+    if triton is None:
+        raise ShapeError("w4a16_triton: triton is not installed; use the reference op sdquant::int_linear")
+    splitk, reduce_k, gemm = _kernels()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # the interpreter computes bf16 arithmetic wrongly: evaluate bf16 in fp32 there (CPU tests only)
+    cdt = tl.float32 if (_interpret() and x.dtype == torch.bfloat16) else (
+        tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
+    has_perm = perm is not None
+    perm_arg = perm if has_perm else qweight  # never read when HAS_PERM is False
+    path = force_path or ("splitk" if m <= 32 else "gemm")
+    if m > 0 and path == "splitk":
+        cfg = splitk_config(m, n, k, gs, _num_sms(x.device))
+        split = cfg["SPLIT_K"]
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+        grid = (n // cfg["BLOCK_N"], split)
+        splitk[grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, k, x2.stride(0), GS=gs,
+                     BLOCK_M=max(cfg["BLOCK_M"], 16 * ((m + 15) // 16)), BLOCK_N=cfg["BLOCK_N"],
+                     BLOCK_K=cfg["BLOCK_K"], K_SPLIT=k // split, SPLIT_K=split, HAS_PERM=has_perm, CDT=cdt,
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if split > 1:
+            block = 1024
+            reduce_k[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block)
+    elif m > 0:
+        cfg = gemm_config(m, n, k, gs)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * (n // cfg["BLOCK_N"]),)
+        gemm[grid](x2, qweight, scales, zs, perm_arg, out, m, n, k, x2.stride(0), GS=gs,
+                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                   HAS_PERM=has_perm, CDT=cdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if bias is not None:
+        out += bias
+    return out.reshape(*lead, n)
+
+
+@torch.library.custom_op("sdquant::w4a16_triton", mutates_args=())
+def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
+                 perm: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x @ W.T + bias over the Triton layout (see module docstring)."""
+    return w4a16_triton_impl(x, qweight, scales, zs, perm, bias)
+
+
+@w4a16_triton.register_fake
+def _(x, qweight, scales, zs, perm, bias):
+    return x.new_empty((*x.shape[:-1], qweight.shape[1]))
