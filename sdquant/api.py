@@ -186,7 +186,10 @@ def _arch_config(model: nn.Module) -> dict:
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise SdquantError(f"{type(model).__name__} has no config to package")
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
+    import json
+    # through JSON so that every key is a string (HF configs hold int-keyed id2label maps)
+    d = json.loads(cfg.to_json_string(use_diff=False)) if hasattr(cfg, "to_json_string") \
+        else dataclasses.asdict(cfg)
     for k in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         d.pop(k, None)
     return d

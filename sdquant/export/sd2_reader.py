@@ -476,6 +476,7 @@ class Package:
             if b == a:
                 out[key] = torch.empty(shape, dtype=dtype)
             else:
+                self._exported = True
                 out[key] = torch.frombuffer(self._mm, dtype=dtype, count=(b - a) // dtype.itemsize,
                                             offset=base + a).view(shape)
         return out
@@ -566,11 +567,14 @@ class Package:
 
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
+        if mm is not None and not getattr(self, "_exported", False):
             try:
                 mm.close()
             except BufferError:
-                pass  # tensors still view the mapping; it is unmapped when the last one is freed
+                pass
+        # once tensors view the mapping, mm.close() would unmap memory they still point at (torch.frombuffer
+        # holds a reference to the mmap object but no buffer export, so close() succeeds and later reads
+        # segfault). Dropping our reference instead unmaps it when the last tensor is freed.
 
     def __enter__(self):
         return self
