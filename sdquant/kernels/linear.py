@@ -1,19 +1,89 @@
-"""QuantLinear: the one module every runtime path (eager, torch.compile, ONNX export) uses for a quantized
-linear. It stores the canonical tensors as buffers and calls a torch.library op; which kernel runs is chosen
-once per layer (``prepare``), never per call and never by a module-level flag."""
+"""QuantLinear / Fp8Linear: the one module every runtime path (eager, torch.compile, ONNX export) uses for a
+quantized linear. They store the canonical tensors as buffers (what packages hold) and call torch.library
+ops. Which kernel runs is chosen once per layer by ``prepare`` (per M bucket, from the measured crossover
+table of ``dispatch``), never per call and never by a module-level flag. Before ``prepare`` a layer runs the
+reference op, so an unprepared model is always correct.
+
+    layer = QuantLinear(qw, bias).prepare("cuda", torch.bfloat16)     # kernels="auto": per-M choice
+    layer.plan.describe()  ->  "M1-16:cuda M17-64:triton M65+:dequant"
+
+Kernel layouts built by ``prepare`` are non-persistent buffers: ``state_dict`` keeps the canonical tensors.
+"""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
+from sdquant.errors import ConfigError, ShapeError
+from sdquant.kernels import dispatch
 from sdquant.kernels import ops  # noqa: F401  (registers torch.ops.sdquant.*)
 from sdquant.quant.qtensor import Fp8Weight, QuantizedWeight
 
+_INT4_KINDS = {"triton": ("w4a16_triton", "repack_triton"), "cuda": ("w4a16_cuda", "repack_cuda")}
 
-class QuantLinear(nn.Module):
+
+def _resolve(device, dtype, like: torch.Tensor):
+    dev = torch.device(device) if device is not None else like.device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ConfigError("dtype", f"activation dtype must be float16, bfloat16 or float32, got {dtype}")
+    return dev, dtype
+
+
+def _interpreting() -> bool:
+    try:
+        import triton
+        return bool(triton.knobs.runtime.interpret)
+    except Exception:
+        return False
+
+
+def _table_for(device: torch.device, mode: str, table):
+    """The crossover table to plan from: only for kernels="auto" on a GPU."""
+    if mode != "auto" or device.type != "cuda":
+        return None
+    if isinstance(table, dict):
+        dispatch.validate_table(table)
+        return table
+    if table is None and not dispatch.SHIPPED_TABLE.exists():
+        return None  # no measured table for this build: dispatch's defaults
+    return dispatch.load_table(table)
+
+
+class _Prepared(nn.Module):
+    kind = ""
+
+    def _init_dispatch(self):
+        self.plan: Optional[dispatch.Plan] = None
+        self.kernel = "reference"
+
+    def _set_plan(self, plan: dispatch.Plan):
+        self.plan = plan
+        self.kernel = plan.describe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ShapeError(f"{type(self).__name__}: input has {x.shape[-1]} features, layer expects "
+                             f"{self.in_features}")
+        if self.plan is None:
+            return self._run("reference", x, ())
+        m = x.numel() // self.in_features  # int, or a SymInt under dynamic shapes (one guard per bucket)
+        name, cfg = self.plan.select(m)
+        return self._run(name, x, cfg)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+class QuantLinear(_Prepared):
     """W4A16-style weight-only integer linear (bits 2/3/4/8)."""
+    kind = "int4"
 
     def __init__(self, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None,
                  smooth: Optional[torch.Tensor] = None):
@@ -27,26 +97,119 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         # an AWQ scale that could not be folded into the previous op: x is divided by it before the GEMM
         self.register_buffer("smooth", smooth)
-        self.kernel = "reference"
+        self._int4_ops: dict = {}      # kernel name -> (op, argument names), filled by prepare
+        self._layout_keys: dict = {}   # kernel name -> layout keys registered as buffers
+        self._init_dispatch()
 
     @property
     def weight_q(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.in_features, self.g_idx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------------------------------ prepare
+    def available_kernels(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        """Kernel names that can run this layer on ``device`` with ``dtype`` activations."""
+        names = ["reference", "dequant"]
+        if self.bits == 4 and dtype in (torch.float16, torch.bfloat16) and (device.type == "cuda" or _interpreting()):
+            for name in ("triton", "cuda"):
+                if self._int4_kernel(name, device, dtype, probe=True) is not None:
+                    names.append(name)
+        return tuple(names)
+
+    def _int4_kernel(self, name: str, device, dtype, probe: bool = False):
+        """(op, layout) for the int4 helper's kernel ``name``, or None (with the reason) where it cannot run."""
+        op_name, repack_name = _INT4_KINDS[name]
+        try:
+            from sdquant.kernels import int4_layout
+            if name == "cuda":
+                from sdquant.kernels import int4_cuda
+                if device.type != "cuda" or not int4_cuda.available():
+                    return None
+            else:
+                from sdquant.kernels import int4_triton  # noqa: F401  (registers its op)
+            op = getattr(torch.ops.sdquant, op_name)
+            repack = getattr(int4_layout, repack_name)
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+        if probe:
+            return op
+        try:
+            layout = repack(self.weight_q.to(device), dtype)
+        except ShapeError:
+            return None
+        return op, layout
+
+    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None) -> "QuantLinear":
+        """Move to ``device``, build the kernel layouts once and choose a kernel per M bucket.
+
+        kernels: "auto" (measured table on a GPU, the reference op on a CPU), "reference", "triton", "cuda",
+        "torch" (dequantize + cuBLAS at every M). ``table``: a path or dict overriding the shipped table.
+        ``dtype`` is the activation dtype the layer will see (default bf16 on a GPU, fp32 on a CPU).
+        """
+        device, dtype = _resolve(device, dtype, self.qweight)
+        self.to(device)
+        for name, keys in self._layout_keys.items():  # drop layouts of an earlier prepare
+            for key in keys:
+                delattr(self, key)
+        self._layout_keys, self._int4_ops = {}, {}
+        available = self.available_kernels(device, dtype)
+        if kernels == "auto" and device.type != "cuda":
+            plan = dispatch.uniform("reference", "cpu")
+        else:
+            plan = dispatch.plan_layer("int4" if self.bits == 4 else f"int{self.bits}", self.out_features,
+                                       self.in_features, available, _table_for(device, kernels, table),
+                                       str(dtype).replace("torch.", ""), kernels)
+        for name in set(plan.kernels) & {"triton", "cuda"}:
+            if not self.attach_int4(name, device, dtype):  # the repack refused: those buckets fall back
+                warnings.warn(f"QuantLinear: int4 {name} kernel unavailable for [{self.out_features}x"
+                              f"{self.in_features}]; using dequantize+cuBLAS instead")
+                plan = dispatch.Plan(plan.bounds, tuple("dequant" if k == name else k for k in plan.kernels),
+                                     plan.configs, plan.source)
+        self._set_plan(plan)
+        return self
+
+    def attach_int4(self, name: str, device, dtype) -> bool:
+        """Build the int4 helper's layout for kernel ``name`` ("triton"|"cuda") as non-persistent buffers."""
+        got = self._int4_kernel(name, device, dtype)
+        if got is None:
+            return False
+        op, layout = got
+        keys = []
+        for key, t in layout.items():
+            attr = f"_{name}_{key}"
+            if hasattr(self, attr):
+                delattr(self, attr)
+            self.register_buffer(attr, t, persistent=False)
+            keys.append(attr)
+        self._layout_keys[name] = keys
+        self._int4_ops[name] = (op, [a.name for a in op.default._schema.arguments])
+        return True
+
+    # ------------------------------------------------------------------------------------------ kernels
+    def _run(self, name: str, x: torch.Tensor, cfg) -> torch.Tensor:
         if self.smooth is not None:
             x = x / self.smooth.to(x.dtype)
-        return torch.ops.sdquant.int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias,
-                                            self.bits, self.group_size, self.in_features)
+        if name == "reference":
+            return torch.ops.sdquant.int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias,
+                                                self.bits, self.group_size, self.in_features)
+        if name == "dequant":
+            return torch.ops.sdquant.int_linear_dequant(x, self.qweight, self.scales, self.zeros, self.g_idx,
+                                                        self.bias, self.bits, self.group_size, self.in_features)
+        op, arg_names = self._int4_ops[name]
+        values = {"x": x, "bias": self.bias, "group_size": self.group_size, "bits": self.bits,
+                  "in_features": self.in_features, "out_features": self.out_features}
+        for attr in self._layout_keys[name]:
+            values[attr[len(name) + 2:]] = getattr(self, attr)
+        return op(**{a: values[a] for a in arg_names if a in values})
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.zeros is None}, kernel={self.kernel}")
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_Prepared):
     """W8A8 e4m3 linear: per-channel weight scales, static or dynamic per-token activation scales."""
+    kind = "fp8"
 
     def __init__(self, fw: Fp8Weight, bias: Optional[torch.Tensor] = None, smooth: Optional[torch.Tensor] = None):
         super().__init__()
@@ -56,16 +219,55 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", fw.input_scale)
         self.register_buffer("bias", bias)
         self.register_buffer("smooth", smooth)
-        self.kernel = "reference"
+        self._init_dispatch()
 
     @property
     def weight_q(self) -> Fp8Weight:
         return Fp8Weight(self.weight, self.weight_scale, self.input_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.smooth is not None:
-            x = x / self.smooth.to(x.dtype)
-        return torch.ops.sdquant.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+    def available_kernels(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        names = ["reference", "dequant"]
+        aligned = self.in_features % 16 == 0 and self.out_features % 16 == 0
+        if device.type == "cuda":
+            fp8_mma = torch.cuda.get_device_capability(device) >= (8, 9)
+        else:
+            fp8_mma = True  # torch's CPU _scaled_mm; Triton on CPU only in its interpreter
+        if aligned and fp8_mma:
+            names.append("scaled_mm")
+            from sdquant.kernels import fp8_triton
+            if fp8_triton.available() and (device.type == "cuda" or _interpreting()):
+                names.append("triton")
+        return tuple(names)
+
+    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None) -> "Fp8Linear":
+        """As ``QuantLinear.prepare``; for fp8, kernels="cuda" means cuBLASLt ``torch._scaled_mm`` (rowwise).
+        The weight needs no repacking: [N, K] row-major is the K-major operand every fp8 path reads."""
+        device, dtype = _resolve(device, dtype, self.weight)
+        self.to(device)
+        self.weight_scale = self.weight_scale.float().contiguous()
+        available = self.available_kernels(device, dtype)
+        if kernels == "auto" and device.type != "cuda":
+            plan = dispatch.uniform("reference", "cpu")
+        else:
+            plan = dispatch.plan_layer("fp8", self.out_features, self.in_features, available,
+                                       _table_for(device, kernels, table), str(dtype).replace("torch.", ""),
+                                       kernels)
+        self._set_plan(plan)
+        return self
+
+    def _run(self, name: str, x: torch.Tensor, cfg) -> torch.Tensor:
+        if name == "reference":
+            if self.smooth is not None:
+                x = x / self.smooth.to(x.dtype)
+            return torch.ops.sdquant.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        if name == "triton":
+            return torch.ops.sdquant.fp8_linear_triton(x, self.weight, self.weight_scale, self.input_scale,
+                                                       self.bias, self.smooth, list(cfg))
+        if name == "scaled_mm":
+            return torch.ops.sdquant.fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale,
+                                                          self.bias, self.smooth)
+        return torch.ops.sdquant.fp8_linear_dequant(x, self.weight, self.weight_scale, self.input_scale,
+                                                    self.bias, self.smooth)
 
     def extra_repr(self) -> str:
         mode = "static" if self.input_scale is not None else "dynamic"

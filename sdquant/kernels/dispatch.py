@@ -1,0 +1,216 @@
+"""Per-layer, per-batch-size kernel choice from a measured crossover table.
+
+A quantized layer has several ways to compute y = x W^T on a GPU: a weight-only or fp8 kernel that wins while
+the GEMM is memory-bound (small M), and dequantize+cuBLAS (or cuBLASLt fp8) that wins once it is
+compute-bound. Where the crossover lies depends on the shape and the GPU, so it is measured
+(``measure_crossovers``, wired to ``sdquant tune-kernels``) and shipped as JSON (``crossover_h200.json``).
+
+``plan_layer`` turns (kind, N, K, dtype, the kernels that can run here, the table) into a ``Plan``: a few M
+ranges with one kernel each. QuantLinear.prepare calls it once; forward only compares M with the range
+bounds (Python ints, so torch.compile sees a static branch per bucket).
+
+Table format (version 1)::
+
+    {"version": 1, "device": "NVIDIA H200", "meta": {...},
+     "buckets": [1, 2, 4, ..., 4096],                 # M upper bounds; M above the last uses the last
+     "entries": [{"kind": "fp8" | "int4", "N": 4096, "K": 14336, "dtype": "bfloat16",
+                  "us": {"<kernel>": [median µs per bucket or null], "bf16": [...]},
+                  "triton_config": [[block_n, block_m, block_k, split_k, warps, stages] or null, ...]}]}
+
+A layer whose exact (N, K) is not in the table uses the entry of its kind nearest in log-shape.
+"""
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from sdquant.errors import ConfigError
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+FP8_KERNELS = ("triton", "scaled_mm", "dequant", "reference")
+INT_KERNELS = ("cuda", "triton", "dequant", "reference")
+MODES = ("auto", "reference", "triton", "cuda", "torch")
+SHIPPED_TABLE = Path(__file__).with_name("crossover_h200.json")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Kernel per M range: ``kernels[i]`` serves bounds[i-1] < M <= bounds[i]; the last range is open."""
+    bounds: Tuple[int, ...]
+    kernels: Tuple[str, ...]
+    configs: Tuple[Tuple[int, ...], ...]  # Triton tile config per range, () = heuristic
+    source: str = "default"              # "table:<N>x<K>" or "default" or the forced mode
+
+    def index(self, m: int) -> int:
+        for i, b in enumerate(self.bounds[:-1]):
+            if m <= b:
+                return i
+        return len(self.bounds) - 1
+
+    def select(self, m: int) -> Tuple[str, Tuple[int, ...]]:
+        i = self.index(m)
+        return self.kernels[i], self.configs[i]
+
+    def describe(self) -> str:
+        lo, parts = 1, []
+        for b, k in zip(self.bounds, self.kernels):
+            parts.append(f"M{lo}+:{k}" if b == self.bounds[-1] else f"M{lo}-{b}:{k}")
+            lo = b + 1
+        return " ".join(parts)
+
+
+def uniform(kernel: str, source: str) -> Plan:
+    return Plan((DEFAULT_BUCKETS[-1],), (kernel,), ((),), source)
+
+
+def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[Tuple[int, ...]],
+              source: str) -> Plan:
+    """Merge neighbouring buckets that run the same kernel with the same config."""
+    b_out: List[int] = []
+    k_out: List[str] = []
+    c_out: List[Tuple[int, ...]] = []
+    for b, k, c in zip(buckets, kernels, configs):
+        if k_out and k_out[-1] == k and c_out[-1] == c:
+            b_out[-1] = b
+        else:
+            b_out.append(b)
+            k_out.append(k)
+            c_out.append(c)
+    return Plan(tuple(b_out), tuple(k_out), tuple(c_out), source)
+
+
+# --------------------------------------------------------------------------------------------- the table
+def load_table(path: Optional[os.PathLike] = None) -> dict:
+    """Read and validate a crossover table (the shipped H200 one by default)."""
+    p = Path(path) if path is not None else SHIPPED_TABLE
+    try:
+        table = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("kernels.table", f"crossover table {p} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("kernels.table", f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    validate_table(table, str(p))
+    return table
+
+
+def validate_table(table: dict, where: str = "table") -> None:
+    if not isinstance(table, dict) or table.get("version") != 1:
+        raise ConfigError("kernels.table", f"{where}: expected a dict with version 1")
+    buckets = table.get("buckets")
+    if (not isinstance(buckets, list) or not buckets or not all(isinstance(b, int) and b > 0 for b in buckets)
+            or sorted(set(buckets)) != buckets):
+        raise ConfigError("kernels.table.buckets", f"{where}: buckets must be increasing positive integers")
+    entries = table.get("entries")
+    if not isinstance(entries, list):
+        raise ConfigError("kernels.table.entries", f"{where}: entries must be a list")
+    for i, e in enumerate(entries):
+        f = f"kernels.table.entries[{i}]"
+        if not isinstance(e, dict) or e.get("kind") not in ("fp8", "int4") or not isinstance(e.get("us"), dict):
+            raise ConfigError(f, f"{where}: needs kind 'fp8'|'int4' and a 'us' dict")
+        for key in ("N", "K"):
+            if not isinstance(e.get(key), int) or e[key] <= 0:
+                raise ConfigError(f"{f}.{key}", f"{where}: must be a positive integer")
+        for name, row in e["us"].items():
+            if not isinstance(row, list) or len(row) != len(buckets) or not all(
+                    v is None or (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)) for v in row):
+                raise ConfigError(f"{f}.us.{name}", f"{where}: needs {len(buckets)} positive numbers or nulls")
+        cfgs = e.get("triton_config")
+        if cfgs is not None and (not isinstance(cfgs, list) or len(cfgs) != len(buckets) or not all(
+                c is None or (isinstance(c, list) and len(c) == 6 and all(isinstance(v, int) and v > 0 for v in c))
+                for c in cfgs)):
+            raise ConfigError(f"{f}.triton_config", f"{where}: needs {len(buckets)} lists of 6 positive ints or nulls")
+
+
+def nearest_entry(table: dict, kind: str, n: int, k: int, dtype: str = "bfloat16") -> Optional[dict]:
+    """The entry of this kind nearest to (N, K) in log-shape (exact match wins); same dtype preferred."""
+    cands = [e for e in table.get("entries", []) if e["kind"] == kind]
+    if not cands:
+        return None
+    return min(cands, key=lambda e: (abs(math.log(e["N"] / n)) + abs(math.log(e["K"] / k)),
+                                     e.get("dtype", "bfloat16") != dtype))
+
+
+# ------------------------------------------------------------------------------------------------ plans
+def default_choice(kind: str, m: int, available: Iterable[str]) -> str:
+    """What to run when the table has nothing for this kind: kernels while memory-bound, cuBLAS after."""
+    av = set(available)
+    order = (("triton", "scaled_mm") if m <= 64 else ("scaled_mm", "triton")) if kind == "fp8" else \
+        (("cuda", "triton") if m <= 16 else ("triton", "cuda")) if m <= 64 else ()
+    for k in (*order, "scaled_mm" if kind == "fp8" else "dequant", "dequant", "reference"):
+        if k in av:
+            return k
+    raise ConfigError("kernels", f"no {kind} kernel can run here (available: {sorted(av)})")
+
+
+def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optional[dict] = None,
+               dtype: str = "bfloat16", mode: str = "auto") -> Plan:
+    """Choose the kernel per M bucket for one layer.
+
+    ``available``: kernel names that can run for this layer on this device (see linear.py). ``mode`` other
+    than "auto" forces one family: "reference" (the CPU reference op), "triton", "cuda" (the CUDA C++ int4
+    kernel, or cuBLASLt ``_scaled_mm`` for fp8), "torch" (dequantize + cuBLAS at every M).
+    """
+    if mode not in MODES:
+        raise ConfigError("kernels", f"unknown kernel mode {mode!r} (choose from {', '.join(MODES)})")
+    av = tuple(available)
+    if mode != "auto":
+        want = {"reference": "reference", "triton": "triton", "torch": "dequant",
+                "cuda": "scaled_mm" if kind == "fp8" else "cuda"}[mode]
+        if want not in av:
+            raise ConfigError("kernels", f"kernels={mode!r} asks for the {want} {kind} kernel, which cannot run "
+                                         f"for this [{n}x{k}] layer here (available: {', '.join(av)})")
+        return uniform(want, mode)
+    entry = nearest_entry(table, kind, n, k, dtype) if table else None
+    if entry is None:
+        buckets = list(DEFAULT_BUCKETS)
+        return _compress(buckets, [default_choice(kind, b, av) for b in buckets], [()] * len(buckets), "default")
+    buckets = table["buckets"]
+    us: Dict[str, list] = entry["us"]
+    cfgs = entry.get("triton_config") or [None] * len(buckets)
+    kernels, configs = [], []
+    for i, b in enumerate(buckets):
+        timed = [(us[name][i], name) for name in av if name in us and us[name][i] is not None]
+        name = min(timed)[1] if timed else default_choice(kind, b, av)
+        kernels.append(name)
+        configs.append(tuple(cfgs[i]) if name == "triton" and cfgs[i] else ())
+    return _compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_table(table: dict, path: os.PathLike) -> Path:
+    """Validate, then write atomically (temp file in the target folder + os.replace)."""
+    validate_table(table, str(path))
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def measure_crossovers(path: os.PathLike, shapes: Optional[Sequence[Tuple[int, int]]] = None,
+                       ms: Sequence[int] = DEFAULT_BUCKETS, kinds: Sequence[str] = ("fp8", "int4"),
+                       dtype: str = "bfloat16", group_size: int = 128, tune: bool = True,
+                       log=print) -> dict:
+    """Re-measure the crossover table on the current GPU and write it to ``path`` (JSON, atomically).
+
+    ``shapes`` are (K, N) pairs (in_features, out_features); by default the Llama-family set of
+    ``bench/gemm_fp8.py``. Every available kernel of each kind and the bf16 F.linear baseline are timed per
+    M (CUDA graphs, weights rotated past L2, medians); with ``tune`` the Triton fp8 tile config is chosen per
+    M from a small sweep. Needs a CUDA GPU. Returns the table.
+    """
+    from sdquant.kernels import crossover  # the timing code (needs a GPU; imported only here)
+    table = crossover.measure(shapes=shapes, ms=ms, kinds=kinds, dtype=dtype, group_size=group_size,
+                              tune=tune, log=log)
+    write_table(table, path)
+    return table
