@@ -96,7 +96,10 @@ def verify_sd2(path) -> list[str]:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n} B"
 
 
 def format_inspect(info: dict, max_layers: int = 40) -> str:

@@ -513,9 +513,7 @@ class Package:
         e = self.manifest["layers"].get(name)
         if e is None:
             raise PackageError(f"no quantized layer {name!r} in {self.path.name}")
-        t = self._use(e["member"])
-        if device is not None:
-            t = {k: v.to(device) for k, v in t.items()}
+        t = self._use(e["member"])  # validated on the CPU views, then moved (no device sync for checks)
         s = e["scheme"]
         try:
             if s["type"] == "int":
@@ -525,7 +523,11 @@ class Package:
                 w = Fp8Weight(t["weight"], t["weight_scale"], t.get("input_scale"))
         except ShapeError as err:
             raise PackageError(f"layer {name!r}: {err}") from None
-        return w, t.get("bias"), t.get("smooth")
+        bias, smooth = t.get("bias"), t.get("smooth")
+        if device is not None:
+            w = w.to(device)
+            bias, smooth = (None if v is None else v.to(device) for v in (bias, smooth))
+        return w, bias, smooth
 
     def quant_layers(self, device=None) -> dict:
         return {name: self.layer(name, device) for name in self.manifest["layers"]}
