@@ -1,0 +1,321 @@
+"""GEMM benchmark: sdquant INT4 (Triton, CUDA) and FP8 kernels against what torch already has, on one GPU.
+
+    python bench/gemm.py [--shapes 4096x4096,8192x28672] [--ms 1,16,64] [--out DIR] [--dtype bfloat16]
+
+For every K x N (in x out features) and M: cuBLAS bf16 ``F.linear``; torch's int4 tinygemm
+(``torch._weight_int4pack_mm``, group 128); ``torch._scaled_mm`` FP8 tensorwise and rowwise (activations
+pre-quantized: the GEMM alone); sdquant W4A16 Triton and CUDA (group 128, symmetric); sdquant FP8 Triton
+(``sdquant.kernels.fp8_triton.fp8_linear``, includes its activation quantization) when that module exists.
+
+Method: each kernel's weights are replicated until the copies exceed 3x the 60 MB L2 and calls rotate
+through them; CALLS back-to-back calls are captured in one CUDA graph (launch gaps stay out), replayed TRIALS
+times, timed with CUDA events; the median per call is reported. Effective TB/s counts the bytes a call must
+move (weights incl. scales, activations, output); "%copy" is that over the device-to-device copy bandwidth
+measured in the same run. Results: a table on stdout (last) and JSON in --out (or $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sdquant.kernels import int4_layout  # noqa: E402
+from sdquant.quant.qtensor import QuantizedWeight  # noqa: E402
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 28672), (28672, 8192)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+L2_BYTES = 60 * 2**20
+GS = 128
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def copy_bandwidth(dev) -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s), median of 10."""
+    a = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * 2**30 / statistics.median(ts) / 1e12
+
+
+def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 8.0, max_calls: int = 100) -> float:
+    """Median microseconds per call; call(i) runs the kernel on copy i % n_rot. Graph replay when possible."""
+    for i in range(max(n_rot, 3)):
+        call(i % n_rot)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(n_rot):
+        call(i)
+    e.record()
+    torch.cuda.synchronize()
+    est_ms = s.elapsed_time(e) / n_rot
+    calls = int(min(max_calls, max(3, target_ms / max(est_ms, 1e-4))))
+    graph = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                for i in range(calls):
+                    call(i % n_rot)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as ex:  # some library paths refuse capture: time eagerly instead
+        log(f"  (graph capture failed: {type(ex).__name__}: {str(ex)[:120]}; timing eagerly)")
+        graph = None
+    ts = []
+    for _ in range(trials):
+        s.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for i in range(calls):
+                call(i % n_rot)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / calls)
+    return statistics.median(ts)
+
+
+def n_copies(nbytes: int) -> int:
+    return max(1, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
+
+
+# ----------------------------------------------------------------------------------------------- weights
+def random_int4(n: int, k: int, gs: int = GS, symmetric: bool = True, act_order: bool = False,
+                device="cpu", seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    groups = 1 if gs == -1 else k // gs
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.002).to(torch.float16)
+    zeros = None if symmetric else torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
+    g_idx = (torch.randperm(k, generator=g) // gs).to(torch.int32) if act_order else None
+    return QuantizedWeight.from_codes(codes, scales, zeros, 4, gs, g_idx).to(device)
+
+
+def tinygemm_pack(qw: QuantizedWeight, dtype=torch.bfloat16):
+    """(packed int4, scales_and_zeros) for torch._weight_int4pack_mm computing the same weights.
+    tinygemm dequantizes w = (q - 8) * s + z, so z = (8 - zero) * s."""
+    codes = qw.codes().to(torch.int32)
+    packed_u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    w = torch.ops.aten._convert_weight_to_int4pack(packed_u8.contiguous(), 8)
+    s = qw.scales.float()
+    z = torch.full_like(s, 8.0) if qw.zeros is None else qw.zeros.float()
+    sz = torch.stack([s, (8.0 - z) * s], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [G, N, 2]
+    return w, sz
+
+
+# --------------------------------------------------------------------------------------------- providers
+def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
+    """name -> (make(copy_index) -> ctx, run(ctx, x) -> y, weight bytes). Failures become None entries."""
+    qw_cpu = random_int4(n, k)
+    qw = qw_cpu.to(dev)
+    w_ref = qw.dequantize(dtype)                          # [N, K] the dense weight every int4 path represents
+    provs = {}
+    int4_bytes = n * k // 2 + n * (k // GS) * 2 * 2
+
+    def add(name, factory):
+        if name not in which:
+            return
+        try:
+            provs[name] = factory()
+        except Exception as ex:
+            log_fn(f"  {name}: not available ({type(ex).__name__}: {str(ex)[:200]})")
+            provs[name] = None
+
+    add("bf16", lambda: (lambda i: w_ref.clone(), lambda w, x: torch.nn.functional.linear(x, w), n * k * 2))
+
+    def tinygemm():
+        w, sz = tinygemm_pack(qw, dtype)
+        return (lambda i: (w.clone(), sz.clone()), lambda c, x: torch._weight_int4pack_mm(x, c[0], GS, c[1]),
+                int4_bytes)
+    add("tinygemm", tinygemm)
+
+    def fp8(rowwise: bool):
+        wf = w_ref.float()
+        if rowwise:
+            ws = (wf.abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)     # [N, 1]
+        else:
+            ws = (wf.abs().amax() / 448.0).clamp(min=1e-12).reshape(())
+        wq = (wf / ws).to(torch.float8_e4m3fn)
+        scale_b = ws.reshape(1, n) if rowwise else ws.float()
+
+        def run(c, x):
+            xq, xs = c[2](x)
+            return torch._scaled_mm(xq, c[0].t(), scale_a=xs, scale_b=c[1], out_dtype=dtype)
+        return (lambda i: (wq.clone(), scale_b.float().contiguous(), _xquant_cache(rowwise)), run, n * k + n * 4)
+    add("fp8_tensorwise", lambda: fp8(False))
+    add("fp8_rowwise", lambda: fp8(True))
+
+    def triton_int4():
+        from sdquant.kernels import int4_triton  # noqa: F401
+        lay = int4_layout.repack_triton(qw, dtype)
+        op = torch.ops.sdquant.w4a16_triton
+        return (lambda i: {kk: (None if v is None else v.clone()) for kk, v in lay.items()},
+                lambda c, x: op(x, c["qweight"], c["scales"], c["zs"], c["perm"], None), int4_bytes)
+    add("sdq_triton", triton_int4)
+
+    def cuda_int4():
+        from sdquant.kernels import int4_cuda
+        if not int4_cuda.available():
+            raise RuntimeError(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}")
+        lay = int4_layout.repack_cuda(qw, dtype)
+        op = torch.ops.sdquant.w4a16_cuda
+        return (lambda i: {kk: (None if v is None else v.clone()) for kk, v in lay.items()},
+                lambda c, x: op(x, c["qweight"], c["scales"], c["zs"], c["perm"], c["locks"], None), int4_bytes)
+    add("sdq_cuda", cuda_int4)
+
+    def fp8_triton():
+        from sdquant.kernels import fp8_triton as f8
+        from sdquant.quant.qtensor import quantize_fp8_weight
+        fw = quantize_fp8_weight(w_ref)
+        return (lambda i: (fw.weight.clone(), fw.weight_scale.clone()),
+                lambda c, x: f8.fp8_linear(x, c[0], c[1], None, None), n * k + n * 4)
+    add("sdq_fp8_triton", fp8_triton)
+    return provs, w_ref
+
+
+_XQ: dict = {}
+
+
+def _xquant_cache(rowwise: bool):
+    """Pre-quantized activations for the _scaled_mm baselines (GEMM time only), one per x tensor."""
+    def q(x):
+        key = (x.data_ptr(), tuple(x.shape), rowwise)
+        if key not in _XQ:
+            xf = x.float()
+            if rowwise:
+                xs = (xf.abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+            else:
+                xs = (xf.abs().amax() / 448.0).clamp(min=1e-12).reshape(())
+            _XQ[key] = ((xf / xs).to(torch.float8_e4m3fn), xs.float())
+        return _XQ[key]
+    return q
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.float()
+    if not torch.isfinite(y).all():
+        return float("nan")
+    return float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log):
+    rows = []
+    for (k, n) in shapes:
+        t0 = time.time()
+        provs, w_ref = build_providers(n, k, dev, dtype, which, log_fn)
+        ctx_cache: dict = {}
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = None
+            if check:
+                ref = x.double() @ w_ref.double().t()
+                ref = ref.float()
+            bf16_us = None
+            for name, p in provs.items():
+                if p is None:
+                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "not available"})
+                    continue
+                make, run, wbytes = p
+                if name == "tinygemm" and m > 256:
+                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "skipped (M>256)"})
+                    continue
+                try:
+                    if name not in ctx_cache:  # weight copies built once per shape and kernel
+                        ctx_cache[name] = [make(i) for i in range(n_copies(wbytes))]
+                    ctxs = ctx_cache[name]
+                    _XQ.clear()
+                    err = rel_err(run(ctxs[0], x), ref) if check else None
+                    us = time_rotating(lambda i: run(ctxs[i], x), len(ctxs))
+                except Exception as ex:
+                    log_fn(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": f"failed: {ex}"[:200]})
+                    continue
+                nbytes = wbytes + m * k * 2 + m * n * 2
+                tbs = nbytes / (us * 1e-6) / 1e12
+                if name == "bf16":
+                    bf16_us = us
+                rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 2), "rel_err": err,
+                             "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
+                             "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3)})
+            torch.cuda.empty_cache()
+        log_fn(f"shape {k}x{n} done in {time.time() - t0:.1f} s")
+        del provs, ctx_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, kernels) -> str:
+    cells = {}
+    for r in rows:
+        cells[(r["K"], r["N"], r["M"], r["kernel"])] = r
+    keys = sorted({(r["K"], r["N"], r["M"]) for r in rows}, key=lambda t: (SHAPES.index((t[0], t[1]))
+                                                                           if (t[0], t[1]) in SHAPES else 99, t[2]))
+    out = ["| K×N | M | " + " | ".join(kernels) + " | best sdq int4 ×bf16 |",
+           "|---|---|" + "---|" * len(kernels) + "---|"]
+    for (k, n, m) in keys:
+        vals = []
+        for kn in kernels:
+            r = cells.get((k, n, m, kn))
+            vals.append("–" if r is None or r.get("us") is None else f"{r['us']:.1f}")
+        bf = cells.get((k, n, m, "bf16"), {}).get("us")
+        best = [cells.get((k, n, m, kk), {}).get("us") for kk in ("sdq_triton", "sdq_cuda")]
+        best = [b for b in best if b]
+        sp = f"{bf / min(best):.2f}" if bf and best else "–"
+        out.append(f"| {k}×{n} | {m} | " + " | ".join(vals) + f" | {sp} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_fp8_triton")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-check", action="store_true")
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    dtype = getattr(torch, a.dtype)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    ms = [int(v) for v in a.ms.split(",")]
+    kernels = a.kernels.split(",")
+    bw = copy_bandwidth(dev)
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
+    rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
+            "dtype": a.dtype, "group_size": GS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    tmp = Path(a.out) / "gemm.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    os.replace(tmp, Path(a.out) / "gemm.json")
+    log(table(rows, kernels))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+// Torch binding of the sm_90 W4A16 kernel (built by sdquant/kernels/int4_cuda.py on first use).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "w4a16.h"
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;  // rows per launch (the kernel's largest M tile set)
+
+torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zs,
+                    torch::Tensor locks, int64_t splits, bool evict_first) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zs.is_cuda() && locks.is_cuda(),
+              "w4a16_cuda: all tensors must be on a CUDA device");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_cuda: x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "w4a16_cuda: x must be float16 or bfloat16");
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && zs.scalar_type() == x.scalar_type(),
+              "w4a16_cuda: scales/zs dtype must equal x dtype");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.size(2) == 32 &&
+                  qweight.size(3) == 4 && qweight.is_contiguous(),
+              "w4a16_cuda: qweight must be int32 [N/64, K/16, 32, 4]");
+  TORCH_CHECK(locks.scalar_type() == at::kInt, "w4a16_cuda: locks must be int32");
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
+  TORCH_CHECK(qweight.size(1) * 16 == k, "w4a16_cuda: x has K=", k, " but qweight holds K=", qweight.size(1) * 16);
+  TORCH_CHECK(g > 0 && k % (16 * g) == 0, "w4a16_cuda: ", g, " groups do not divide K=", k);
+  TORCH_CHECK(locks.numel() * 4 >= n / 64, "w4a16_cuda: locks too small");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_cuda: x must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const int group_k16 = static_cast<int>(k / 16 / g);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min(kMaxRows, m - r0));
+    int sp = splits > 0 ? static_cast<int>(splits)
+                        : sdq_w4a16_auto_splits(rows, static_cast<int>(n), static_cast<int>(k), group_k16,
+                                                x.scalar_type() == at::kBFloat16);
+    at::Tensor partial;
+    if (sp > 1) partial = at::empty({sp, rows, n}, x.options().dtype(at::kFloat));
+    SdqW4A16Params p{};
+    p.a = static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size();
+    p.b = qweight.data_ptr();
+    p.s = scales.data_ptr();
+    p.zs = zs.data_ptr();
+    p.c = static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size();
+    p.partial = sp > 1 ? partial.data_ptr<float>() : nullptr;
+    p.locks = locks.data_ptr<int>();
+    p.m = rows;
+    p.n = static_cast<int>(n);
+    p.k = static_cast<int>(k);
+    p.group_k16 = group_k16;
+    p.splits = sp;
+    p.is_bf16 = x.scalar_type() == at::kBFloat16;
+    p.evict_first = evict_first ? 1 : 0;
+    const int rc = sdq_w4a16_launch(&p, stream);
+    TORCH_CHECK(rc == 0, "w4a16_cuda: launch failed (code ", rc, ": ",
+                rc > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc)) : "unsupported shape", ")");
+  }
+  return out;
+}
+
+int64_t auto_splits(int64_t m, int64_t n, int64_t k, int64_t group_k16) {
+  return sdq_w4a16_auto_splits(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                               static_cast<int>(group_k16), 0);
+}
+
+int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
+  mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape");
+  mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
+}

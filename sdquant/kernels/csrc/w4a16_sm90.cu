@@ -1,0 +1,415 @@
+// sdquant W4A16 decode GEMM for sm_90 (M <= 64, best at M <= 16): y[m, n] = sum_k x[m, k] * W[n, k].
+//
+// Design (why each piece is there):
+// * Weights arrive fragment-ordered (int4_layout.repack_cuda): for each 64-column block and 16-row K step,
+//   lane l of a warp owns 16 contiguous bytes that are exactly its B operands for eight m16n8k16 MMAs, so a
+//   warp reads 512 contiguous bytes per step and never shuffles.
+// * int4 -> fp16/bf16 with lop3 + magic exponent: (q & 0x000f000f) | 0x6400_6400 is the half2 (1024 + c0,
+//   1024 + c1); one sub (or fma for the high nibbles) gives exact codes, one fma with (scale, -zero*scale)
+//   gives the weight.
+// * A multi-stage cp.async pipeline (STAGES deep) per CTA keeps ~(STAGES-1) * 8 KB of weights in flight
+//   without holding registers; activations for the stage go to shared memory once and feed all 4 warps.
+// * Split-K over the grid's y dimension so every SM has work at M = 1 on K >> N shapes. Partial sums go to
+//   an fp32 scratch; the last CTA of a column tile (counted on a lock that it resets) adds them in a fixed
+//   order and writes the output: one launch, deterministic, no memset.
+// * Optional L2 evict-first hint on weight copies (they are read exactly once); only used after
+//   sdq_probe_evict_first ran on the device (a published kernel's hint raised "illegal instruction" there).
+#include "w4a16.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int WN = 4;              // warps per CTA, each owns one 64-column block
+constexpr int THREADS = 32 * WN;
+constexpr int STAGES = 5;
+
+template <int MT, int KS>
+struct Smem {
+  static constexpr int B_BYTES = WN * KS * 32 * 16;      // fragments
+  static constexpr int S_BYTES = WN * 16 * 16;           // 8 uint4 scales + 8 uint4 zs per warp
+  static constexpr int A_STRIDE = KS * 16 + 8;           // halves; +16 B per row avoids bank conflicts
+  static constexpr int A_BYTES = MT * 16 * A_STRIDE * 2;
+  static constexpr int STAGE = B_BYTES + S_BYTES + A_BYTES;
+  static constexpr int TOTAL = STAGES * STAGE;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <bool EVICT>
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint64_t policy) {
+  if constexpr (EVICT) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "l"(policy));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+}
+constexpr int AND_OR = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
+
+template <typename T>
+struct Ops;
+
+template <>
+struct Ops<half> {
+  // 8 codes of one word -> exact half2 codes (p0,p4) (p1,p5) (p2,p6) (p3,p7)
+  __device__ __forceinline__ static void codes(uint32_t q, uint32_t (&o)[4]) {
+    const uint32_t lo0 = lop3<AND_OR>(q, 0x000f000fu, 0x64006400u);
+    const uint32_t hi0 = lop3<AND_OR>(q, 0x00f000f0u, 0x64006400u);
+    const uint32_t q8 = q >> 8;
+    const uint32_t lo1 = lop3<AND_OR>(q8, 0x000f000fu, 0x64006400u);
+    const uint32_t hi1 = lop3<AND_OR>(q8, 0x00f000f0u, 0x64006400u);
+    const uint32_t k1024 = 0x64006400u, k1_16 = 0x2c002c00u, km64 = 0xd400d400u;
+    *reinterpret_cast<half2*>(&o[0]) = __hsub2(*reinterpret_cast<const half2*>(&lo0),
+                                               *reinterpret_cast<const half2*>(&k1024));
+    *reinterpret_cast<half2*>(&o[1]) = __hfma2(*reinterpret_cast<const half2*>(&hi0),
+                                               *reinterpret_cast<const half2*>(&k1_16),
+                                               *reinterpret_cast<const half2*>(&km64));
+    *reinterpret_cast<half2*>(&o[2]) = __hsub2(*reinterpret_cast<const half2*>(&lo1),
+                                               *reinterpret_cast<const half2*>(&k1024));
+    *reinterpret_cast<half2*>(&o[3]) = __hfma2(*reinterpret_cast<const half2*>(&hi1),
+                                               *reinterpret_cast<const half2*>(&k1_16),
+                                               *reinterpret_cast<const half2*>(&km64));
+  }
+  __device__ __forceinline__ static uint32_t fma(uint32_t c, uint32_t s, uint32_t z) {
+    half2 r = __hfma2(*reinterpret_cast<const half2*>(&c), *reinterpret_cast<const half2*>(&s),
+                      *reinterpret_cast<const half2*>(&z));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static uint32_t bcast(uint32_t pair, int hi) {
+    half2 v = *reinterpret_cast<const half2*>(&pair);
+    half2 r = hi ? __high2half2(v) : __low2half2(v);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float x, float y) {
+    half2 r = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+};
+
+template <>
+struct Ops<__nv_bfloat16> {
+  // bf16 has 7 mantissa bits: the high-nibble trick does not fit, so every nibble pair is shifted down
+  __device__ __forceinline__ static void codes(uint32_t q, uint32_t (&o)[4]) {
+    const uint32_t k128 = 0x43004300u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = lop3<AND_OR>(q >> (4 * i), 0x000f000fu, k128);
+      __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                 *reinterpret_cast<const __nv_bfloat162*>(&k128));
+      o[i] = *reinterpret_cast<uint32_t*>(&r);
+    }
+  }
+  __device__ __forceinline__ static uint32_t fma(uint32_t c, uint32_t s, uint32_t z) {
+    __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&c),
+                               *reinterpret_cast<const __nv_bfloat162*>(&s),
+                               *reinterpret_cast<const __nv_bfloat162*>(&z));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static uint32_t bcast(uint32_t pair, int hi) {
+    __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
+    __nv_bfloat162 r = hi ? __high2bfloat162(v) : __low2bfloat162(v);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float x, float y) {
+    __nv_bfloat162 r = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+};
+
+template <typename T, int MT, int KS, bool EVICT>
+__global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) {
+  using S = Smem<MT, KS>;
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WN + warp;  // this warp's 64-column block
+  const bool active = nb < nblk;
+  const int kb_total = p.k / 16;
+  const int stages_total = kb_total / KS;
+  const int split = blockIdx.y;
+  const int st_begin = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
+  const int st_end = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
+  const int iters = st_end - st_begin;
+  const int m = p.m;
+  uint64_t policy = 0;
+  if constexpr (EVICT) policy = evict_first_policy();
+
+  const uint4* gb = reinterpret_cast<const uint4*>(p.b);
+  const T* ga = reinterpret_cast<const T*>(p.a);
+
+  // stage st = K steps [st*KS, st*KS + KS); KS divides group_k16, so a stage never straddles groups
+  auto need_scales = [&](int st) { return (st * KS) % p.group_k16 == 0 || st == st_begin; };
+
+  auto load_stage = [&](int slot, int st) {
+    uint8_t* base = smem + slot * S::STAGE;
+    uint4* sb = reinterpret_cast<uint4*>(base);
+    uint4* ss = reinterpret_cast<uint4*>(base + S::B_BYTES);
+    T* sa = reinterpret_cast<T*>(base + S::B_BYTES + S::S_BYTES);
+    if (active) {
+      const uint4* src = gb + (static_cast<size_t>(nb) * kb_total + st * KS) * 32 + lane;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) cp_async16<EVICT>(&sb[(warp * KS + kk) * 32 + lane], src + kk * 32, policy);
+      if (need_scales(st) && lane < 16) {
+        const int g = (st * KS) / p.group_k16;
+        const uint4* s_src = reinterpret_cast<const uint4*>(lane < 8 ? p.s : p.zs) +
+                             (static_cast<size_t>(g) * nblk + nb) * 8 + (lane & 7);
+        cp_async16<false>(&ss[warp * 16 + lane], s_src, 0);
+      }
+    }
+    constexpr int CPR = KS * 2;  // 16-byte chunks per activation row
+    for (int i = threadIdx.x; i < m * CPR; i += THREADS) {
+      const int r = i / CPR, c = i % CPR;
+      cp_async16<false>(sa + r * S::A_STRIDE + c * 8, ga + static_cast<size_t>(r) * p.k + st * KS * 16 + c * 8, 0);
+    }
+  };
+
+  float acc[MT][8][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  uint4 sreg = make_uint4(0, 0, 0, 0), zreg = make_uint4(0, 0, 0, 0);
+
+  auto compute_stage = [&](int slot, int st) {
+    const uint8_t* base = smem + slot * S::STAGE;
+    const uint4* sb = reinterpret_cast<const uint4*>(base);
+    const uint4* ss = reinterpret_cast<const uint4*>(base + S::B_BYTES);
+    const T* sa = reinterpret_cast<const T*>(base + S::B_BYTES + S::S_BYTES);
+    if (need_scales(st)) {
+      sreg = ss[warp * 16 + g8];
+      zreg = ss[warp * 16 + 8 + g8];
+    }
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const uint4 bq = sb[(warp * KS + kk) * 32 + lane];
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r0 = mt * 16 + g8, r1 = r0 + 8, col = kk * 16 + 2 * t4;
+        a[mt][0] = r0 < m ? *reinterpret_cast<const uint32_t*>(sa + r0 * S::A_STRIDE + col) : 0u;
+        a[mt][1] = r1 < m ? *reinterpret_cast<const uint32_t*>(sa + r1 * S::A_STRIDE + col) : 0u;
+        a[mt][2] = r0 < m ? *reinterpret_cast<const uint32_t*>(sa + r0 * S::A_STRIDE + col + 8) : 0u;
+        a[mt][3] = r1 < m ? *reinterpret_cast<const uint32_t*>(sa + r1 * S::A_STRIDE + col + 8) : 0u;
+      }
+      const uint32_t q[4] = {bq.x, bq.y, bq.z, bq.w};
+      const uint32_t sp[4] = {sreg.x, sreg.y, sreg.z, sreg.w};
+      const uint32_t zp[4] = {zreg.x, zreg.y, zreg.z, zreg.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {  // word w feeds subtiles 2w and 2w+1
+        uint32_t c[4];
+        O::codes(q[w], c);
+        const uint32_t s0 = O::bcast(sp[w], 0), s1 = O::bcast(sp[w], 1);
+        const uint32_t z0 = O::bcast(zp[w], 0), z1 = O::bcast(zp[w], 1);
+        const uint32_t b00 = O::fma(c[0], s0, z0), b01 = O::fma(c[1], s0, z0);
+        const uint32_t b10 = O::fma(c[2], s1, z1), b11 = O::fma(c[3], s1, z1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          O::mma(acc[mt][2 * w], a[mt], b00, b01);
+          O::mma(acc[mt][2 * w + 1], a[mt], b10, b11);
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < iters) load_stage(s, st_begin + s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < iters; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage `it` is visible to all warps; slot (it-1) % STAGES is free again
+    const int nxt = it + STAGES - 1;
+    if (nxt < iters) load_stage(nxt % STAGES, st_begin + nxt);
+    cp_async_commit();
+    compute_stage(it % STAGES, st_begin + it);
+  }
+  cp_async_wait<0>();
+
+  // ------------------------------------------------------------------------------------------ epilogue
+  const int n = p.n;
+  if (p.splits == 1) {
+    if (active) {
+      T* out = reinterpret_cast<T*>(p.c);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = mt * 16 + g8 + 8 * h;
+            const int col = nb * 64 + j * 8 + 2 * t4;
+            if (row < m)
+              *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * n + col) =
+                  O::pack(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+          }
+    }
+    return;
+  }
+  float* part = p.partial + static_cast<size_t>(split) * m * n;
+  if (active) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + g8 + 8 * h;
+          const int col = nb * 64 + j * 8 + 2 * t4;
+          if (row < m)
+            __stcg(reinterpret_cast<float2*>(part + static_cast<size_t>(row) * n + col),
+                   make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]));
+        }
+  }
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int col0 = blockIdx.x * WN * 64;
+  const int ncols = min(WN * 64, n - col0);
+  const int pairs = ncols / 2;
+  T* out = reinterpret_cast<T*>(p.c);
+  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
+    const int row = i / pairs, col = col0 + 2 * (i % pairs);
+    float2 sum = make_float2(0.f, 0.f);
+    for (int s = 0; s < p.splits; ++s) {  // fixed order: the result does not depend on arrival order
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
+  }
+  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call
+}
+
+template <typename T, int MT, int KS, bool EVICT>
+int launch_t(const SdqW4A16Params& p, cudaStream_t stream) {
+  auto kern = w4a16_kernel<T, MT, KS, EVICT>;
+  static bool configured = false;  // per instantiation; the attribute is per function, not per call
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<MT, KS>::TOTAL);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  dim3 grid((p.n / 64 + WN - 1) / WN, p.splits);
+  kern<<<grid, THREADS, Smem<MT, KS>::TOTAL, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int MT>
+int launch_ks(const SdqW4A16Params& p, cudaStream_t stream) {
+  const bool ks4 = p.group_k16 % 4 == 0;
+  if (p.evict_first) return ks4 ? launch_t<T, MT, 4, true>(p, stream) : launch_t<T, MT, 2, true>(p, stream);
+  return ks4 ? launch_t<T, MT, 4, false>(p, stream) : launch_t<T, MT, 2, false>(p, stream);
+}
+
+template <typename T>
+int launch_m(const SdqW4A16Params& p, cudaStream_t stream) {
+  if (p.m <= 16) return launch_ks<T, 1>(p, stream);
+  if (p.m <= 32) return launch_ks<T, 2>(p, stream);
+  if (p.m <= 64) return launch_ks<T, 4>(p, stream);
+  return -2;
+}
+
+__global__ void probe_kernel(const uint4* src, uint4* dst) {
+  __shared__ __align__(16) uint4 buf[32];
+  const uint64_t pol = evict_first_policy();
+  cp_async16<true>(&buf[threadIdx.x], src + threadIdx.x, pol);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  dst[threadIdx.x] = buf[threadIdx.x];
+}
+
+}  // namespace
+
+extern "C" int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream) {
+  if (p->m < 1 || p->n % 64 || p->k % 32 || p->group_k16 < 2 || p->group_k16 % 2 || p->splits < 1 ||
+      p->k % (p->group_k16 * 16) || (p->group_k16 % 4 && p->k % 32) || (p->group_k16 % 4 == 0 && p->k % 64))
+    return -1;
+  return p->is_bf16 ? launch_m<__nv_bfloat16>(*p, stream) : launch_m<half>(*p, stream);
+}
+
+extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16) {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int ks = group_k16 % 4 == 0 ? 4 : 2;
+  const int stages = k / 16 / ks;
+  const int tiles = (n / 64 + WN - 1) / WN;
+  // CTAs per SM from shared memory alone (registers allow more for these sizes)
+  const int mt = m <= 16 ? 1 : (m <= 32 ? 2 : 4);
+  const int stage_bytes = WN * ks * 512 + WN * 256 + mt * 16 * (ks * 16 + 8) * 2;
+  int per_sm = (227 * 1024) / (STAGES * stage_bytes + 1024);
+  per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
+  (void)is_bf16;
+  const int slots = sms * per_sm;
+  // one wave that fills the CTA slots; each split keeps >= 1 pipeline depth of K steps
+  int splits = slots / tiles;
+  const int max_splits = stages / STAGES;
+  if (splits > max_splits) splits = max_splits;
+  if (splits < 1) splits = 1;
+  return splits;
+}
+
+extern "C" int sdq_probe_evict_first(cudaStream_t stream) {
+  uint4 *src = nullptr, *dst = nullptr;
+  if (cudaMalloc(&src, 32 * sizeof(uint4)) != cudaSuccess) return -1;
+  if (cudaMalloc(&dst, 32 * sizeof(uint4)) != cudaSuccess) return -1;
+  cudaMemsetAsync(src, 0x5a, 32 * sizeof(uint4), stream);
+  probe_kernel<<<1, 32, 0, stream>>>(src, dst);
+  cudaError_t e = cudaStreamSynchronize(stream);
+  uint4 host[32];
+  if (e == cudaSuccess) e = cudaMemcpy(host, dst, sizeof(host), cudaMemcpyDeviceToHost);
+  cudaFree(src);
+  cudaFree(dst);
+  if (e != cudaSuccess) return e;
+  for (int i = 0; i < 32; ++i)
+    if (host[i].x != 0x5a5a5a5au || host[i].w != 0x5a5a5a5au) return -3;
+  return 0;
+}
