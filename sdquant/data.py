@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -414,6 +415,19 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+def _cache_kwarg(model: Any) -> Optional[str]:
+    """Name of the forward's KV-cache argument: ``cache`` (transformers >= 5.2x), ``past_key_values`` (older),
+    or None for a model without one (then every step recomputes the whole prefix)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return None
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
 @torch.inference_mode()
 def generate_self(model: Any, n_samples: int, seq_len: int, *, seed: int = 0, temperature: float = 1.0,
                   top_k: int = 50, bos_token_id: int, banned_token_ids: Sequence[int] = (),
@@ -423,10 +437,11 @@ def generate_self(model: Any, n_samples: int, seq_len: int, *, seed: int = 0, te
 
     Sampling draws from a private CPU ``torch.Generator`` seeded with ``seed`` (the global RNG is untouched);
     tokens in ``banned_token_ids`` (EOS, pad) are never drawn. Uses the model's KV cache when its forward
-    accepts ``past_key_values`` (any HF causal LM); otherwise recomputes the prefix each step.
+    takes one (any HF causal LM: ``cache`` or ``past_key_values``); otherwise recomputes the prefix each step.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     device = _model_device(model)
+    cache_kw = _cache_kwarg(model)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
@@ -435,16 +450,16 @@ def generate_self(model: Any, n_samples: int, seq_len: int, *, seed: int = 0, te
         for start in range(0, n_samples, batch_size):
             b = min(batch_size, n_samples - start)
             seqs = torch.full((b, 1), bos_token_id, dtype=torch.long)                 # [b, t]
-            past, cached = None, True
+            past = None
             for _ in range(1, seq_len):
-                if cached:
-                    try:
-                        step_in = seqs if past is None else seqs[:, -1:]
-                        res = model(input_ids=step_in.to(device), past_key_values=past, use_cache=True)
-                        past = getattr(res, "past_key_values", None)
-                        cached = past is not None
-                    except TypeError:                                                # not an HF-style forward
-                        cached, res = False, model(seqs.to(device))
+                if cache_kw is not None:
+                    step_in = seqs if past is None else seqs[:, -1:]               # only the new token once cached
+                    res = model(input_ids=step_in.to(device), use_cache=True, **{cache_kw: past})
+                    past = getattr(res, cache_kw, None)
+                    if past is None:
+                        past = getattr(res, "past_key_values" if cache_kw == "cache" else "cache", None)
+                    if past is None:                                           # forward ignored the cache
+                        cache_kw = None
                 else:
                     res = model(seqs.to(device))
                 logits = _logits_of(res)[:, -1, :].float().cpu() / temperature         # [b, V]
