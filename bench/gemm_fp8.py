@@ -42,15 +42,15 @@ def check_correctness(dev, log) -> list:
     rows = []
     torch.manual_seed(1)
     for (k, n) in ((256, 96), (4096, 4096), (14336, 4096)):
-        for m in (1, 3, 16, 33, 128, 1024):
+        for m in (1, 3, 16, 33, 1024):
             for static in (False, True):
                 for extras in (False, True):
-                    w = torch.randn(n, k) / math.sqrt(k)
+                    w = torch.randn(n, k, device=dev) / math.sqrt(k)
                     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                     smooth = (torch.rand(k, device=dev) + 0.5) if extras else None
                     xs_in = x.float() / smooth if extras else x.float()
                     isc = (xs_in.abs().amax() / 448.0).reshape(()) if static else None
-                    fw = quantize_fp8_weight(w, isc.cpu() if static else None)
+                    fw = quantize_fp8_weight(w, isc if static else None)
                     bias = torch.randn(n, device=dev, dtype=torch.bfloat16) if extras else None
                     layer = crossover.Fp8Linear(fw, bias, smooth).to(dev)
                     # fp64 reference of the W8A8 function on x / smooth
@@ -152,6 +152,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes and batch sizes")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--skip-table", action="store_true", help="use the shipped table instead of measuring")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting table shapes after this")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     logf = open(os.path.join(a.out, "gemm_fp8.log"), "w")
@@ -182,8 +183,9 @@ def main():
     table = None
     if not a.skip_table:
         try:
-            table = crossover.measure(shapes=shapes, ms=ms, log=log)
-            dispatch.write_table(table, os.path.join(a.out, "crossover_h200.json"))
+            table = crossover.measure(
+                shapes=shapes, ms=ms, log=log, deadline=t0 + a.budget_s,
+                on_entry=lambda t: dispatch.write_table(t, os.path.join(a.out, "crossover_h200.json")))
         except Exception:
             log(traceback.format_exc())
     log(f"[{time.perf_counter() - t0:.0f} s]")

@@ -16,8 +16,8 @@ from sdquant.kernels import dispatch
 from sdquant.kernels.linear import Fp8Linear, QuantLinear
 from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
 
-LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 28672),
-                (28672, 8192))  # (K, N) = (in_features, out_features)
+LLAMA_SHAPES = ((14336, 4096), (8192, 28672), (4096, 4096), (4096, 28672), (8192, 10240), (28672, 8192),
+                (4096, 6144))  # (K, N) = (in_features, out_features)
 TABLE_MS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)  # the buckets a device run can afford to measure
 L2_BYTES = 60 * 2 ** 20
 
@@ -108,14 +108,17 @@ def _fp8_tune_candidates(m: int, n: int, k: int) -> List[List[int]]:
         for split in (1, 2, 4, 8):
             if k // (bk * split) < 2:
                 continue
-            out.append([bn, bm, bk, split, 4, 4 if bn * bk * 4 + bm * bk * 4 <= 200 * 1024 else 3])
+            out.append([bn, bm, bk, split, 4, 4 if (bn + bm) * bk * 4 <= 160 * 1024 else 3])
     return out
 
 
 def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int] = dispatch.DEFAULT_BUCKETS,
             kinds: Sequence[str] = ("fp8", "int4"), dtype: str = "bfloat16", group_size: int = 128,
-            tune: bool = True, log=print, trials: int = 7) -> dict:
-    """Time every available kernel (and bf16 F.linear) per (shape, M); returns a version-1 table."""
+            tune: bool = True, log=print, trials: int = 7, deadline: Optional[float] = None,
+            on_entry: Optional[Callable[[dict], None]] = None) -> dict:
+    """Time every available kernel (and bf16 F.linear) per (shape, M); returns a version-1 table.
+    ``deadline`` (time.perf_counter() value): shapes not started by then are skipped (and logged);
+    ``on_entry(table)`` is called with the partial table after each shape (to save progress)."""
     if not torch.cuda.is_available():
         raise RuntimeError("measure_crossovers needs a CUDA GPU")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -123,9 +126,18 @@ def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int
     shapes = tuple(shapes or LLAMA_SHAPES)
     ms = list(ms)
     entries = []
-    for kind in kinds:
-        for (k, n) in shapes:
+
+    def table() -> dict:
+        return {"version": 1, "device": torch.cuda.get_device_name(dev), "buckets": ms, "entries": list(entries),
+                "meta": {"torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype,
+                         "group_size": group_size, "date": time.strftime("%Y-%m-%d"),
+                         "method": "CUDA graph of calls over weight copies rotating past L2; median of replays"}}
+    for (k, n) in shapes:
+        for kind in kinds:
             t_shape = time.perf_counter()
+            if deadline is not None and t_shape > deadline:
+                log(f"skipped {kind} K={k} N={n}: out of time")
+                continue
             entry = {"kind": kind, "N": n, "K": k, "dtype": dtype, "us": {}, "triton_config": [None] * len(ms)}
             if kind == "fp8":
                 proto = random_fp8_layer(n, k, "cpu")
@@ -165,7 +177,6 @@ def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int
             del copies, dense
             torch.cuda.empty_cache()
             log(f"  ({time.perf_counter() - t_shape:.1f} s)")
-    return {"version": 1, "device": torch.cuda.get_device_name(dev), "buckets": ms, "entries": entries,
-            "meta": {"torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype,
-                     "group_size": group_size, "date": time.strftime("%Y-%m-%d"),
-                     "method": "CUDA graph of calls over weight copies rotating past L2; median of replays"}}
+            if on_entry is not None:
+                on_entry(table())
+    return table()
