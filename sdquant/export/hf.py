@@ -49,11 +49,13 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 def _as_int32(packed_u8: torch.Tensor) -> torch.Tensor:
     """uint8 [R, C] (C % 4 == 0) -> int32 [R, C/4], little-endian words (the layout every GPTQ/AWQ kernel
     assumes; torch views use the host order, which is little-endian on every platform torch supports)."""
-    return packed_u8.contiguous().view(torch.int32)
+    r, c = packed_u8.shape  # (flatten first: a size-1 dim may carry a stride that blocks .view)
+    return packed_u8.contiguous().reshape(-1).view(torch.int32).reshape(r, c // 4)
 
 
 def _as_u8(words: torch.Tensor) -> torch.Tensor:
-    return words.contiguous().view(torch.uint8)
+    r, c = words.shape
+    return words.contiguous().reshape(-1).view(torch.uint8).reshape(r, c * 4)
 
 
 def _trivial_g_idx(k: int, group_size: int) -> torch.Tensor:
