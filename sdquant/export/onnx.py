@@ -42,6 +42,8 @@ TWO_GB = 2 ** 31
 
 @dataclass
 class OnnxExportResult:
+    """What was written. Path-like (``os.fspath(result)`` is the model file), so callers that expect a path
+    (the CLI prints ``wrote <path>``) can use it as one."""
     path: Path                 # model.onnx
     external_data: bool
     n_matmulnbits: int
@@ -49,10 +51,16 @@ class OnnxExportResult:
     n_float_linear: int
     size_bytes: int            # model.onnx + external data
 
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
 
 def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_level: int = 4, opset: int = 21,
                 dtype: str = "float32", max_positions: Optional[int] = None,
-                external_data: Union[bool, str] = "auto", check: bool = True) -> OnnxExportResult:
+                external_data: Union[bool, str] = "auto", check: bool = True, tokenizer=None) -> OnnxExportResult:
     """Export a (quantized) HF decoder or a .sd2 package to ``out_dir/model.onnx``.
 
     accuracy_level: MatMulNBits' minimum accuracy of A: 0 = unset (ONNX Runtime computes in A's type),
@@ -61,6 +69,7 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
     dtype: float32 (CPU) or float16 (CUDA provider) for activations, float weights, scales and KV cache.
     max_positions: size of the RoPE tables (default: config.max_position_embeddings, capped at 32768).
     external_data: True, False or "auto" (weights go to model.onnx.data when the model is over 2 GB).
+    tokenizer: a HF tokenizer saved next to the model (default: ``model.tokenizer`` when the model has one).
     """
     if not isinstance(accuracy_level, int) or not 0 <= accuracy_level <= 4:
         raise ConfigError("accuracy_level", f"must be an integer in 0..4, got {accuracy_level!r}")
@@ -83,7 +92,14 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
             "max_positions": n_pos, "matmulnbits": counts[0], "fp8_qdq": counts[1], "float_linear": counts[2]}
     onnx_model = gb.make_model(f"sdquant_{spec.dims.family}_decoder", opset,
                                {k: json.dumps(v) if not isinstance(v, str) else v for k, v in meta.items()})
-    return _save(onnx_model, Path(out_dir), meta, external_data, check, counts)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        meta["eos_token_id"] = eos
+    res = _save(onnx_model, Path(out_dir), meta, external_data, check, counts)
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out_dir))
+    return res
 
 
 def _load(model_or_package):

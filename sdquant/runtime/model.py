@@ -1,0 +1,338 @@
+"""A gpt-fast-style Llama-family decoder: RMSNorm, RoPE, grouped-query SDPA over a static KV cache, fused
+qkv and gate/up linears (nn.Linear, QuantLinear or Fp8Linear), a bf16 lm_head. Small on purpose: every tensor
+has a fixed shape during decode, so one CUDA graph replays a whole token.
+
+    rt = Transformer.from_hf(hf_model, max_seq_len=2048, max_batch=8, device="cuda", dtype=torch.bfloat16)
+    tokens = generate(rt, prompt_ids, max_new_tokens=64)                 # eager
+    rt.compile_decode(mode="reduce-overhead")                            # torch.compile fullgraph + CUDA graphs
+    tokens = generate(rt, prompt_ids, max_new_tokens=64)
+
+Shapes: B batch, S new tokens, T = max_seq_len cache slots, H hidden, nh/nkv query/kv heads, hd head_dim.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdquant.errors import ConfigError, SdquantError
+from sdquant.runtime.spec import DecoderDims, DecoderSpec, decoder_spec
+
+
+# ----------------------------------------------------------------------------------------- linear fusion
+class ConcatLinear(nn.Module):
+    """Linears sharing one input that cannot be merged into one weight (e.g. different act-order perms)."""
+
+    def __init__(self, mods: Sequence[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(mods)
+
+    def forward(self, x):
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
+def _same(ts) -> bool:
+    if all(t is None for t in ts):
+        return True
+    if any(t is None for t in ts):
+        return False
+    return all(t.shape == ts[0].shape and torch.equal(t, ts[0]) for t in ts[1:])
+
+
+def _cat_bias(mods, dtype=None):
+    if all(m.bias is None for m in mods):
+        return None
+    parts = [m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, device=mods[0].bias.device)
+             for m in mods]
+    out = torch.cat([p.float() for p in parts])
+    return out.to(dtype) if dtype is not None else out
+
+
+def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
+    """One module computing cat([m(x) for m in mods], -1) with a single GEMM where the weights allow."""
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    from sdquant.quant.qtensor import Fp8Weight, QuantizedWeight
+    if all(type(m) is nn.Linear for m in mods):
+        w = torch.cat([m.weight.detach() for m in mods])
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=any(m.bias is not None for m in mods), device=w.device,
+                        dtype=w.dtype)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(_cat_bias(mods, w.dtype), requires_grad=False)
+        return lin
+    if all(isinstance(m, QuantLinear) for m in mods):
+        q0 = mods[0]
+        ok = all(m.bits == q0.bits and m.group_size == q0.group_size and m.in_features == q0.in_features
+                 for m in mods) and _same([m.g_idx for m in mods]) and _same([m.smooth for m in mods]) \
+            and len({m.zeros is None for m in mods}) == 1
+        if ok:
+            qw = QuantizedWeight(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]),
+                                 None if q0.zeros is None else torch.cat([m.zeros for m in mods]),
+                                 q0.bits, q0.group_size, q0.in_features, q0.g_idx)
+            return QuantLinear(qw, _cat_bias(mods), q0.smooth)
+    if all(isinstance(m, Fp8Linear) for m in mods):
+        f0 = mods[0]
+        if _same([m.input_scale for m in mods]) and _same([m.smooth for m in mods]):
+            fw = Fp8Weight(torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale.float() for m in mods]),
+                           f0.input_scale)
+            return Fp8Linear(fw, _cat_bias(mods), f0.smooth)
+    return ConcatLinear(mods)
+
+
+def _prepare(mod: nn.Module, device, dtype, kernels: str):
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    for m in mod.modules():
+        if isinstance(m, (QuantLinear, Fp8Linear)):
+            if hasattr(m, "prepare"):
+                m.prepare(device=device, dtype=dtype, kernels=kernels)
+            else:
+                m.to(device)
+            if m.bias is not None:
+                m.bias = m.bias.to(dtype)
+            if m.smooth is not None:
+                m.smooth = m.smooth.to(device)
+        elif type(m) is nn.Linear:
+            m.to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF semantics: normalize in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, h, hd], cos/sin [S, hd] (halves duplicated, HF layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[None, :, None] + rot * sin[None, :, None]
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch, n_kv, max_seq, head_dim, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        # k, v [B, nkv, S, hd] written at cache slots input_pos [S]; in place, so CUDA graphs can replay it
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, d: DecoderDims, wqkv: nn.Module, wo: nn.Module, q_norm=None, k_norm=None):
+        super().__init__()
+        self.d = d
+        self.wqkv, self.wo = wqkv, wo
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", k_norm)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        d = self.d
+        b, s, _ = x.shape
+        rep = d.n_heads // d.n_kv_heads
+        q, k, v = self.wqkv(x).split([d.q_size, d.kv_size, d.kv_size], dim=-1)
+        q = q.view(b, s, d.n_heads, d.head_dim)
+        k = k.view(b, s, d.n_kv_heads, d.head_dim)
+        v = v.view(b, s, d.n_kv_heads, d.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))   # [B, nkv, T, hd]
+        # GQA without repeating K/V: the rep query heads of one KV head become rep*S query rows
+        q = q.view(b, s, d.n_kv_heads, rep, d.head_dim).permute(0, 2, 3, 1, 4).reshape(b, d.n_kv_heads, rep * s,
+                                                                                          d.head_dim)
+        m = mask if s == 1 else mask.repeat(rep, 1)                                           # [rep*S, T]
+        y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=m)                      # [B, nkv, rep*S, hd]
+        y = y.view(b, d.n_kv_heads, rep, s, d.head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, d.q_size)
+        return self.wo(y)
+
+
+class Block(nn.Module):
+    def __init__(self, d: DecoderDims, attn: Attention, w13: nn.Module, w2: nn.Module, attn_norm, ffn_norm,
+                 window: Optional[int]):
+        super().__init__()
+        self.d, self.attn, self.w13, self.w2 = d, attn, w13, w2
+        self.register_buffer("attn_norm", attn_norm)
+        self.register_buffer("ffn_norm", ffn_norm)
+        self.window = window
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        h = x + self.attn(rms_norm(x, self.attn_norm, self.d.rms_eps), cos, sin, mask, input_pos)
+        g, u = self.w13(rms_norm(h, self.ffn_norm, self.d.rms_eps)).chunk(2, dim=-1)
+        return h + self.w2(F.silu(g) * u)
+
+
+def _block_call(block: Block, x, cos, sin, mask, input_pos):
+    return block(x, cos, sin, mask, input_pos)
+
+
+class Transformer(nn.Module):
+    def __init__(self, d: DecoderDims, embed: torch.Tensor, blocks: List[Block], norm: torch.Tensor,
+                 lm_head: nn.Module, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__()
+        self.d = d
+        self.register_buffer("embed", embed)
+        self.layers = nn.ModuleList(blocks)
+        self.register_buffer("norm", norm)
+        self.lm_head = lm_head
+        self.register_buffer("rope_cos", rope_cos, persistent=False)   # [P, hd]
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.max_batch = self.max_seq = 0
+        self._block_fn = _block_call
+        self._decode = self.forward
+
+    # ------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_spec(cls, spec: DecoderSpec, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
+                  kernels: str = "auto") -> "Transformer":
+        d = spec.dims
+        if max_seq_len > d.max_position_embeddings:
+            raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the model's max_position_embeddings "
+                                             f"({d.max_position_embeddings})")
+        cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)  # noqa: E731
+        blocks = []
+        for i, L in enumerate(spec.layers):
+            wqkv, w13 = fuse_linears([L.q, L.k, L.v]), fuse_linears([L.gate, L.up])
+            for m in (wqkv, L.o, w13, L.down):
+                _prepare(m, device, dtype, kernels)
+            attn = Attention(d, wqkv, L.o, cast(L.q_norm), cast(L.k_norm))
+            blocks.append(Block(d, attn, w13, L.down, cast(L.input_norm), cast(L.post_norm), d.sliding_window[i]))
+        head = spec.lm_head
+        if type(head) is nn.Linear:
+            head = nn.Linear(d.hidden_size, d.vocab_size, bias=head.bias is not None, device=device, dtype=dtype)
+            head.weight = nn.Parameter(cast(spec.lm_head.weight), requires_grad=False)
+            if head.bias is not None:
+                head.bias = nn.Parameter(cast(spec.lm_head.bias), requires_grad=False)
+        else:
+            _prepare(head, device, dtype, kernels)
+        cos, sin = spec.rope_tables(max_seq_len)
+        return cls(d, cast(spec.embed), blocks, cast(spec.final_norm), head, cast(cos), cast(sin)).eval()
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
+                kernels: str = "auto") -> "Transformer":
+        """From a HF causal LM of a supported family; linears may be nn.Linear, QuantLinear or Fp8Linear."""
+        return cls.from_spec(decoder_spec(model), max_seq_len, device, dtype, kernels)
+
+    # ------------------------------------------------------------------------------------------ caches
+    def setup_caches(self, max_batch: int, max_seq: int):
+        if max_seq > self.rope_cos.shape[0]:
+            raise ConfigError("max_seq", f"{max_seq} exceeds the RoPE table ({self.rope_cos.shape[0]} positions)")
+        if (max_batch, max_seq) == (self.max_batch, self.max_seq):
+            return
+        d, dev, dt = self.d, self.embed.device, self.embed.dtype
+        for blk in self.layers:
+            blk.attn.kv_cache = None
+        for blk in self.layers:
+            blk.attn.kv_cache = KVCache(max_batch, d.n_kv_heads, max_seq, d.head_dim, dt, dev)
+        self.max_batch, self.max_seq = max_batch, max_seq
+        idx = torch.arange(max_seq, device=dev)
+        causal = idx[None, :] <= idx[:, None]                                                 # [T, T]
+        self.masks = {None: causal}
+        for w in {blk.window for blk in self.layers} - {None}:
+            self.masks[w] = causal & (idx[None, :] > idx[:, None] - w)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """idx [B, S] token ids at cache slots input_pos [S] -> logits [B, S, V] (float32)."""
+        if self.max_seq == 0:
+            raise SdquantError("Transformer: call setup_caches(max_batch, max_seq) before forward")
+        x = F.embedding(idx, self.embed)                                                      # [B, S, H]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
+        masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
+        for blk in self.layers:
+            x = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos)
+        return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
+
+    def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: idx [B, 1] -> logits [B, V]. The compiled entry point."""
+        return self._decode(idx, input_pos)[:, -1]
+
+    # ------------------------------------------------------------------------------------------ compile
+    def compile_decode(self, mode: Optional[str] = "reduce-overhead", fullgraph: bool = True, backend="inductor",
+                       scope: str = "model", dynamic: bool = False):
+        """torch.compile the decode path.
+
+        scope="model": the whole forward as one graph (mode="reduce-overhead" captures it in a CUDA graph).
+        scope="block": one compiled block reused by every layer (compiles in seconds instead of minutes for
+            32 layers); wrap the step in ``CUDAGraphStep`` to replay a whole token as one graph.
+        """
+        if scope == "model":
+            self._decode = torch.compile(self.forward, mode=mode, fullgraph=fullgraph, backend=backend,
+                                         dynamic=dynamic)
+        elif scope == "block":
+            self._block_fn = torch.compile(_block_call, mode=mode, fullgraph=fullgraph, backend=backend,
+                                           dynamic=dynamic)
+            self._decode = self.forward
+        else:
+            raise ConfigError("scope", f"must be 'model' or 'block', got {scope!r}")
+        return self
+
+
+class CUDAGraphStep:
+    """Capture ``fn(idx [B,1], input_pos [1])`` once for a batch size and replay it per token (the same thing
+    mode="reduce-overhead" does, without torch.compile owning the graph, so a block-compiled model works)."""
+
+    def __init__(self, fn, batch: int, device, warmup: int = 2):
+        self.idx = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn(self.idx, self.pos)
+        torch.cuda.current_stream(device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn(self.idx, self.pos)
+
+    def __call__(self, idx, input_pos):
+        self.idx.copy_(idx)
+        self.pos.copy_(input_pos)
+        self.graph.replay()
+        return self.out
+
+
+# ------------------------------------------------------------------------------------------- generation
+def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+        logits = torch.where(logits < v[..., -1:], torch.full_like(logits, -float("inf")), logits)
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[..., 0]
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: Optional[int] = None, eos_token_id: Optional[int] = None, generator=None) -> torch.Tensor:
+    """prompt [B, S] (equal lengths, no padding) -> [B, S + n] tokens. Greedy when temperature == 0."""
+    b, s = prompt.shape
+    total = s + max_new_tokens
+    if b != model.max_batch or total > model.max_seq:
+        model.setup_caches(b, max(total, model.max_seq))   # the cache batch is exact: static shapes
+    dev = model.embed.device
+    prompt = prompt.to(dev)
+    logits = model(prompt, torch.arange(s, device=dev))[:, -1]
+    out = [prompt]
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    for i in range(max_new_tokens):
+        nxt = _sample(logits, temperature, top_k, generator)                                 # [B]
+        out.append(nxt[:, None])
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+            if bool(done.all()):
+                break
+        if i + 1 < max_new_tokens:
+            logits = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev))
+    return torch.cat(out, dim=1)

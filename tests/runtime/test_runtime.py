@@ -1,0 +1,91 @@
+"""The gpt-fast-style runtime reproduces the HF model (float and quantized, every supported family) through
+its static KV cache, with fused qkv / gate-up linears."""
+import pytest
+import torch
+import transformers as T
+
+from sdquant.errors import ConfigError, SdquantError
+from sdquant.kernels.linear import Fp8Linear, QuantLinear
+from sdquant.runtime.model import ConcatLinear, Transformer, fuse_linears, generate
+from sdquant.runtime.spec import UnsupportedModelError
+from sdquant.runtime.testing import quantize_model_rtn, random_int_weight
+
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": 6}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+def tiny(family, quant):
+    torch.manual_seed(0)
+    C, M, extra = FAMILIES[family]
+    cfg = C(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, **extra)
+    m = M(cfg).eval()
+    return m if quant is None else quantize_model_rtn(m, **quant)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quant", [None, dict(bits=4, group_size=32), dict(bits=4, group_size=32, act_order=True),
+                                   dict(fp8=True)], ids=["float", "int4", "int4-actorder", "fp8"])
+def test_matches_hf_prefill_decode_and_generate(family, quant):
+    model = tiny(family, quant)
+    rt = Transformer.from_hf(model, max_seq_len=64)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 9), generator=g)
+    rt.setup_caches(2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(rt(ids, torch.arange(9)), model(ids).logits, atol=1e-5, rtol=1e-5)
+        nxt = torch.randint(0, 128, (2, 1), generator=g)
+        torch.testing.assert_close(rt.decode_step(nxt, torch.tensor([9])),
+                                   model(torch.cat([ids, nxt], 1)).logits[:, -1], atol=1e-5, rtol=1e-5)
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(rt, ids, 6), hf)
+
+
+def test_fusion_merges_compatible_linears_and_keeps_others_apart():
+    model = tiny("llama", dict(bits=4, group_size=32))
+    at = model.model.layers[0].self_attn
+    fused = fuse_linears([at.q_proj, at.k_proj, at.v_proj])
+    assert isinstance(fused, QuantLinear) and fused.out_features == 64 + 32 + 32
+    x = torch.randn(3, 64)
+    ref = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
+    torch.testing.assert_close(fused(x), ref)
+    # act-order layers with different permutations cannot share one weight
+    ao = tiny("llama", dict(bits=4, group_size=32, act_order=True)).model.layers[0].self_attn
+    assert isinstance(fuse_linears([ao.q_proj, ao.k_proj]), ConcatLinear)
+    fp8 = tiny("llama", dict(fp8=True)).model.layers[0].mlp
+    assert isinstance(fuse_linears([fp8.gate_proj, fp8.up_proj]), Fp8Linear)
+
+
+def test_sampling_and_eos():
+    rt = Transformer.from_hf(tiny("llama", None), max_seq_len=64)
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(0))
+    a = generate(rt, ids, 8, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(5))
+    b = generate(rt, ids, 8, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and a.shape == (1, 12)
+    first = int(generate(rt, ids, 1)[0, -1])
+    assert generate(rt, ids, 8, eos_token_id=first).shape == (1, 5)   # stops right after emitting eos
+
+
+def test_errors():
+    model = tiny("llama", None)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        Transformer.from_hf(model, max_seq_len=4096)
+    rt = Transformer.from_hf(model, max_seq_len=32)
+    with pytest.raises(SdquantError, match="setup_caches"):
+        rt(torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    with pytest.raises(ConfigError, match="max_seq"):
+        rt.setup_caches(1, 64)
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError):
+        Transformer.from_hf(gpt2)
+
+
+def test_random_int_weight_shapes():
+    qw = random_int_weight(64, 256, group_size=128, symmetric=False)
+    assert qw.qweight.shape == (64, 128) and qw.scales.shape == (64, 2) and qw.zeros.shape == (64, 2)
+    assert 0.005 < qw.dequantize().std() < 0.05
