@@ -38,11 +38,11 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.numel() / (t * 1e-6) / 1e12  # TB/s, read + write
 
 
-def check_correctness(dev, log) -> list:
+def check_correctness(dev, log, small: bool = False) -> list:
     rows = []
     torch.manual_seed(1)
-    for (k, n) in ((256, 96), (4096, 4096), (14336, 4096)):
-        for m in (1, 3, 16, 33, 1024):
+    for (k, n) in ((256, 96), (14336, 4096)) if small else ((256, 96), (4096, 4096), (14336, 4096)):
+        for m in (1, 33) if small else (1, 3, 16, 33, 1024):
             for static in (False, True):
                 for extras in (False, True):
                     w = torch.randn(n, k, device=dev) / math.sqrt(k)
@@ -72,7 +72,8 @@ def check_correctness(dev, log) -> list:
                             log(f"correctness {name} {k}x{n} M={m}: {type(e).__name__}: {str(e)[:300]}")
                         rows.append({"kind": "fp8", "kernel": name, "K": k, "N": n, "M": m, "static": static,
                                      "bias_smooth": extras, "rel_err": err, "ok": bool(err <= BOUND)})
-    for (k, n, gs, sym) in ((256, 96, 32, False), (4096, 4096, 128, True), (4096, 4096, 128, False)):
+    for (k, n, gs, sym) in ((256, 96, 32, False), (4096, 4096, 128, True), (4096, 4096, 128, False),
+                            (8192, 1024, -1, False)):
         layer = crossover.random_int4_layer(n, k, "cpu", gs, sym).to(dev)
         for m in (1, 33, 1024):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -126,6 +127,8 @@ def gemm_baselines(dev, table, shapes_ms, log) -> list:
                                                                       out_dtype=torch.bfloat16) for w in ws],
                 "scaled_mm_rowwise": [lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
                                                                    out_dtype=torch.bfloat16) for w in ws],
+                "scaled_mm_rowwise_fastacc": [lambda w=w: torch._scaled_mm(
+                    xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True) for w in ws],
                 "triton_gemm": [lambda w=w: fp8_triton.gemm_swapab(xq, xs, w, wsc, None, torch.bfloat16, cfg)
                                 for w in ws],
                 "quantize_act": [lambda: fp8_triton.quantize_act(x)],
@@ -153,6 +156,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--skip-table", action="store_true", help="use the shipped table instead of measuring")
     ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting table shapes after this")
+    ap.add_argument("--correctness", choices=("full", "small", "none"), default="full")
+    ap.add_argument("--kinds", default="fp8,int4", help="kinds to (re)measure for the table")
+    ap.add_argument("--merge-table", default=None,
+                    help="existing table whose entries of the other kinds are kept (re-measure one kind only)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     logf = open(os.path.join(a.out, "gemm_fp8.log"), "w")
@@ -171,28 +178,39 @@ def main():
     log(f"{res['device']} torch {res['torch']} triton {res['triton']}")
     res["copy_TBps"] = copy_bandwidth(dev)
     log(f"device-to-device copy: {res['copy_TBps']:.2f} TB/s")
-    try:
-        res["correctness"] = check_correctness(dev, log)
-    except Exception:
-        log(traceback.format_exc())
+    if a.correctness != "none":
+        try:
+            res["correctness"] = check_correctness(dev, log, a.correctness == "small")
+        except Exception:
+            log(traceback.format_exc())
     log(f"[{time.perf_counter() - t0:.0f} s]")
     if a.quick:
         shapes, ms = ((14336, 4096), (4096, 4096), (8192, 28672)), (1, 16, 64, 256, 4096)
     else:
         shapes, ms = crossover.LLAMA_SHAPES, crossover.TABLE_MS
     table = None
+    kinds = tuple(a.kinds.split(","))
+    keep = []
+    if a.merge_table:
+        keep = [e for e in dispatch.load_table(a.merge_table)["entries"] if e["kind"] not in kinds]
+
+    def merged(t):
+        t = dict(t, entries=keep + t["entries"])
+        dispatch.write_table(t, os.path.join(a.out, "crossover_h200.json"))
+        return t
     if not a.skip_table:
         try:
-            table = crossover.measure(
-                shapes=shapes, ms=ms, log=log, deadline=t0 + a.budget_s,
-                on_entry=lambda t: dispatch.write_table(t, os.path.join(a.out, "crossover_h200.json")))
+            table = merged(crossover.measure(shapes=shapes, ms=ms, kinds=kinds, log=log, deadline=t0 + a.budget_s,
+                                             on_entry=merged))
         except Exception:
             log(traceback.format_exc())
     log(f"[{time.perf_counter() - t0:.0f} s]")
     targets = [((14336, 4096), (1, 16, 32, 64)), ((8192, 28672), (1, 16, 1024, 2048, 4096)),
-               ((4096, 14336), (16, 4096))]
+               ((4096, 14336), (16, 1024, 4096))]
     if a.quick:
         targets = [((14336, 4096), (1, 16, 64)), ((8192, 28672), (16, 4096))]
+    if table is None and a.merge_table:
+        table = dispatch.load_table(a.merge_table)
     try:
         res["gemm"] = gemm_baselines(dev, table, targets, log)
     except Exception:
@@ -201,16 +219,19 @@ def main():
     res["seconds"] = time.perf_counter() - t0
     with open(os.path.join(a.out, "gemm_fp8.json"), "w") as f:
         json.dump(res, f, indent=1)
-    log("\n| K×N | M | bf16 | sm tensorwise | sm rowwise | triton gemm | quant | layer (dispatch) | kernel | "
-        "×bf16 | ×rowwise(gemm) |")
+    log("\n| K×N | M | bf16 | sm tensorwise | sm rowwise | sm rowwise fastacc | triton gemm | quant | "
+        "layer (dispatch) | kernel | ×bf16 | ×rowwise(gemm) | layer/tensorwise |")
     for r in res["gemm"]:
         f = lambda v: f"{v:.1f}" if isinstance(v, float) else "–"  # noqa: E731
         sp = r["bf16"] / r["layer_dispatched"] if r.get("layer_dispatched") and r.get("bf16") else float("nan")
         sr = (r["scaled_mm_rowwise"] / r["triton_gemm"]) if r.get("triton_gemm") and r.get("scaled_mm_rowwise") \
             else float("nan")
+        lt = r["layer_dispatched"] / r["scaled_mm_tensorwise"] if r.get("layer_dispatched") and \
+            r.get("scaled_mm_tensorwise") else float("nan")
         log(f"| {r['K']}×{r['N']} | {r['M']} | {f(r.get('bf16'))} | {f(r.get('scaled_mm_tensorwise'))} | "
-            f"{f(r.get('scaled_mm_rowwise'))} | {f(r.get('triton_gemm'))} | {f(r.get('quantize_act'))} | "
-            f"{f(r.get('layer_dispatched'))} | {r.get('dispatch')} | {sp:.2f} | {sr:.2f} |")
+            f"{f(r.get('scaled_mm_rowwise'))} | {f(r.get('scaled_mm_rowwise_fastacc'))} | {f(r.get('triton_gemm'))} | "
+            f"{f(r.get('quantize_act'))} | {f(r.get('layer_dispatched'))} | {r.get('dispatch')} | {sp:.2f} | "
+            f"{sr:.2f} | {lt:.3f} |")
     log(f"total {res['seconds']:.0f} s")
 
 

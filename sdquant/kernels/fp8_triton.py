@@ -2,8 +2,9 @@
 
 Three kernels, each a plain Python function turned into a Triton kernel on first use:
 
-* ``_quant_act_kernel``  x [M, K] (fp16/bf16/fp32) -> e4m3 [M, K] + fp32 scale [M]: one program per token,
-  absmax pass then quantize pass (the second pass re-reads the row from L2). An unfolded AWQ/SmoothQuant
+* ``_quant_act_kernel``  x [M, K] (fp16/bf16/fp32) -> e4m3 [M, K] + fp32 scale [M]: one program per token;
+  rows up to 32768 wide are held in registers (one read of x), wider ones take an absmax pass and a
+  quantize pass. An unfolded AWQ/SmoothQuant
   ``smooth`` [K] is divided out in the same pass, so the layer needs no separate elementwise kernel.
 * ``_gemm_swapab_kernel`` the decode GEMM. At small M the token count is far too small for a tensor-core
   tile, so the kernel computes the transposed product out^T [N, M] = W [N, K] @ xq^T [K, M]: the weight rows
@@ -56,32 +57,48 @@ def _interpreting() -> bool:
 @_jit
 def _quant_act_kernel(x_ptr, smooth_ptr, in_scale_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
                       HAS_SMOOTH: tl.constexpr, STATIC: tl.constexpr, OUT_FP32: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
-    if STATIC:
-        scale = tl.load(in_scale_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            if HAS_SMOOTH:  # divided in fp32 (the eager path rounds x / smooth to x.dtype first)
-                x = tl.math.div_rn(x, tl.load(smooth_ptr + offs, mask=offs < K, other=1.0).to(tl.float32))
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
-        tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # the whole row fits in registers (BLOCK_K >= K): one read of x, no second round trip
+        offs = tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
+        if HAS_SMOOTH:  # divided in fp32 (the eager path rounds x / smooth to x.dtype first)
             x = tl.math.div_rn(x, tl.load(smooth_ptr + offs, mask=offs < K, other=1.0).to(tl.float32))
+        if STATIC:
+            scale = tl.load(in_scale_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+            tl.store(s_ptr + row, scale)
         v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         if OUT_FP32:
             tl.store(q_row + offs, v, mask=offs < K)
         else:
             tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
+    else:
+        if STATIC:
+            scale = tl.load(in_scale_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                if HAS_SMOOTH:
+                    x = tl.math.div_rn(x, tl.load(smooth_ptr + offs, mask=offs < K, other=1.0).to(tl.float32))
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+            tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if HAS_SMOOTH:
+                x = tl.math.div_rn(x, tl.load(smooth_ptr + offs, mask=offs < K, other=1.0).to(tl.float32))
+            v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+            if OUT_FP32:
+                tl.store(q_row + offs, v, mask=offs < K)
+            else:
+                tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
 
 
 @_jit
@@ -179,11 +196,16 @@ def quantize_act(x: torch.Tensor, smooth: Optional[torch.Tensor] = None,
     s = input_scale.float().reshape(()) if static else torch.empty((m,), device=x.device, dtype=torch.float32)
     if m == 0:
         return q.to(torch.float8_e4m3fn), s
-    block = min(triton.next_power_of_2(k), 4096 if not interpret else 1024)
-    kw = {} if interpret else {"num_warps": 8 if block >= 2048 else 4}
+    # rows up to 32768 wide stay in registers (<= 64 fp32 per thread at 16 warps): one pass over x.
+    # The interpreter is exercised on both paths: one pass up to 2048, two passes above.
+    limit = 2048 if interpret else 32768
+    block = min(triton.next_power_of_2(k), limit)
+    one_pass = block >= k
+    kw = {} if interpret else {"num_warps": 4 if block <= 2048 else 8 if block <= 8192 else 16}
     _kernel(_quant_act_kernel, interpret)[(m,)](
         x, smooth if smooth is not None else x, s if static else x, q, s, k, x.stride(0), q.stride(0),
-        HAS_SMOOTH=smooth is not None, STATIC=static, OUT_FP32=out_fp32, BLOCK_K=block, **kw)
+        HAS_SMOOTH=smooth is not None, STATIC=static, OUT_FP32=out_fp32, BLOCK_K=block, ONE_PASS=one_pass,
+        **kw)
     if out_fp32 and cast:
         q = q.to(torch.float8_e4m3fn)  # round to nearest even, saturated by the clamp above
     return q, s

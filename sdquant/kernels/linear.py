@@ -257,8 +257,9 @@ class Fp8Linear(_Prepared):
 
     def _run(self, name: str, x: torch.Tensor, cfg) -> torch.Tensor:
         if name == "reference":
-            if self.smooth is not None:
-                x = x / self.smooth.to(x.dtype)
+            if self.smooth is not None:  # divide in fp32, as the fused quantize kernels do, then quantize
+                return torch.ops.sdquant.fp8_linear(x.float() / self.smooth.float(), self.weight,
+                                                    self.weight_scale, self.input_scale, self.bias).to(x.dtype)
             return torch.ops.sdquant.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         if name == "triton":
             return torch.ops.sdquant.fp8_linear_triton(x, self.weight, self.weight_scale, self.input_scale,

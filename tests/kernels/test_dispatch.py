@@ -1,0 +1,191 @@
+"""Dispatch decisions from a given crossover table (pure logic), table validation and atomic writing,
+QuantLinear / Fp8Linear.prepare on CPU, and torch.compile(fullgraph=True) over a multi-bucket plan."""
+import json
+import math
+
+import pytest
+import torch
+
+from sdquant.errors import ConfigError
+from sdquant.kernels import dispatch
+from sdquant.kernels.linear import Fp8Linear, QuantLinear
+from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
+
+BUCKETS = [1, 16, 64, 256, 4096]
+
+
+def _table(**extra):
+    fp8 = {"kind": "fp8", "N": 4096, "K": 14336, "dtype": "bfloat16",
+           "us": {"bf16": [33, 34, 40, 90, 1000], "triton": [15, 16, 25, 95, 2000],
+                  "scaled_mm": [30, 31, 33, 60, 540], "dequant": [80, 80, 85, 120, 1100]},
+           "triton_config": [[64, 16, 256, 4, 4, 4], [64, 16, 256, 2, 4, 4], [128, 64, 256, 1, 4, 3], None, None]}
+    fp8_big = dict(fp8, N=28672, K=8192, us={"triton": [50, 50, 90, 300, 9000], "scaled_mm": [60, 61, 62, 100, 1400]},
+                   triton_config=None)
+    int4 = {"kind": "int4", "N": 4096, "K": 4096, "dtype": "bfloat16",
+            "us": {"cuda": [5, 6, 20, 80, 900], "triton": [7, 7, 12, 60, 800], "dequant": [20, 20, 21, 30, 300]}}
+    t = {"version": 1, "device": "test", "buckets": BUCKETS, "entries": [fp8, fp8_big, int4]}
+    t.update(extra)
+    return t
+
+
+ALL_FP8 = ("reference", "dequant", "scaled_mm", "triton")
+
+
+def test_plan_picks_fastest_per_bucket_and_merges_ranges():
+    plan = dispatch.plan_layer("fp8", 4096, 14336, ALL_FP8, _table())
+    assert plan.source == "table:4096x14336"
+    # 1, 16 and 64 share the kernel but not the tile config, so they stay separate ranges
+    assert plan.kernels == ("triton", "triton", "triton", "scaled_mm")
+    assert plan.bounds == (1, 16, 64, 4096)
+    assert plan.select(1) == ("triton", (64, 16, 256, 4, 4, 4))
+    assert plan.select(2) == ("triton", (64, 16, 256, 2, 4, 4))
+    assert plan.select(64) == ("triton", (128, 64, 256, 1, 4, 3))
+    assert plan.select(65)[0] == "scaled_mm" and plan.select(10 ** 6)[0] == "scaled_mm"
+
+
+def test_plan_compresses_identical_neighbours():
+    t = _table()
+    t["entries"][0]["triton_config"] = None
+    plan = dispatch.plan_layer("fp8", 4096, 14336, ALL_FP8, t)
+    assert plan.bounds == (64, 4096) and plan.kernels == ("triton", "scaled_mm")
+    assert plan.describe() == "M1-64:triton M65+:scaled_mm"
+
+
+def test_unavailable_kernels_are_skipped():
+    plan = dispatch.plan_layer("fp8", 4096, 14336, ("reference", "dequant", "scaled_mm"), _table())
+    assert set(plan.kernels) == {"scaled_mm"}
+    plan = dispatch.plan_layer("int4", 4096, 4096, ("reference", "dequant"), _table())
+    assert plan.kernels == ("dequant",)
+    plan = dispatch.plan_layer("int4", 4096, 4096, ("reference", "dequant", "triton", "cuda"), _table())
+    assert [plan.select(m)[0] for m in (1, 16, 64, 256, 5000)] == ["cuda", "cuda", "triton", "dequant", "dequant"]
+
+
+def test_nearest_shape_is_used_for_unmeasured_layers():
+    t = _table()
+    assert dispatch.nearest_entry(t, "fp8", 4000, 14000)["N"] == 4096
+    assert dispatch.nearest_entry(t, "fp8", 30000, 8000)["N"] == 28672
+    assert dispatch.nearest_entry(t, "int8", 1, 1) is None
+    plan = dispatch.plan_layer("fp8", 28000, 8192, ALL_FP8, t)
+    assert plan.source == "table:28672x8192" and plan.select(1)[0] == "triton" and plan.select(64)[0] == "scaled_mm"
+
+
+def test_defaults_without_table():
+    plan = dispatch.plan_layer("fp8", 64, 64, ALL_FP8, None)
+    assert plan.select(1)[0] == "triton" and plan.select(64)[0] == "triton" and plan.select(65)[0] == "scaled_mm"
+    plan = dispatch.plan_layer("int4", 64, 64, ("reference", "dequant", "triton", "cuda"), None)
+    assert [plan.select(m)[0] for m in (1, 16, 17, 64, 65)] == ["cuda", "cuda", "triton", "triton", "dequant"]
+    plan = dispatch.plan_layer("int3", 64, 64, ("reference", "dequant"), _table())
+    assert plan.kernels == ("dequant",)
+
+
+def test_forced_modes_and_errors():
+    assert dispatch.plan_layer("fp8", 8, 8, ALL_FP8, _table(), mode="cuda").kernels == ("scaled_mm",)
+    assert dispatch.plan_layer("int4", 8, 8, ("reference", "dequant"), None, mode="torch").kernels == ("dequant",)
+    with pytest.raises(ConfigError, match="kernels"):
+        dispatch.plan_layer("fp8", 8, 8, ALL_FP8, None, mode="fastest")
+    with pytest.raises(ConfigError, match="cuda int4 kernel, which cannot run"):
+        dispatch.plan_layer("int4", 8, 8, ("reference", "dequant"), None, mode="cuda")
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda t: t.update(version=2), "kernels.table"),
+    (lambda t: t.update(buckets=[4, 1]), "kernels.table.buckets"),
+    (lambda t: t["entries"][0]["us"].update(triton=[1, 2]), "kernels.table.entries[0].us.triton"),
+    (lambda t: t["entries"][0]["us"].update(triton=[1, 2, 3, 4, -5]), "kernels.table.entries[0].us.triton"),
+    (lambda t: t["entries"][1].update(N=0), "kernels.table.entries[1].N"),
+    (lambda t: t["entries"][2].update(kind="int5"), "kernels.table.entries[2]"),
+    (lambda t: t["entries"][0].update(triton_config=[[1, 2]] * 5), "kernels.table.entries[0].triton_config"),
+])
+def test_bad_tables_are_rejected(mutate, field):
+    t = _table()
+    mutate(t)
+    with pytest.raises(ConfigError) as e:
+        dispatch.validate_table(t)
+    assert e.value.field == field
+
+
+def test_write_and_load_roundtrip(tmp_path):
+    p = dispatch.write_table(_table(), tmp_path / "sub" / "t.json")
+    assert dispatch.load_table(p) == _table()
+    assert [f.name for f in p.parent.iterdir()] == ["t.json"]  # no temp file left behind
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        dispatch.load_table(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="does not exist"):
+        dispatch.load_table(tmp_path / "missing.json")
+    with pytest.raises(ConfigError):  # invalid tables are never written
+        dispatch.write_table({"version": 1}, tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_shipped_table_is_valid():
+    if not dispatch.SHIPPED_TABLE.exists():
+        pytest.skip("no measured table shipped yet")
+    t = dispatch.load_table()
+    assert t["entries"] and all(e["kind"] in ("fp8", "int4") for e in t["entries"])
+
+
+# ------------------------------------------------------------------------------------------ modules
+def _int4_layer(bias=True, smooth=False):
+    g = torch.Generator().manual_seed(0)
+    n, k, gs = 48, 128, 32
+    w = torch.randn(n, k, generator=g)
+    s, z = compute_qparams(w, 4, gs, False)
+    qw = QuantizedWeight.from_codes(quantize_codes(w, s, z, 4, gs), s, z, 4, gs)
+    return QuantLinear(qw, torch.randn(n, generator=g) if bias else None,
+                       torch.rand(k, generator=g) + 0.5 if smooth else None)
+
+
+def _fp8_layer(bias=True, smooth=False, static=False):
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 128
+    fw = quantize_fp8_weight(torch.randn(n, k, generator=g) / math.sqrt(k),
+                             torch.tensor(0.01) if static else None)
+    return Fp8Linear(fw, torch.randn(n, generator=g) if bias else None,
+                     torch.rand(k, generator=g) + 0.5 if smooth else None)
+
+
+@pytest.mark.parametrize("make", [_int4_layer, _fp8_layer])
+def test_prepare_on_cpu(make):
+    layer = make(smooth=True)
+    keys = sorted(layer.state_dict())
+    x = torch.randn(2, 7, layer.in_features)
+    before = layer(x)  # unprepared = reference op
+    assert layer.prepare("cpu") is layer and layer.plan.kernels == ("reference",)
+    torch.testing.assert_close(layer(x), before)
+    layer.prepare("cpu", torch.float32, kernels="torch")
+    assert layer.plan.kernels == ("dequant",)
+    torch.testing.assert_close(layer(x), before, rtol=1e-4, atol=1e-4)
+    assert sorted(layer.state_dict()) == keys  # kernel layouts never enter the state dict
+    assert "kernel=M1+:dequant" in repr(layer)
+    with pytest.raises(ConfigError):
+        layer.prepare("cpu", torch.int8)
+
+
+def test_prepare_rejects_missing_kernels_on_cpu():
+    with pytest.raises(ConfigError, match="cannot run"):
+        _int4_layer().prepare("cpu", torch.bfloat16, kernels="cuda")
+
+
+@pytest.mark.parametrize("make,kernels", [(_fp8_layer, ("reference", "dequant", "scaled_mm")),
+                                         (_int4_layer, ("reference", "dequant"))])
+def test_compile_fullgraph_over_a_multi_bucket_plan(make, kernels):
+    layer = make(smooth=True)
+    t = _table()
+    for e in t["entries"]:
+        e.update(N=layer.out_features, K=layer.in_features)
+        e["us"] = {"reference": [1, 1, 9, 9, 9], "dequant": [9, 9, 1, 1, 1], "scaled_mm": [5, 5, 5, 5, 5]}
+        e.pop("triton_config", None)
+    kind = "fp8" if isinstance(layer, Fp8Linear) else "int4"
+    layer._set_plan(dispatch.plan_layer(kind, layer.out_features, layer.in_features, kernels, t))
+    assert layer.plan.describe() == "M1-16:reference M17+:dequant"
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for m in (3, 40):  # one shape per range: both branches are traced
+        x = torch.randn(m, layer.in_features)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_wrong_input_width_is_a_shape_error():
+    from sdquant.errors import ShapeError
+    with pytest.raises(ShapeError, match="expects 128"):
+        _fp8_layer()(torch.randn(2, 64))

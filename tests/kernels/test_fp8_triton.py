@@ -1,0 +1,71 @@
+"""sdquant's Triton kernels (fp8 quantize, swap-AB split-K GEMM, int dequantize) run in Triton's interpreter
+on CPU tensors, against fp64 / PyTorch references.
+
+The interpreter is switched on by TRITON_INTERPRET=1, which triton reads when a kernel is decorated, so the
+checks run in a child process (fp8_interp_checks.py) and the setting never reaches other tests. Triton's
+interpreter rounds fp32 -> e4m3 incorrectly for some values (triton 3.9: -124.8 -> -64, ties away from
+even), so the quantize kernel's e4m3 cast is not tested here: its scaled/clamped fp32 stage is compared
+exactly with torch, and torch does the cast on CPU. The GPU cast is checked by bench/gemm_fp8.py on the H200.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1]))
+    p = subprocess.run([sys.executable, str(HERE / "fp8_interp_checks.py")], capture_output=True, text=True,
+                       env=env, timeout=900, cwd=HERE.parents[1])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_interpreter_flag_did_not_leak():
+    assert os.environ.get("TRITON_INTERPRET") in (None, "", "0")
+
+
+def test_quantize_stage_matches_torch_exactly(report):
+    rows = report["quant"]
+    assert {r["m"] for r in rows} == {1, 3, 16, 33} and any(r["smooth"] for r in rows) and any(r["static"] for r in rows)
+    for r in rows:
+        assert r["max_abs_v"] == 0.0 and r["max_abs_s"] == 0.0, r
+        assert r["codes_equal"], r
+
+
+def test_gemm_matches_fp64(report):
+    rows = report["gemm"]
+    assert {r["m"] for r in rows} == {1, 3, 16, 33}
+    assert any(r["cfg"] and r["cfg"] != "static" and r["cfg"][3] > 1 for r in rows)  # split-K exercised
+    assert any(r["k"] == 14336 for r in rows) and any(r["k"] == 272 for r in rows)   # Llama K, ragged K
+    for r in rows:
+        assert r["finite"], r
+        bound = 1e-5 if r["dtype"] == "torch.float32" else 8e-3  # fp32 accumulate; bf16 output rounding
+        assert r["rel"] < bound, r
+
+
+def test_fp8_layer_through_op(report):
+    for r in report["op"]:
+        assert r["kernel"] == "M1+:triton"
+        assert r["shape"] == [2, r["m"], 80]
+        assert r["rel"] < 8e-3, r
+
+
+def test_misaligned_shape_rejected(report):
+    assert report["errors"] == ["ShapeError: fp8 kernels need in_features and out_features divisible by 16, "
+                                "got K=40, N=32"]
+
+
+def test_int_dequant_kernel_exact(report):
+    rows = report["dequant"]
+    assert len(rows) == 3 * 3 * 2 * 2
+    for r in rows:
+        assert r["max_abs"] == 0.0, r

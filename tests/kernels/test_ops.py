@@ -1,0 +1,82 @@
+"""torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch) of sdquant's linear ops
+on CPU tensors."""
+import math
+
+import pytest
+import torch
+
+import sdquant.kernels.ops  # noqa: F401
+from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
+
+
+def _int_args(sym: bool, act_order: bool, bias: bool):
+    g = torch.Generator().manual_seed(0)
+    n, k, gs = 24, 64, 16
+    w = torch.randn(n, k, generator=g)
+    s, z = compute_qparams(w, 4, gs, sym)
+    g_idx = (torch.randperm(k, generator=g) % (k // gs)).to(torch.int32) if act_order else None
+    qw = QuantizedWeight.from_codes(quantize_codes(w, s, z, 4, gs, g_idx), s, z, 4, gs, g_idx)
+    x = torch.randn(3, 5, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return (x, qw.qweight, qw.scales, qw.zeros, qw.g_idx, b, 4, gs, k)
+
+
+def _fp8_args(static: bool, bias: bool):
+    g = torch.Generator().manual_seed(1)
+    n, k = 32, 64
+    x = torch.randn(2, 3, k, generator=g)
+    fw = quantize_fp8_weight(torch.randn(n, k, generator=g) / math.sqrt(k),
+                             (x.abs().amax() / 448).reshape(()) if static else None)
+    return (x, fw.weight, fw.weight_scale, fw.input_scale, torch.randn(n, generator=g) if bias else None)
+
+
+@pytest.mark.parametrize("sym,act_order,bias", [(True, False, False), (False, True, True)])
+@pytest.mark.parametrize("op", ["int_linear", "int_linear_dequant"])
+def test_opcheck_int(op, sym, act_order, bias):
+    torch.library.opcheck(getattr(torch.ops.sdquant, op), _int_args(sym, act_order, bias))
+
+
+# opcheck's test_schema compares inputs before and after the call with arithmetic that torch has no CPU
+# kernel for on float8_e4m3fn ("mul_cpu_reduced_float" not implemented); the other checks run, and
+# _check_no_mutation covers what test_schema would have checked (the op leaves its inputs untouched).
+FP8_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def _check_no_mutation(op, args):
+    before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn
+              else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    op(*args)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b)
+
+
+@pytest.mark.parametrize("static,bias", [(False, False), (True, True)])
+def test_opcheck_fp8(static, bias):
+    args = _fp8_args(static, bias)
+    torch.library.opcheck(torch.ops.sdquant.fp8_linear, args, test_utils=FP8_UTILS)
+    _check_no_mutation(torch.ops.sdquant.fp8_linear, args)
+
+
+@pytest.mark.parametrize("op", ["fp8_linear_scaled_mm", "fp8_linear_dequant"])
+@pytest.mark.parametrize("static,smooth", [(False, False), (True, True)])
+def test_opcheck_fp8_device_paths(op, static, smooth):
+    args = _fp8_args(static, True)
+    sm = torch.rand(args[0].shape[-1]) + 0.5 if smooth else None
+    torch.library.opcheck(getattr(torch.ops.sdquant, op), (*args, sm), test_utils=FP8_UTILS)
+    _check_no_mutation(getattr(torch.ops.sdquant, op), (*args, sm))
+
+
+@pytest.mark.parametrize("op", ["fp8_linear_scaled_mm", "fp8_linear_dequant"])
+def test_fp8_device_paths_match_reference_on_cpu(op):
+    x, w, ws, isc, b = _fp8_args(False, True)
+    sm = torch.rand(x.shape[-1]) + 0.5
+    ref = torch.ops.sdquant.fp8_linear(x / sm, w, ws, isc, b)
+    y = getattr(torch.ops.sdquant, op)(x, w, ws, isc, b, sm)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert float((y - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_int_dequant_op_matches_reference():
+    args = _int_args(False, True, True)
+    torch.testing.assert_close(torch.ops.sdquant.int_linear_dequant(*args), torch.ops.sdquant.int_linear(*args))
