@@ -159,7 +159,8 @@ def _file_chunks(src: Union[bytes, bytearray, memoryview, os.PathLike, str]) -> 
 
 # ------------------------------------------------------------------------------------------- layers
 def int_scheme(qw: QuantizedWeight) -> dict:
-    return {"type": "int", "bits": qw.bits, "group_size": qw.group_size, "symmetric": qw.zeros is None,
+    gs = -1 if qw.group_size in (-1, 0) else qw.group_size  # 0 is qtensor's alias of per-channel
+    return {"type": "int", "bits": qw.bits, "group_size": gs, "symmetric": qw.zeros is None,
             "act_order": qw.g_idx is not None}
 
 
