@@ -30,8 +30,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from sdquant.errors import ConfigError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-FP8_KERNELS = ("triton", "scaled_mm", "dequant", "reference")
-INT_KERNELS = ("cuda", "triton", "dequant", "reference")
+FP8_KERNELS = ("triton", "scaled_mm", "dequant", "dense", "reference")
+INT_KERNELS = ("cuda", "triton", "dequant", "dense", "reference")
 MODES = ("auto", "reference", "triton", "cuda", "torch")
 SHIPPED_TABLE = Path(__file__).with_name("crossover_h200.json")
 
@@ -55,8 +55,11 @@ class Plan:
         return self.kernels[i], self.configs[i]
 
     def describe(self) -> str:
+        """e.g. "M1-64:triton M65+:scaled_mm" (ranges that differ only in tile config shown merged)."""
         lo, parts = 1, []
-        for b, k in zip(self.bounds, self.kernels):
+        for i, (b, k) in enumerate(zip(self.bounds, self.kernels)):
+            if i + 1 < len(self.kernels) and self.kernels[i + 1] == k:
+                continue
             parts.append(f"M{lo}+:{k}" if b == self.bounds[-1] else f"M{lo}-{b}:{k}")
             lo = b + 1
         return " ".join(parts)
@@ -145,6 +148,10 @@ def default_choice(kind: str, m: int, available: Iterable[str]) -> str:
     raise ConfigError("kernels", f"no {kind} kernel can run here (available: {sorted(av)})")
 
 
+def _col(kernel: str) -> str:
+    return "bf16" if kernel == "dense" else kernel
+
+
 def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optional[dict] = None,
                dtype: str = "bfloat16", mode: str = "auto") -> Plan:
     """Choose the kernel per M bucket for one layer.
@@ -172,7 +179,8 @@ def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optio
     cfgs = entry.get("triton_config") or [None] * len(buckets)
     kernels, configs = [], []
     for i, b in enumerate(buckets):
-        timed = [(us[name][i], name) for name in av if name in us and us[name][i] is not None]
+        # "dense" (a cached x.dtype copy of W, opt-in) runs exactly the bf16 baseline's F.linear
+        timed = [(us[_col(name)][i], name) for name in av if _col(name) in us and us[_col(name)][i] is not None]
         name = min(timed)[1] if timed else default_choice(kind, b, av)
         kernels.append(name)
         configs.append(tuple(cfgs[i]) if name == "triton" and cfgs[i] else ())

@@ -67,6 +67,21 @@ class _Prepared(nn.Module):
         self.plan = plan
         self.kernel = plan.describe()
 
+    def _set_dense(self, dense: bool, dtype: torch.dtype):
+        """``dense=True`` keeps a dequantized x.dtype copy of W (non-persistent) for the M buckets where the
+        table says plain F.linear beats every quantized path (large M, where the GEMM is compute-bound):
+        it buys "never slower than bf16" with the bf16 weight's memory. Off by default."""
+        if hasattr(self, "_dense_weight"):
+            delattr(self, "_dense_weight")
+        if dense:
+            wq = self.weight_q
+            if isinstance(wq, QuantizedWeight):
+                from sdquant.kernels import dequant_triton
+                w = dequant_triton.dequantize(wq, dtype)
+            else:
+                w = wq.dequantize(dtype)
+            self.register_buffer("_dense_weight", w.contiguous(), persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ShapeError(f"{type(self).__name__}: input has {x.shape[-1]} features, layer expects "
@@ -139,12 +154,15 @@ class QuantLinear(_Prepared):
             return None
         return op, layout
 
-    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None) -> "QuantLinear":
+    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None,
+                dense: bool = False) -> "QuantLinear":
         """Move to ``device``, build the kernel layouts once and choose a kernel per M bucket.
 
         kernels: "auto" (measured table on a GPU, the reference op on a CPU), "reference", "triton", "cuda",
         "torch" (dequantize + cuBLAS at every M). ``table``: a path or dict overriding the shipped table.
         ``dtype`` is the activation dtype the layer will see (default bf16 on a GPU, fp32 on a CPU).
+        ``dense``: also keep a dequantized copy of W for the buckets where bf16 F.linear is fastest (see
+        ``_set_dense``): the only way an int4 layer matches bf16 at large M, at the cost of W's bf16 memory.
         """
         device, dtype = _resolve(device, dtype, self.qweight)
         self.to(device)
@@ -152,7 +170,7 @@ class QuantLinear(_Prepared):
             for key in keys:
                 delattr(self, key)
         self._layout_keys, self._int4_ops = {}, {}
-        available = self.available_kernels(device, dtype)
+        available = self.available_kernels(device, dtype) + (("dense",) if dense else ())
         if kernels == "auto" and device.type != "cuda":
             plan = dispatch.uniform("reference", "cpu")
         else:
@@ -165,6 +183,7 @@ class QuantLinear(_Prepared):
                               f"{self.in_features}]; using dequantize+cuBLAS instead")
                 plan = dispatch.Plan(plan.bounds, tuple("dequant" if k == name else k for k in plan.kernels),
                                      plan.configs, plan.source)
+        self._set_dense(dense and "dense" in plan.kernels, dtype)
         self._set_plan(plan)
         return self
 
@@ -192,6 +211,9 @@ class QuantLinear(_Prepared):
         if name == "reference":
             return torch.ops.sdquant.int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias,
                                                 self.bits, self.group_size, self.in_features)
+        if name == "dense":
+            return torch.nn.functional.linear(x, self._dense_weight, None if self.bias is None else
+                                              self.bias.to(x.dtype))
         if name == "dequant":
             return torch.ops.sdquant.int_linear_dequant(x, self.qweight, self.scales, self.zeros, self.g_idx,
                                                         self.bias, self.bits, self.group_size, self.in_features)
@@ -239,19 +261,21 @@ class Fp8Linear(_Prepared):
                 names.append("triton")
         return tuple(names)
 
-    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None) -> "Fp8Linear":
+    def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None,
+                dense: bool = False) -> "Fp8Linear":
         """As ``QuantLinear.prepare``; for fp8, kernels="cuda" means cuBLASLt ``torch._scaled_mm`` (rowwise).
         The weight needs no repacking: [N, K] row-major is the K-major operand every fp8 path reads."""
         device, dtype = _resolve(device, dtype, self.weight)
         self.to(device)
         self.weight_scale = self.weight_scale.float().contiguous()
-        available = self.available_kernels(device, dtype)
+        available = self.available_kernels(device, dtype) + (("dense",) if dense else ())
         if kernels == "auto" and device.type != "cuda":
             plan = dispatch.uniform("reference", "cpu")
         else:
             plan = dispatch.plan_layer("fp8", self.out_features, self.in_features, available,
                                        _table_for(device, kernels, table), str(dtype).replace("torch.", ""),
                                        kernels)
+        self._set_dense(dense and "dense" in plan.kernels, dtype)
         self._set_plan(plan)
         return self
 
@@ -267,6 +291,11 @@ class Fp8Linear(_Prepared):
         if name == "scaled_mm":
             return torch.ops.sdquant.fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale,
                                                           self.bias, self.smooth)
+        if name == "dense":  # W8A16: the cached dequantized weight, activations not quantized
+            if self.smooth is not None:
+                x = x / self.smooth.to(x.dtype)
+            return torch.nn.functional.linear(x, self._dense_weight, None if self.bias is None else
+                                              self.bias.to(x.dtype))
         return torch.ops.sdquant.fp8_linear_dequant(x, self.weight, self.weight_scale, self.input_scale,
                                                     self.bias, self.smooth)
 

@@ -60,6 +60,18 @@ def test_unavailable_kernels_are_skipped():
     assert [plan.select(m)[0] for m in (1, 16, 64, 256, 5000)] == ["cuda", "cuda", "triton", "dequant", "dequant"]
 
 
+def test_dense_copy_wins_where_bf16_is_fastest():
+    # the fp8 entry's bf16 column beats everything at M=4096 only... except scaled_mm: never dense there
+    plan = dispatch.plan_layer("fp8", 4096, 14336, ALL_FP8 + ("dense",), _table())
+    assert "dense" not in plan.kernels
+    t = _table()
+    t["entries"][2]["us"]["bf16"] = [30, 30, 30, 20, 200]  # int4: bf16 fastest from M=256 on
+    plan = dispatch.plan_layer("int4", 4096, 4096, ("reference", "dequant", "triton", "cuda", "dense"), t)
+    assert [plan.select(m)[0] for m in (1, 64, 200, 5000)] == ["cuda", "triton", "dense", "dense"]
+    plan = dispatch.plan_layer("int4", 4096, 4096, ("reference", "dequant", "triton", "cuda"), t)
+    assert plan.select(5000)[0] == "dequant"  # without the opt-in copy
+
+
 def test_nearest_shape_is_used_for_unmeasured_layers():
     t = _table()
     assert dispatch.nearest_entry(t, "fp8", 4000, 14000)["N"] == 4096
@@ -160,6 +172,19 @@ def test_prepare_on_cpu(make):
     assert "kernel=M1+:dequant" in repr(layer)
     with pytest.raises(ConfigError):
         layer.prepare("cpu", torch.int8)
+
+
+@pytest.mark.parametrize("make", [_int4_layer, _fp8_layer])
+def test_dense_path_on_cpu(make):
+    layer = make(smooth=True)
+    x = torch.randn(5, layer.in_features)
+    ref = layer(x)
+    layer._set_dense(True, torch.float32)
+    layer._set_plan(dispatch.uniform("dense", "test"))
+    # int4: same weights exactly; fp8 dense is W8A16 (activations unquantized), so only close
+    tol = 1e-5 if isinstance(layer, QuantLinear) else 5e-2
+    assert float((layer(x) - ref).norm() / ref.norm()) < tol
+    assert "_dense_weight" not in layer.state_dict()
 
 
 def test_prepare_rejects_missing_kernels_on_cpu():
