@@ -85,9 +85,12 @@ def calibrate(model: Optional[nn.Module] = None, config: Union[Config, dict, str
     from sdquant.models.adapters import get_adapter
     from sdquant.models.hf import convert_conv1d, linear_shapes, load_model, torch_dtype
 
+    from sdquant.calibrate import distributed
+
     cfg = _as_config(config)
     t0 = time.perf_counter()
-    device = _resolve_device(cfg.device)
+    dist = distributed.current()          # an initialised torch.distributed group means data parallel
+    device = distributed.rank_device(_resolve_device(cfg.device), dist)
     dtype = torch_dtype(cfg.dtype, str(device))
     if model is None:
         model, tok = load_model(cfg.model, dtype)
@@ -99,6 +102,10 @@ def calibrate(model: Optional[nn.Module] = None, config: Union[Config, dict, str
     validate_against_model(cfg, shapes, lambda n: layer_spec(cfg.quant, n, adapter.keep))
     batches, data_fp = _batches(cfg, data, tokenizer, model)
     fp = fingerprint_of(model, data_fp, cfg.quant)
+    batches = dist.shard(batches)
+    if not batches:
+        raise ConfigError("data.n_samples", f"{dist.world} ranks but too few calibration batches to give each "
+                                            f"one (lower pipeline.batch_size)")
     if work_dir is None and cfg.pipeline.work_dir:
         work_dir = cfg.pipeline.work_dir
     if work_dir is None and resume:
@@ -108,7 +115,7 @@ def calibrate(model: Optional[nn.Module] = None, config: Union[Config, dict, str
     cb = _progress_callback(progress)
     pres = run_pipeline(model, adapter, batches, cfg.quant, device=device,
                         work_dir=Path(work_dir) if work_dir else None, fingerprint=fp, resume=resume,
-                        progress=cb, stop_after=stop_after)
+                        progress=cb if dist.is_main else None, stop_after=stop_after, dist=dist)
     if cb is not None and hasattr(cb, "close"):
         cb.close()
     size_before = sum(shapes[n][0] * shapes[n][1] for n in pres.weights) * torch.finfo(dtype).bits // 8

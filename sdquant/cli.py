@@ -103,6 +103,10 @@ def cmd_calibrate(args) -> int:
     out = Path(cfg.output or "model.sd2")
     if out.exists() and out.is_dir():
         raise SdquantError(f"output: {out} is a folder, expected a .sd2 file path")
+    from sdquant.calibrate import distributed
+    dist = distributed.init_from_env(cfg.device)  # under torchrun: data-parallel calibration
+    if dist.active:
+        return _calibrate_distributed(cfg, args, out, dist)
     device = _resolve_device(cfg.device)
     dtype = torch_dtype(cfg.dtype, str(device))
     t0 = time.perf_counter()
@@ -119,6 +123,23 @@ def cmd_calibrate(args) -> int:
         loaded = sdquant.load(path, device="cpu", dtype=dtype)
         after = _generate(loaded, tok, cfg)
     _print_summary(res, path, time.perf_counter() - t0, before, after, ppl_fp, ppl_q)
+    return EXIT_OK
+
+
+def _calibrate_distributed(cfg, args, out, dist) -> int:
+    """Every rank calibrates its shard; statistics are reduced across ranks; rank 0 writes and reports."""
+    import torch.distributed as tdist
+    import sdquant
+    t0 = time.perf_counter()
+    try:
+        res = sdquant.calibrate(None, cfg, progress=dist.is_main and not args.no_progress, resume=args.resume)
+        if dist.is_main:
+            path = sdquant.export(res, out, format="sd2")
+            _print_summary(res, path, time.perf_counter() - t0, None, None, None, None)
+            print(f"data parallel over {dist.world} ranks")
+        dist.barrier()
+    finally:
+        tdist.destroy_process_group()
     return EXIT_OK
 
 

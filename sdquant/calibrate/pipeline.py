@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from sdquant.calibrate.distributed import SINGLE, Dist
 from sdquant.config import LayerSpec, QuantConfig, layer_spec
 from sdquant.errors import SdquantError
 from sdquant.models.adapters import Adapter, get_blocks, resolve_groups
@@ -136,6 +137,8 @@ class BlockContext:
     dtype: torch.dtype
     log: logging.Logger = log
     progress: Optional[Callable[[int], None]] = None
+    dist: Dist = SINGLE                # data parallel: ctx.inputs is this rank's shard; reduce statistics with
+                                       # ctx.dist.sum_(tensor) / sum_float(x) before using them
 
     def spec(self, name: str) -> LayerSpec:
         s = layer_spec(self.qcfg, name, self.keep)
@@ -188,16 +191,19 @@ def _quantize_block(ctx: BlockContext):
 def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantConfig, *, device="cpu",
                  work_dir: Optional[Path] = None, fingerprint: str = "", resume: bool = False,
                  progress: Optional[Callable[[str, int, int], None]] = None,
-                 stop_after: Optional[int] = None) -> PipelineResult:
+                 stop_after: Optional[int] = None, dist: Dist = SINGLE) -> PipelineResult:
     """Quantize every block of ``model`` in place (folded scales, dequantized weights) and return the
-    quantized weights. ``stop_after`` ends after that many blocks (used to test resume)."""
+    quantized weights. ``stop_after`` ends after that many blocks (used to test resume). Under
+    torch.distributed, ``batches`` is this rank's shard and only rank 0 writes the work folder."""
     t0 = time.perf_counter()
     device = torch.device(device)
     keep = tuple(adapter.keep)
     blocks = get_blocks(model, adapter)
     dtype = next(model.parameters()).dtype
     if work_dir is not None:
-        _prepare_work_dir(Path(work_dir), fingerprint, resume)
+        if dist.is_main:
+            _prepare_work_dir(Path(work_dir), fingerprint, resume)
+        dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     per_block = capture_block_inputs(model, adapter, batches, device)
@@ -216,9 +222,9 @@ def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantC
             res.resumed_blocks += 1
         else:
             ctx = BlockContext(block, i, prefix, inputs, resolve_groups(block, prefix, adapter, targets),
-                               targets, qcfg, keep, device, dtype)
+                               targets, qcfg, keep, device, dtype, dist=dist)
             br = _quantize_block(ctx)
-            if saved is not None:
+            if saved is not None and dist.is_main:
                 _save_block(saved, block, prefix, br)
         res.weights.update(br.weights)
         res.smooth.update(getattr(br, "smooth", {}) or {})

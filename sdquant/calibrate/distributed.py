@@ -1,0 +1,126 @@
+"""Data-parallel calibration on torch.distributed (torchrun; NCCL on GPUs, gloo on CPUs).
+
+Each rank holds a shard of the calibration batches (batch i goes to rank i % world) and runs every block on
+it. Statistics that the recipes accumulate over batches (Hessians, mean |x|, search losses, activation
+ranges) are summed across ranks in float64 so every rank reaches the same scales and quantized weights as a
+single process; the independent solves of a block (GPTQ per linear) are spread over the ranks and their
+results broadcast. Only rank 0 writes files.
+
+Nothing here runs at import time: the process group is created by ``init_from_env`` when the CLI or the
+API is started under torchrun (WORLD_SIZE > 1), never by importing sdquant.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+# NVLink SHARP / multicast stays off: the lent machines' fabric does not support it reliably
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: Sequence) -> list:
+        """This rank's share: items rank, rank + world, ... (a fixed assignment, independent of timing)."""
+        return list(items[self.rank::self.world])
+
+    def owner(self, index: int) -> int:
+        return index % self.world
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum across ranks, reduced in float64 so the order of ranks does not change the result
+        at float32 precision."""
+        if not self.active:
+            return t
+        import torch.distributed as dist
+        buf = t.to(torch.float64)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        t.copy_(buf.to(t.dtype))
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return t
+        import torch.distributed as dist
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def sum_float(self, x: float, device=None) -> float:
+        if not self.active:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=device or self.device())
+        return float(self.sum_(t).item())
+
+    def broadcast_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        if not self.active:
+            return t
+        import torch.distributed as dist
+        dist.broadcast(t, src=src)
+        return t
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def device(self) -> torch.device:
+        import torch.distributed as dist
+        if self.active and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+SINGLE = Dist()
+
+
+def current() -> Dist:
+    """The Dist of an initialised process group, or the single-process one."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size())
+    return SINGLE
+
+
+def init_from_env(device: Optional[str] = None) -> Dist:
+    """Create the process group when launched by torchrun (WORLD_SIZE > 1); otherwise single-process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        use_cuda = torch.cuda.is_available() and (device is None or str(device).startswith(("cuda", "auto")))
+        if use_cuda:
+            for k, v in NCCL_DEFAULTS.items():
+                os.environ.setdefault(k, v)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return current()
+
+
+def rank_device(device: torch.device, d: Dist) -> torch.device:
+    """Each rank uses its own GPU (LOCAL_RANK) when the configured device is CUDA."""
+    if d.active and device.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", d.rank)))
+    return device

@@ -1,0 +1,65 @@
+"""Data-parallel calibration with torch.distributed (gloo on CPU): 2 and 4 processes give the same
+quantized weights and folded model as 1."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sdquant
+from sdquant.config import load_config
+
+IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _cfg(method):
+    return load_config(None, {"model.kind": "builtin", "model.name": "tiny-llama", "quant.method": method,
+                              "quant.group_size": 32, "device": "cpu", "pipeline.batch_size": 2,
+                              "quant.awq.grid": 4, "quant.awq.clip_grid": 4})
+
+
+def _tensors(res):
+    out = {}
+    for n, w in res.weights.items():
+        for k in ("qweight", "scales", "zeros", "g_idx", "weight", "weight_scale", "input_scale"):
+            t = getattr(w, k, None)
+            if isinstance(t, torch.Tensor):
+                out[f"{n}.{k}"] = t.clone()
+    for n, t in res.model.state_dict().items():
+        out[f"model.{n}"] = t.clone()
+    return out
+
+
+def _worker(rank, world, port, method, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = sdquant.calibrate(config=_cfg(method), data=IDS)
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in _tensors(res).items()}, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq+gptq", "fp8"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_equals_single_process(method, world, tmp_path):
+    from safetensors.torch import load_file
+    single = _tensors(sdquant.calibrate(config=_cfg(method), data=IDS))
+    path = str(tmp_path / "out")
+    mp.start_processes(_worker, args=(world, _free_port(), method, path), nprocs=world, join=True,
+                       start_method="fork")
+    for r in range(world):
+        got = load_file(f"{path}.rank{r}")
+        assert set(got) == set(single)
+        for k, v in single.items():
+            assert torch.equal(got[k], v), f"rank {r} of {world}: {k} differs from the single-process run"
