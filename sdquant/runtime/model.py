@@ -156,6 +156,42 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
+class FloatEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)                                                 # [V, H]
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows stored as a canonical 4/8-bit QuantizedWeight [V, H]; only the looked-up rows are
+    dequantized (a gather of B*S rows), so the table costs 0.5 byte per weight on the device instead of 2."""
+
+    def __init__(self, qw, dtype=torch.bfloat16):
+        super().__init__()
+        from sdquant.errors import ShapeError
+        from sdquant.quant.qtensor import effective_group_size
+        if qw.bits not in (4, 8) or qw.g_idx is not None:
+            raise ShapeError(f"QuantEmbedding: bits={qw.bits}, act-order={qw.g_idx is not None}; "
+                             f"supported: 4 or 8 bits, no g_idx")
+        self.bits, self.dim, self.dtype = qw.bits, qw.in_features, dtype
+        self.gs = effective_group_size(qw.in_features, qw.group_size)
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scales", qw.scales)
+        self.register_buffer("zeros", qw.zeros)
+
+    def forward(self, idx):
+        rows = self.qweight[idx]                                                               # [B, S, H*bits/8]
+        if self.bits == 4:
+            rows = torch.stack([rows & 15, rows >> 4], dim=-1).flatten(-2)                     # [B, S, H]
+        s = self.scales[idx].float().repeat_interleave(self.gs, dim=-1)                        # [B, S, H]
+        z = float(1 << (self.bits - 1)) if self.zeros is None else \
+            self.zeros[idx].float().repeat_interleave(self.gs, dim=-1)
+        return ((rows.float() - z) * s).to(self.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, d: DecoderDims, attn: Attention, w13: nn.Module, w2: nn.Module, attn_norm, ffn_norm,
                  window: Optional[int]):
@@ -176,11 +212,11 @@ def _block_call(block: Block, x, cos, sin, mask, input_pos):
 
 
 class Transformer(nn.Module):
-    def __init__(self, d: DecoderDims, embed: torch.Tensor, blocks: List[Block], norm: torch.Tensor,
+    def __init__(self, d: DecoderDims, embed, blocks: List[Block], norm: torch.Tensor,
                  lm_head: nn.Module, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         super().__init__()
         self.d = d
-        self.register_buffer("embed", embed)
+        self.tok = embed if isinstance(embed, nn.Module) else FloatEmbedding(embed)          # [V, H] lookup
         self.layers = nn.ModuleList(blocks)
         self.register_buffer("norm", norm)
         self.lm_head = lm_head
@@ -229,7 +265,7 @@ class Transformer(nn.Module):
             raise ConfigError("max_seq", f"{max_seq} exceeds the RoPE table ({self.rope_cos.shape[0]} positions)")
         if (max_batch, max_seq) == (self.max_batch, self.max_seq):
             return
-        d, dev, dt = self.d, self.embed.device, self.embed.dtype
+        d, dev, dt = self.d, self.norm.device, self.norm.dtype
         for blk in self.layers:
             blk.attn.kv_cache = None
         for blk in self.layers:
@@ -242,15 +278,18 @@ class Transformer(nn.Module):
             self.masks[w] = causal & (idx[None, :] > idx[:, None] - w)
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """idx [B, S] token ids at cache slots input_pos [S] -> logits [B, S, V] (float32)."""
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """idx [B, S] token ids at cache slots input_pos [S] -> logits [B, S, V] (float32); last_only: the
+        logits of the last position only ([B, 1, V]: a prefill needs no others)."""
         if self.max_seq == 0:
             raise SdquantError("Transformer: call setup_caches(max_batch, max_seq) before forward")
-        x = F.embedding(idx, self.embed)                                                      # [B, S, H]
+        x = self.tok(idx)                                                                     # [B, S, H]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
         masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
         for blk in self.layers:
             x = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
 
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -321,9 +360,9 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     total = s + max_new_tokens
     if b != model.max_batch or total > model.max_seq:
         model.setup_caches(b, max(total, model.max_seq))   # the cache batch is exact: static shapes
-    dev = model.embed.device
+    dev = model.norm.device
     prompt = prompt.to(dev)
-    logits = model(prompt, torch.arange(s, device=dev))[:, -1]
+    logits = model(prompt, torch.arange(s, device=dev), last_only=True)[:, -1]
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):

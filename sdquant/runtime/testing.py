@@ -63,3 +63,72 @@ def random_int_weight(n: int, k: int, bits=4, group_size=128, symmetric=True, de
 def random_fp8_weight(n: int, k: int, device="cpu", generator: Optional[torch.Generator] = None) -> Fp8Weight:
     w = torch.randn(n, k, device=device, generator=generator).clamp(-6, 6).to(torch.float8_e4m3fn)
     return Fp8Weight(w, torch.full((n,), 0.01 / 2, device=device), None)
+
+
+# ------------------------------------------------------------------------------- random runtime models
+LLAMA3_8B = dict(family="llama", vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                 head_dim=128, intermediate_size=14336, rms_eps=1e-5, tie_embeddings=False)
+TINY = dict(family="llama", vocab_size=512, hidden_size=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
+            intermediate_size=512, rms_eps=1e-5, tie_embeddings=False)
+
+
+def default_rope_tables(n_positions: int, head_dim: int, theta: float = 500000.0):
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    f = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv[None]
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch.bfloat16, group_size: int = 128,
+                   symmetric: bool = True, lm_head: str = "bf16", embed: str = "bf16", max_seq_len: int = 4096,
+                   kernels: str = "auto", seed: int = 0):
+    """A runtime Transformer of the given shape with random weights made directly on ``device``.
+
+    linears: "bf16" (nn.Linear in ``dtype``), "int4" (QuantLinear, g``group_size``) or "fp8" (Fp8Linear,
+    dynamic per-token activations). lm_head: "bf16" or "int4"; embed: "bf16" or "int4" (QuantEmbedding).
+    Fused qkv / gate-up weights are made fused (one [N_q+2N_kv, H] and one [2I, H] weight per layer).
+    """
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    from sdquant.runtime.model import Attention, Block, QuantEmbedding, Transformer, _prepare
+    from sdquant.runtime.spec import DecoderDims
+    d = DecoderDims(**dims, sliding_window=[None] * dims["n_layers"], max_position_embeddings=max_seq_len)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def linear(n, k, kind):
+        if kind == "int4":
+            m = QuantLinear(random_int_weight(n, k, 4, group_size, symmetric, device, g))
+        elif kind == "fp8":
+            m = Fp8Linear(random_fp8_weight(n, k, device, g))
+        else:
+            m = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+            with torch.no_grad():
+                m.weight.normal_(0, 0.02, generator=g)
+            m.weight.requires_grad_(False)
+        _prepare(m, device, dtype, kernels)
+        return m
+
+    ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
+    blocks = []
+    h, i = d.hidden_size, d.intermediate_size
+    for _ in range(d.n_layers):
+        attn = Attention(d, linear(d.q_size + 2 * d.kv_size, h, linears), linear(h, d.q_size, linears))
+        blocks.append(Block(d, attn, linear(2 * i, h, linears), linear(h, i, linears), ones(h), ones(h), None))
+    if embed == "int4":
+        emb = QuantEmbedding(random_int_weight(d.vocab_size, h, 4, group_size, symmetric, device, g), dtype)
+    else:
+        emb = (torch.randn(d.vocab_size, h, device=device, generator=g) * 0.02).to(dtype)
+    head = linear(d.vocab_size, h, "int4" if lm_head == "int4" else "bf16")
+    cos, sin = default_rope_tables(max_seq_len, d.head_dim)
+    return Transformer(d, emb, blocks, ones(h), head, cos.to(device, dtype), sin.to(device, dtype)).eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the canonical weights a model holds (its state_dict: parameters and persistent buffers).
+    Kernel layouts built by ``prepare``, KV caches and RoPE tables are non-persistent and not counted."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

@@ -89,3 +89,29 @@ def test_random_int_weight_shapes():
     qw = random_int_weight(64, 256, group_size=128, symmetric=False)
     assert qw.qweight.shape == (64, 128) and qw.scales.shape == (64, 2) and qw.zeros.shape == (64, 2)
     assert 0.005 < qw.dequantize().std() < 0.05
+
+
+def test_quant_embedding_dequantizes_looked_up_rows():
+    from sdquant.runtime.model import QuantEmbedding
+    for bits, sym in ((4, True), (4, False), (8, True)):
+        qw = random_int_weight(50, 64, bits=bits, group_size=32, symmetric=sym)
+        emb = QuantEmbedding(qw, torch.float32)
+        idx = torch.tensor([[3, 49, 0], [7, 7, 1]])
+        torch.testing.assert_close(emb(idx), qw.dequantize()[idx])
+
+
+def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import e2e
+    out = tmp_path / "e2e.json"
+    e2e.main(["--tiny", "--variants", "bf16-eager,int4all-compiled", "--batches", "1,2", "--out", str(out)])
+    sys.path.pop(0)
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(res) == {"bf16-eager", "int4all-compiled"}
+    for r in res.values():
+        assert r["decode"]["1"]["tokens_per_s"] > 0 and r["decode"]["2"]["tokens_per_s"] > 0 and r["prefill"]["ms"] > 0
+    # int4 everywhere (embedding and lm_head too) holds ~1/8 of the fp32 bytes (+ group scales)
+    assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]

@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""End-to-end decode and prefill of a Llama-3-8B-shaped model (random weights) on the sdquant runtime.
+
+Variants (same harness, same process): bf16 eager; bf16 eager ops replayed as one CUDA graph per token;
+bf16 / INT4 / FP8 compiled (torch.compile fullgraph, one compiled block shared by the 32 layers, the whole
+decode step captured as one CUDA graph); INT4 with embedding and lm_head in INT4 too ("int4all").
+Per variant: decode tokens/s at each batch size (greedy argmax inside the step, the sampled token fed back),
+prefill latency of one prompt, GPU memory of the weights (canonical tensors, and everything allocated including
+kernel layouts) and the peak.
+
+    python bench/e2e.py --out results.json                      # the H200 run (see docs/BENCHMARKS.md)
+    python bench/e2e.py --tiny                                  # seconds on a CPU: checks the harness
+
+Decode attends over the full static cache (``--max-seq`` slots, masked) as gpt-fast does, so the KV read per
+token is the same at every position. Random weights: the values do not change the speed of any kernel here.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sdquant.runtime.model import CUDAGraphStep  # noqa: E402
+from sdquant.runtime.testing import LLAMA3_8B, TINY, random_decoder, weight_bytes  # noqa: E402
+
+VARIANTS = {
+    "bf16-eager": dict(linears="bf16", compiled=False, graph=False),
+    "bf16-eager-graph": dict(linears="bf16", compiled=False, graph=True),
+    "bf16-compiled": dict(linears="bf16", compiled=True, graph=True),
+    "int4-compiled": dict(linears="int4", compiled=True, graph=True),
+    "int4all-compiled": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True),
+    "fp8-compiled": dict(linears="fp8", compiled=True, graph=True),
+}
+DEFAULT_ORDER = ["bf16-eager", "int4-compiled", "bf16-compiled", "int4all-compiled", "fp8-compiled",
+                 "bf16-eager-graph"]
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev, n):
+    """Total seconds of n calls (CUDA events on a GPU)."""
+    if dev.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t
+
+
+def bench_decode(rt, batch, args, dev, graph):
+    rt.setup_caches(batch, args.max_seq)
+    step = lambda idx, pos: rt.decode_step(idx, pos).argmax(-1, keepdim=True)  # noqa: E731  [B, 1]
+    runner = CUDAGraphStep(step, batch, dev) if graph else step
+    state = {"tok": torch.randint(0, rt.d.vocab_size, (batch, 1), device=dev), "i": 0}
+    start = args.max_seq // 2
+    pos = torch.arange(start, start + args.steps + args.warmup + 8, device=dev)
+
+    def one():
+        i = state["i"] % (args.steps + args.warmup + 8)
+        state["tok"] = runner(state["tok"], pos[i:i + 1])
+        state["i"] += 1
+
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            one()
+        trials = [timed(one, dev, args.steps) / args.steps for _ in range(args.trials)]
+    ms = statistics.median(trials) * 1e3
+    del runner
+    return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "trials_ms": [t * 1e3 for t in trials]}
+
+
+def bench_prefill(rt, args, dev):
+    rt.setup_caches(1, args.max_seq)
+    ids = torch.randint(0, rt.d.vocab_size, (1, args.prefill), device=dev)
+    pos = torch.arange(args.prefill, device=dev)
+    fn = lambda: rt(ids, pos, last_only=True)  # noqa: E731
+    with torch.no_grad():
+        for _ in range(2):
+            fn()
+        sync(dev)
+        trials = [timed(fn, dev, 1) for _ in range(args.prefill_trials)]
+    return {"ms": statistics.median(trials) * 1e3, "trials_ms": [t * 1e3 for t in trials]}
+
+
+def kernel_labels(rt):
+    """Which kernel each quantized layer kind runs, from the layers' dispatch plans."""
+    out = {}
+    blk = rt.layers[0]
+    for name, m in (("qkv", blk.attn.wqkv), ("o", blk.attn.wo), ("gate_up", blk.w13), ("down", blk.w2),
+                    ("lm_head", rt.lm_head)):
+        out[name] = getattr(m, "kernel", f"nn.Linear ({str(rt.norm.dtype).replace('torch.', '')})")
+    return out
+
+
+def run_variant(name, args, dev, dtype, dims):
+    spec = VARIANTS[name]
+    # every variant compiles the same block function: start from an empty dynamo cache so one variant's
+    # entries neither count against the next one's recompile limit nor get reused by its guards
+    torch._dynamo.reset()
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    t0 = time.perf_counter()
+    rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
+                        embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
+                        group_size=args.group_size)
+    sync(dev)
+    res = {"variant": name, "build_s": time.perf_counter() - t0, "weights_gb": weight_bytes(rt) / 1e9,
+           "kernels": kernel_labels(rt)}
+    if dev.type == "cuda":
+        res["weights_allocated_gb"] = (torch.cuda.memory_allocated(dev) - base) / 1e9
+    if spec["compiled"]:
+        rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block")
+    graph = spec["graph"] and dev.type == "cuda"
+    t0 = time.perf_counter()
+    res["decode"] = {}
+    for b in args.batches:
+        try:
+            res["decode"][str(b)] = bench_decode(rt, b, args, dev, graph)
+        except Exception as e:  # keep the other measurements; say what broke
+            res["decode"][str(b)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name} decode B={b}: {res['decode'][str(b)]}", flush=True)
+    try:
+        res["prefill"] = bench_prefill(rt, args, dev)
+    except Exception as e:
+        res["prefill"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    res["measure_s"] = time.perf_counter() - t0
+    if dev.type == "cuda":
+        res["peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+    for blk in rt.layers:
+        blk.attn.kv_cache = None
+    del rt
+    return res
+
+
+def table(results, batches):
+    head = "| variant | " + " | ".join(f"decode B={b} tok/s" for b in batches) + \
+        " | prefill ms | weights GB (canonical / allocated) | peak GB |"
+    lines = [head, "|" + "---|" * (len(batches) + 4)]
+    for r in results:
+        cells = [f"{r['decode'][str(b)]['tokens_per_s']:.1f}" if "tokens_per_s" in r["decode"].get(str(b), {})
+                 else "err" for b in batches]
+        p = r.get("prefill", {})
+        cells.append(f"{p['ms']:.1f}" if "ms" in p else "err")
+        cells.append(f"{r['weights_gb']:.2f} / {r.get('weights_allocated_gb', float('nan')):.2f}")
+        cells.append(f"{r.get('peak_gb', float('nan')):.1f}")
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy on CPU (or GPU): checks the harness")
+    ap.add_argument("--variants", default=",".join(DEFAULT_ORDER))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--max-seq", type=int, default=2048 + 128)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--prefill-trials", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--kernels", default="auto", help="QuantLinear.prepare kernels= (auto, cuda, triton, torch)")
+    ap.add_argument("--mode", default="default", help="torch.compile mode for the block (CUDA graph is ours)")
+    ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager on CPU)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
+    ap.add_argument("--commit", default=os.environ.get("SDQUANT_COMMIT", "unknown"))
+    ap.add_argument("--out", default=None, help="write results JSON here")
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dims = TINY if args.tiny else LLAMA3_8B
+    if args.tiny:
+        args.prefill, args.max_seq, args.steps, args.warmup, args.trials, args.prefill_trials = 64, 128, 4, 1, 1, 1
+        args.batches = [b for b in args.batches if b <= 8] or [1]
+    if args.backend is None:
+        args.backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    if args.backend != "inductor":
+        args.mode = None
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if dev.type == "cuda" and any(VARIANTS[v]["linears"] == "int4" for v in names):
+        # build the CUDA W4A16 extension (nvcc, about a minute) while the bf16 variants run
+        def _build():
+            try:
+                from sdquant.kernels import int4_cuda
+                int4_cuda.extension()
+            except Exception as e:  # reported by the layers' plans later
+                print(f"int4_cuda build: {e}", flush=True)
+        threading.Thread(target=_build, daemon=True).start()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": args.commit,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dims": dims, "args": {k: v for k, v in vars(args).items()}}
+    results, t_start = [], time.perf_counter()
+    for name in names:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"skip {name}: over the time budget", flush=True)
+            results.append({"variant": name, "skipped": "time budget", "decode": {}, "weights_gb": float("nan")})
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            results.append(run_variant(name, args, dev, dtype, dims))
+        except Exception as e:
+            results.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:500]}", "decode": {},
+                            "weights_gb": float("nan")})
+            print(f"  {name} failed: {results[-1]['error']}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    by = {r["variant"]: r for r in results}
+    ratios = {}
+    for q in ("int4-compiled", "int4all-compiled", "fp8-compiled"):
+        for b in args.batches:
+            try:
+                ratios[f"{q}/bf16-compiled B={b}"] = by[q]["decode"][str(b)]["tokens_per_s"] / \
+                    by["bf16-compiled"]["decode"][str(b)]["tokens_per_s"]
+            except (KeyError, TypeError, ZeroDivisionError):
+                pass
+    meta["ratios"] = ratios
+    meta["total_s"] = time.perf_counter() - t_start
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    ok = [r for r in results if "decode" in r and "error" not in r and "skipped" not in r]
+    print(table(ok, args.batches))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"total {meta['total_s']:.0f} s on {meta['device']}")
+
+
+if __name__ == "__main__":
+    main()
