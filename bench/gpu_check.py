@@ -96,7 +96,7 @@ def correctness(dev, quick: bool) -> list:
             if lc is not None:
                 for sp in ([0] if m > 16 else [0, 1, 3, 7]):
                     outs[f"cuda_s{sp}"] = [torch.ops.sdquant.w4a16_cuda(
-                        x, lc["qweight"], lc["scales"], lc["zs"], lc["perm"], lc["locks"], None, sp) for _ in range(2)]
+                        x, lc["qweight"], lc["scales"], lc["zeros"], lc["perm"], lc["locks"], None, sp) for _ in range(2)]
             torch.cuda.synchronize()
             for name, (y1, y2) in outs.items():
                 err = gemm.rel_err(y1, ref)
@@ -130,7 +130,7 @@ def split_sweep(dev, shapes, dtype) -> list:
                 if (k // 64) < sp:
                     continue
                 us = gemm.time_rotating(lambda i: torch.ops.sdquant.w4a16_cuda(
-                    x, lays[i]["qweight"], lays[i]["scales"], lays[i]["zs"], None, lays[i]["locks"], None, sp),
+                    x, lays[i]["qweight"], lays[i]["scales"], lays[i]["zeros"], None, lays[i]["locks"], None, sp),
                     len(lays))
                 res[sp] = round(us, 2)
             best = min(res, key=res.get)
@@ -148,7 +148,7 @@ def evict_timing(dev, shapes, dtype) -> list:
         r = {}
         for ev in (False, True):
             r[ev] = gemm.time_rotating(lambda i: torch.ops.sdquant.w4a16_cuda(
-                x, lays[i]["qweight"], lays[i]["scales"], lays[i]["zs"], None, lays[i]["locks"], None, 0, ev),
+                x, lays[i]["qweight"], lays[i]["scales"], lays[i]["zeros"], None, lays[i]["locks"], None, 0, ev),
                 len(lays))
         log(f"  evict_first {k}x{n} M=1: off {r[False]:.2f} us, on {r[True]:.2f} us")
         rows.append({"K": k, "N": n, "off": r[False], "on": r[True]})

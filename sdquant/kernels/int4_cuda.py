@@ -1,16 +1,17 @@
 """The CUDA C++ W4A16 decode kernel for Hopper (sm_90a), built on first use, as the op ``sdquant::w4a16_cuda``.
 
-    torch.ops.sdquant.w4a16_cuda(x, qweight, scales, zs, perm, locks, bias, splits=0, evict_first=False) -> y
-        x        fp16/bf16 [..., K]            (dtype must match scales)
-        qweight  int32 [N/64, K/16, 32, 4]     scales / zs  dtype [G, N/64, 8, 8]   (int4_layout.repack_cuda)
+    torch.ops.sdquant.w4a16_cuda(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False) -> y
+        x        fp16/bf16 [..., K]            (dtype must match zeros)
+        qweight  int32 [N/64, K/16, 32, 4]     scales fp16 / zeros x.dtype [G, N/64, 8, 8]  (int4_layout.repack_cuda)
         perm     int32 [K] or None             act-order: x[:, perm] is gathered before the kernel
         locks    int32 [N/64]                  split-K counters; zero before and after every call
         bias     dtype [N] or None
         splits   split-K factor, 0 = automatic (fill every SM once)
         evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``)
 
-Best at M <= 16 (one m16 MMA tile); M <= 64 runs in one launch, larger M in 64-row launches (the dispatcher
-should prefer the Triton GEMM or cuBLAS there). On CPU tensors the op evaluates the layout with PyTorch
+Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
+launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
+or cuBLAS there). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
 Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_sm90.cu and csrc/w4a16_binding.cpp with
@@ -117,16 +118,16 @@ def auto_splits(m: int, n: int, k: int, group_size: int) -> int:
     return 1 if ext is None else int(ext.auto_splits(m, n, k, group_size // 16))
 
 
-def _check(x, qweight, scales, zs, perm):
+def _check(x, qweight, scales, zeros, perm):
     if qweight.dim() != 4 or qweight.shape[2:] != (32, 4):
         raise ShapeError(f"qweight: expected int32 [N/64, K/16, 32, 4], got {list(qweight.shape)}")
     k, n = qweight.shape[1] * 16, qweight.shape[0] * 64
     if x.shape[-1] != k:
         raise ShapeError(f"x: last dim {x.shape[-1]} does not match the weight's in_features {k}")
-    if x.dtype not in (torch.float16, torch.bfloat16) or scales.dtype != x.dtype or zs.dtype != x.dtype:
-        raise ShapeError(f"x: dtype {x.dtype} must be float16/bfloat16 and equal the layout's {scales.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16) or zeros.dtype != x.dtype or scales.dtype != torch.float16:
+        raise ShapeError(f"x: dtype {x.dtype} must be float16/bfloat16 and equal the layout's {zeros.dtype}")
     g = scales.shape[0]
-    if g == 0 or k % g or (k // g) % 32 or k % 64:
+    if g == 0 or k % g or (k // g) % 32 or k % 64 or zeros.shape != scales.shape:
         raise ShapeError(f"w4a16_cuda: K={k} with {g} groups: K must be a multiple of 64 and the group size "
                          f"a multiple of 32")
     if perm is not None and perm.shape != (k,):
@@ -135,29 +136,29 @@ def _check(x, qweight, scales, zs, perm):
 
 
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
-def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
+def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
                splits: int = 0, evict_first: bool = False) -> torch.Tensor:
     """y = x @ W.T + bias over the CUDA fragment layout (see module docstring)."""
-    k, n = _check(x, qweight, scales, zs, perm)
+    k, n = _check(x, qweight, scales, zeros, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if perm is not None:
         x2 = x2.index_select(1, perm.long() if x2.device.type == "cpu" else perm)
     ext = extension() if x.is_cuda else None
     if ext is None:
-        layout = {"qweight": qweight, "scales": scales, "zs": zs, "perm": None}
+        layout = {"qweight": qweight, "scales": scales, "zeros": zeros, "perm": None}
         y = torch.nn.functional.linear(x2, int4_layout.dequantize_cuda(layout).to(x.dtype), bias)
         return y.reshape(*lead, n)
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    y = ext.w4a16(x2, qweight, scales, zs, locks, int(splits), bool(evict_first))
+    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first))
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
 
 
 @w4a16_cuda.register_fake
-def _(x, qweight, scales, zs, perm, locks, bias, splits=0, evict_first=False):
+def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False):
     return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))

@@ -6,19 +6,25 @@ device, each kernel gets its own layout, built once by the functions here. Both 
 * **act-order** (``g_idx``) is resolved once: input channels are permuted so that every group is a contiguous
   run of K (``perm``, int32 [K]); at run time the kernels gather ``x[:, perm]``. ``perm`` is None when the
   weight has no g_idx, or when its g_idx is the plain ``k // group_size``.
-* **one FMA per weight**: scales are stored in the activation dtype together with ``zs = -zero * scale``, so a
-  code c dequantizes as ``c * s + zs`` (computed in fp32, then rounded once).
+* **one op per weight**: the Triton layout stores scales in the activation dtype together with
+  ``zs = -zero * scale``, so a code c dequantizes with one FMA ``c * s + zs``. The CUDA layout goes further:
+  it stores the integer zero points (in the activation dtype, exact) so the int->float conversion yields
+  ``c - zero`` directly (one sub after the lop3), and keeps the fp16 scales, which the kernel applies in fp32
+  to each group's partial sums.
 * every tensor is plain and contiguous, so a layer can register them as buffers.
 
 API (used by the dispatch code; all return/accept plain dicts of tensors, never kernel objects)::
 
-    repack_triton(qw, dtype) -> {"qweight": int32 [K/8, N], "scales": dtype [G, N], "zs": dtype [G, N],
+    repack_triton(qw, dtype) -> {"qweight": int32 [N, K/8], "scales": dtype [G, N], "zs": dtype [G, N],
                                  "perm": int32 [K] | None}
-        word [k8, n] holds codes of k = 8*k8 .. 8*k8+7 of column n, code k8*8+j in bits 4j..4j+3.
-    repack_cuda(qw, dtype) -> {"qweight": int32 [N/64, K/16, 32, 4], "scales": dtype [G, N/64, 8, 8],
-                               "zs": dtype [G, N/64, 8, 8], "perm": int32 [K] | None, "locks": int32 [N/64]}
-        fragment-ordered: lane l of a warp loads 16 bytes (4 words) per 16x64 tile, exactly the B operands of
-        eight m16n8k16 MMAs (see ``_CUDA_NIBBLES``); "locks" is split-K scratch the kernel leaves at zero.
+        word [n, k8] holds codes k = 8*k8 .. 8*k8+7 of feature n, code k8*8+j in bits 4j..4j+3 (without
+        act-order this is the canonical qweight reinterpreted as int32: rows are contiguous along K).
+    repack_cuda(qw, dtype) -> {"qweight": int32 [N/64, K/16, 32, 4], "scales": fp16 [G, N/64, 8, 8],
+                               "zeros": dtype [G, N/64, 8, 8], "perm": int32 [K] | None, "locks": int32 [N/64]}
+        fragment-ordered: lane l = 4g + t of a warp loads 16 bytes (4 words) per 64-feature x 16-k tile, exactly
+        its A fragments for four m16n8k16 MMAs (features 16w+g and 16w+8+g of word w, k rows 2t, 2t+1, 2t+8,
+        2t+9; see ``_CUDA_NIBBLES``); scales/zeros [g, nb, r, e] belong to feature nb*64 + 16*(e//2) + 8*(e%2)
+        + r; "locks" is split-K scratch the kernel leaves at zero.
     unpack_triton(layout, symmetric) / unpack_cuda(layout, symmetric) -> QuantizedWeight (g_idx resolved into
         a permuted K is restored from perm), for round-trip tests.
     dequantize_triton(layout) / dequantize_cuda(layout) -> fp32 [N, K] in the original channel order: the
@@ -39,9 +45,10 @@ from sdquant.quant.qtensor import QuantizedWeight, effective_group_size
 
 Layout = Dict[str, Optional[torch.Tensor]]
 
-# m16n8k16 B fragment: lane l = 4*g + t holds column g of an n8 subtile at k rows 2t, 2t+1, 2t+8, 2t+9.
-# One int32 word w of a lane covers subtiles j0 = 2w and j1 = 2w+1; nibble p -> (subtile offset, k row):
-# lo/hi nibble extraction yields the half2 pairs (p0,p4)=(b0,b1) and (p1,p5)=(b2,b3) of j0, (p2,p6), (p3,p7) of j1.
+# m16n8k16 A fragment (the weight is the A operand): lane l = 4g + t holds rows g and g+8 of a 16x16 tile at
+# k columns 2t, 2t+1, 2t+8, 2t+9. Word w of a lane covers tile rows 16w..16w+15, i.e. features j*8 + g with
+# j = 2w (row g) and j = 2w+1 (row g+8); nibble p -> (j offset, k - 2t). lo/hi nibble extraction yields the
+# half2 pairs (p0,p4) (p1,p5) of row g and (p2,p6) (p3,p7) of row g+8.
 _CUDA_NIBBLES = [(0, 0), (0, 8), (1, 0), (1, 8), (0, 1), (0, 9), (1, 1), (1, 9)]  # (j offset, k row - 2t)
 
 
@@ -107,14 +114,14 @@ def repack_triton(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
     _check_int4(qw, 32, 32, 32, "repack_triton")
     codes, s, zs, perm = _prepared(qw, dtype)
     n, k = codes.shape
-    words = _nibbles_to_words(codes.t().reshape(k // 8, 8, n).transpose(1, 2))  # [K/8, N]
+    words = _nibbles_to_words(codes.reshape(n, k // 8, 8))                    # [N, K/8]
     return {"qweight": words.contiguous(), "scales": s.t().contiguous().to(dtype),
             "zs": zs.t().contiguous().to(dtype), "perm": perm}
 
 
 def _triton_codes_kn(layout: Layout) -> torch.Tensor:
-    q = layout["qweight"]                                            # [K/8, N]
-    return _words_to_nibbles(q).permute(0, 2, 1).reshape(q.shape[0] * 8, q.shape[1])  # [K, N]
+    q = layout["qweight"]                                            # [N, K/8]
+    return _words_to_nibbles(q).reshape(q.shape[0], q.shape[1] * 8).t()  # [K, N]
 
 
 def dequantize_triton(layout: Layout) -> torch.Tensor:
@@ -139,18 +146,20 @@ def _cuda_index(device):
 
 
 def repack_cuda(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
-    gs = _check_int4(qw, 64, 64, 16, "repack_cuda")
-    codes, s, zs, perm = _prepared(qw, dtype)
+    _check_int4(qw, 64, 64, 32, "repack_cuda")
+    codes, _, _, perm = _prepared(qw, dtype)
     n, k = codes.shape
-    nb, kb, g = n // 64, k // 16, s.shape[1]
-    del gs
-    c = codes.view(nb, 8, 8, kb, 16).permute(0, 3, 2, 1, 4)          # [NB, KB, g(col in n8), j, k row]
+    nb, kb, g = n // 64, k // 16, qw.scales.shape[1]
+    c = codes.view(nb, 8, 8, kb, 16).permute(0, 3, 2, 1, 4)          # [NB, KB, g(row in 8), j, k row]
     j, kr = _cuda_index(codes.device)
     frag = c[:, :, :, j, kr]                                          # [NB, KB, 8 g, 4 t, 4 w, 8 p]
     words = _nibbles_to_words(frag).reshape(nb, kb, 32, 4)           # lane = 4g + t
-    def perm_scales(t: torch.Tensor) -> torch.Tensor:                 # [N, G] -> [G, NB, 8 g, 8 j]
-        return t.t().reshape(g, nb, 8, 8).transpose(2, 3).contiguous().to(dtype)
-    return {"qweight": words.contiguous(), "scales": perm_scales(s), "zs": perm_scales(zs), "perm": perm,
+    zeros = torch.full((n, g), 8, device=codes.device) if qw.zeros is None else qw.zeros
+
+    def perm_groups(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:  # [N, G] -> [G, NB, 8 g, 8 j]
+        return t.t().reshape(g, nb, 8, 8).transpose(2, 3).contiguous().to(dt)
+    return {"qweight": words.contiguous(), "scales": perm_groups(qw.scales, torch.float16),
+            "zeros": perm_groups(zeros, dtype), "perm": perm,
             "locks": torch.zeros(nb, dtype=torch.int32, device=codes.device)}
 
 
@@ -174,8 +183,8 @@ def dequantize_cuda(layout: Layout) -> torch.Tensor:
     k = codes.shape[1]
     gs = k // layout["scales"].shape[0]
     s = _cuda_scales_ng(layout["scales"]).float().repeat_interleave(gs, 1)
-    zs = _cuda_scales_ng(layout["zs"]).float().repeat_interleave(gs, 1)
-    return _unpermute(codes * s + zs, layout["perm"])
+    z = _cuda_scales_ng(layout["zeros"]).float().repeat_interleave(gs, 1)
+    return _unpermute((codes - z) * s, layout["perm"])
 
 
 # ------------------------------------------------------------------------------------------- round trips
@@ -207,5 +216,6 @@ def unpack_triton(layout: Layout, symmetric: bool) -> QuantizedWeight:
 
 
 def unpack_cuda(layout: Layout, symmetric: bool) -> QuantizedWeight:
-    return _to_canonical(_cuda_codes_nk(layout), _cuda_scales_ng(layout["scales"]),
-                         _cuda_scales_ng(layout["zs"]), layout["perm"], symmetric)
+    s = _cuda_scales_ng(layout["scales"]).float()
+    return _to_canonical(_cuda_codes_nk(layout), s, -_cuda_scales_ng(layout["zeros"]).float() * s,
+                         layout["perm"], symmetric)

@@ -4,10 +4,10 @@
 #include <cuda_runtime.h>
 
 struct SdqW4A16Params {
-  const void* a;       // [m, k] fp16/bf16, row-major, rows 16-byte aligned (k % 8 == 0)
+  const void* a;       // [m, k] fp16/bf16, row-major, rows 16-byte aligned (k % 8 == 0), m <= 32
   const void* b;       // [n/64, k/16, 32 lanes, 4] int32 fragments (int4_layout.repack_cuda)
-  const void* s;       // [g, n/64, 8, 8] scales, activation dtype
-  const void* zs;      // [g, n/64, 8, 8] -zero*scale, activation dtype
+  const void* s;       // [g, n/64, 8, 8] scales, fp16 (applied in fp32 to the group sums)
+  const void* zs;      // [g, n/64, 8, 8] integer zero points stored in the activation dtype
   void* c;             // [m, n] output, activation dtype
   float* partial;      // [splits, m, n] fp32 scratch (read only when splits > 1)
   int* locks;          // >= ceil(n/256) ints, zero on entry and left zero on exit

@@ -7,17 +7,19 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 64;  // rows per launch (the kernel's largest M tile set)
+constexpr int64_t kMaxRows = 32;  // rows per launch (4 token tiles of 8)
 
-torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zs,
+torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first) {
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zs.is_cuda() && locks.is_cuda(),
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
               "w4a16_cuda: all tensors must be on a CUDA device");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_cuda: x must be a contiguous [M, K] matrix");
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "w4a16_cuda: x must be float16 or bfloat16");
-  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && zs.scalar_type() == x.scalar_type(),
-              "w4a16_cuda: scales/zs dtype must equal x dtype");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == x.scalar_type(),
+              "w4a16_cuda: scales must be float16 and zeros of x's dtype");
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.sizes() == zeros.sizes(),
+              "w4a16_cuda: scales/zeros must be contiguous [G, N/64, 8, 8]");
   TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.size(2) == 32 &&
                   qweight.size(3) == 4 && qweight.is_contiguous(),
               "w4a16_cuda: qweight must be int32 [N/64, K/16, 32, 4]");
@@ -43,7 +45,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
     p.a = static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size();
     p.b = qweight.data_ptr();
     p.s = scales.data_ptr();
-    p.zs = zs.data_ptr();
+    p.zs = zeros.data_ptr();
     p.c = static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size();
     p.partial = sp > 1 ? partial.data_ptr<float>() : nullptr;
     p.locks = locks.data_ptr<int>();

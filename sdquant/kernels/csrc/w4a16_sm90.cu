@@ -1,12 +1,14 @@
-// sdquant W4A16 decode GEMM for sm_90 (M <= 64, best at M <= 16): y[m, n] = sum_k x[m, k] * W[n, k].
+// sdquant W4A16 decode GEMM for sm_90 (M <= 32 per launch, best at M <= 16): y[m, n] = sum_k x[m, k] W[n, k].
 //
 // Design (why each piece is there):
-// * Weights arrive fragment-ordered (int4_layout.repack_cuda): for each 64-column block and 16-row K step,
-//   lane l of a warp owns 16 contiguous bytes that are exactly its B operands for eight m16n8k16 MMAs, so a
+// * Swap-AB: the weight tile is the A operand of mma.m16n8k16 (16 features x 16 k) and the tokens are the
+//   n8 B operand, so at M <= 8 a tensor-core instruction does 16 useful features instead of 8 padded rows.
+// * Weights arrive fragment-ordered (int4_layout.repack_cuda): for each 64-feature block and 16-deep K step,
+//   lane l of a warp owns 16 contiguous bytes that are exactly its A fragments for four 16x16 tiles, so a
 //   warp reads 512 contiguous bytes per step and never shuffles.
 // * int4 -> fp16/bf16 with lop3 + magic exponent: (q & 0x000f000f) | 0x6400_6400 is the half2 (1024 + c0,
-//   1024 + c1); one sub (or fma for the high nibbles) gives exact codes, one fma with (scale, -zero*scale)
-//   gives the weight.
+//   1024 + c1); one sub with (1024 + zero) (one fma for the high nibbles) gives the exact (code - zero).
+//   The group scale multiplies the fp32 group sums once per group (not once per weight).
 // * A multi-stage cp.async pipeline (STAGES deep) per CTA keeps ~(STAGES-1) * 8 KB of weights in flight
 //   without holding registers; activations for the stage go to shared memory once and feed all 4 warps.
 // * Split-K over the grid's y dimension so every SM has work at M = 1 on K >> N shapes. Partial sums go to
@@ -23,16 +25,16 @@
 
 namespace {
 
-constexpr int WN = 4;              // warps per CTA, each owns one 64-column block
+constexpr int WN = 4;              // warps per CTA, each owns one 64-feature block
 constexpr int THREADS = 32 * WN;
 constexpr int STAGES = 5;
 
-template <int MT, int KS>
+template <int NT, int KS>
 struct Smem {
   static constexpr int B_BYTES = WN * KS * 32 * 16;      // fragments
   static constexpr int S_BYTES = WN * 16 * 16;           // 8 uint4 scales + 8 uint4 zs per warp
   static constexpr int A_STRIDE = KS * 16 + 8;           // halves; +16 B per row avoids bank conflicts
-  static constexpr int A_BYTES = MT * 16 * A_STRIDE * 2;
+  static constexpr int A_BYTES = NT * 8 * A_STRIDE * 2;
   static constexpr int STAGE = B_BYTES + S_BYTES + A_BYTES;
   static constexpr int TOTAL = STAGES * STAGE;
 };
@@ -71,36 +73,41 @@ constexpr int AND_OR = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
 template <typename T>
 struct Ops;
 
+// The weight is the MMA's A operand (16 output features x 16 k), the tokens its B operand (n8): at M <= 8
+// one m16n8k16 covers 16 features instead of 8, half the tensor-core work of putting tokens on the M side.
+// Codes are converted to exact (code - zero) values; the group scale multiplies the fp32 partial sums once per
+// group, so the per-weight work is one lop3 and one sub/fma per pair.
 template <>
 struct Ops<half> {
-  // 8 codes of one word -> exact half2 codes (p0,p4) (p1,p5) (p2,p6) (p3,p7)
-  __device__ __forceinline__ static void codes(uint32_t q, uint32_t (&o)[4]) {
+  using T2 = half2;
+  // zero pairs for a row: lo nibbles need (1024 + z), high nibbles -(64 + z)
+  __device__ __forceinline__ static void zero_pairs(uint32_t zpair, int hi, uint32_t& zlo, uint32_t& zhi) {
+    const half2 z = hi ? __high2half2(*reinterpret_cast<const half2*>(&zpair))
+                       : __low2half2(*reinterpret_cast<const half2*>(&zpair));
+    const half2 lo = __hadd2(z, __float2half2_rn(1024.f));
+    const half2 h = __hneg2(__hadd2(z, __float2half2_rn(64.f)));
+    zlo = *reinterpret_cast<const uint32_t*>(&lo);
+    zhi = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  // word -> (code - zero) pairs: o0 = (p0,p4) row g, o1 = (p1,p5) row g, o2 = (p2,p6) row g+8, o3 = (p3,p7) row g+8
+  __device__ __forceinline__ static void codes(uint32_t q, const uint32_t (&zl)[2], const uint32_t (&zh)[2],
+                                               uint32_t (&o)[4]) {
     const uint32_t lo0 = lop3<AND_OR>(q, 0x000f000fu, 0x64006400u);
     const uint32_t hi0 = lop3<AND_OR>(q, 0x00f000f0u, 0x64006400u);
     const uint32_t q8 = q >> 8;
     const uint32_t lo1 = lop3<AND_OR>(q8, 0x000f000fu, 0x64006400u);
     const uint32_t hi1 = lop3<AND_OR>(q8, 0x00f000f0u, 0x64006400u);
-    const uint32_t k1024 = 0x64006400u, k1_16 = 0x2c002c00u, km64 = 0xd400d400u;
-    *reinterpret_cast<half2*>(&o[0]) = __hsub2(*reinterpret_cast<const half2*>(&lo0),
-                                               *reinterpret_cast<const half2*>(&k1024));
-    *reinterpret_cast<half2*>(&o[1]) = __hfma2(*reinterpret_cast<const half2*>(&hi0),
-                                               *reinterpret_cast<const half2*>(&k1_16),
-                                               *reinterpret_cast<const half2*>(&km64));
-    *reinterpret_cast<half2*>(&o[2]) = __hsub2(*reinterpret_cast<const half2*>(&lo1),
-                                               *reinterpret_cast<const half2*>(&k1024));
-    *reinterpret_cast<half2*>(&o[3]) = __hfma2(*reinterpret_cast<const half2*>(&hi1),
-                                               *reinterpret_cast<const half2*>(&k1_16),
-                                               *reinterpret_cast<const half2*>(&km64));
-  }
-  __device__ __forceinline__ static uint32_t fma(uint32_t c, uint32_t s, uint32_t z) {
-    half2 r = __hfma2(*reinterpret_cast<const half2*>(&c), *reinterpret_cast<const half2*>(&s),
-                      *reinterpret_cast<const half2*>(&z));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  __device__ __forceinline__ static uint32_t bcast(uint32_t pair, int hi) {
-    half2 v = *reinterpret_cast<const half2*>(&pair);
-    half2 r = hi ? __high2half2(v) : __low2half2(v);
-    return *reinterpret_cast<uint32_t*>(&r);
+    const uint32_t k1_16 = 0x2c002c00u;
+    const half2 r0 = __hsub2(*reinterpret_cast<const half2*>(&lo0), *reinterpret_cast<const half2*>(&zl[0]));
+    const half2 r1 = __hfma2(*reinterpret_cast<const half2*>(&hi0), *reinterpret_cast<const half2*>(&k1_16),
+                             *reinterpret_cast<const half2*>(&zh[0]));
+    const half2 r2 = __hsub2(*reinterpret_cast<const half2*>(&lo1), *reinterpret_cast<const half2*>(&zl[1]));
+    const half2 r3 = __hfma2(*reinterpret_cast<const half2*>(&hi1), *reinterpret_cast<const half2*>(&k1_16),
+                             *reinterpret_cast<const half2*>(&zh[1]));
+    o[0] = *reinterpret_cast<const uint32_t*>(&r0);
+    o[1] = *reinterpret_cast<const uint32_t*>(&r1);
+    o[2] = *reinterpret_cast<const uint32_t*>(&r2);
+    o[3] = *reinterpret_cast<const uint32_t*>(&r3);
   }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -109,35 +116,33 @@ struct Ops<half> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ __forceinline__ static uint32_t pack(float x, float y) {
-    half2 r = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
+  __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2half2_rn(x, y); }
+  __device__ __forceinline__ static half one(float x) { return __float2half_rn(x); }
 };
 
 template <>
 struct Ops<__nv_bfloat16> {
-  // bf16 has 7 mantissa bits: the high-nibble trick does not fit, so every nibble pair is shifted down
-  __device__ __forceinline__ static void codes(uint32_t q, uint32_t (&o)[4]) {
+  using T2 = __nv_bfloat162;
+  // bf16 has 7 mantissa bits: the high-nibble trick does not fit, every nibble pair is shifted down and
+  // uses the magic 128 + code; (code - zero) = v - (128 + z)
+  __device__ __forceinline__ static void zero_pairs(uint32_t zpair, int hi, uint32_t& zlo, uint32_t& zhi) {
+    const __nv_bfloat162 z = hi ? __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&zpair))
+                                : __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&zpair));
+    const __nv_bfloat162 lo = __hadd2(z, __float2bfloat162_rn(128.f));
+    zlo = *reinterpret_cast<const uint32_t*>(&lo);
+    zhi = zlo;
+  }
+  __device__ __forceinline__ static void codes(uint32_t q, const uint32_t (&zl)[2], const uint32_t (&zh)[2],
+                                               uint32_t (&o)[4]) {
+    (void)zh;
     const uint32_t k128 = 0x43004300u;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t v = lop3<AND_OR>(q >> (4 * i), 0x000f000fu, k128);
-      __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
-                                 *reinterpret_cast<const __nv_bfloat162*>(&k128));
-      o[i] = *reinterpret_cast<uint32_t*>(&r);
+      const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&zl[i >> 1]));
+      o[i] = *reinterpret_cast<const uint32_t*>(&r);
     }
-  }
-  __device__ __forceinline__ static uint32_t fma(uint32_t c, uint32_t s, uint32_t z) {
-    __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&c),
-                               *reinterpret_cast<const __nv_bfloat162*>(&s),
-                               *reinterpret_cast<const __nv_bfloat162*>(&z));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  __device__ __forceinline__ static uint32_t bcast(uint32_t pair, int hi) {
-    __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
-    __nv_bfloat162 r = hi ? __high2bfloat162(v) : __low2bfloat162(v);
-    return *reinterpret_cast<uint32_t*>(&r);
   }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -146,15 +151,15 @@ struct Ops<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ __forceinline__ static uint32_t pack(float x, float y) {
-    __nv_bfloat162 r = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
+  __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2bfloat162_rn(x, y); }
+  __device__ __forceinline__ static __nv_bfloat16 one(float x) { return __float2bfloat16_rn(x); }
 };
 
-template <typename T, int MT, int KS, bool EVICT>
+// NT = token tiles of 8 (M <= 8 * NT). Lane (g, t): feature rows g and g+8 of each 16-row tile w of its warp's
+// 64-feature block, tokens 2t and 2t+1 of each token tile.
+template <typename T, int NT, int KS, bool EVICT>
 __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) {
-  using S = Smem<MT, KS>;
+  using S = Smem<NT, KS>;
   using O = Ops<T>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
@@ -162,7 +167,7 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64;
-  const int nb = blockIdx.x * WN + warp;  // this warp's 64-column block
+  const int nb = blockIdx.x * WN + warp;  // this warp's 64-feature block
   const bool active = nb < nblk;
   const int kb_total = p.k / 16;
   const int stages_total = kb_total / KS;
@@ -203,15 +208,28 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
     }
   };
 
-  float acc[MT][8][4];
+  float acc[NT][4][4], accg[NT][4][4];  // totals, and the current group's sum of (code - zero) * x
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int i = 0; i < NT; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
 
-  uint4 sreg = make_uint4(0, 0, 0, 0), zreg = make_uint4(0, 0, 0, 0);
+  float sf[4][2] = {};                 // fp32 scales of rows (w, h)
+  uint32_t zl[4][2] = {}, zh[4][2] = {};
+
+  auto flush = [&]() {  // acc += scale * group sum
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+          accg[i][w][e] = 0.f;
+        }
+  };
 
   auto compute_stage = [&](int slot, int st) {
     const uint8_t* base = smem + slot * S::STAGE;
@@ -219,37 +237,37 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
     const uint4* ss = reinterpret_cast<const uint4*>(base + S::B_BYTES);
     const T* sa = reinterpret_cast<const T*>(base + S::B_BYTES + S::S_BYTES);
     if (need_scales(st)) {
-      sreg = ss[warp * 16 + g8];
-      zreg = ss[warp * 16 + 8 + g8];
+      if (st != st_begin) flush();
+      const uint4 s4 = ss[warp * 16 + g8], z4 = ss[warp * 16 + 8 + g8];
+      const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
+      const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+        sf[w][0] = f.x;
+        sf[w][1] = f.y;
+        O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+        O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       const uint4 bq = sb[(warp * KS + kk) * 32 + lane];
-      uint32_t a[MT][4];
+      uint32_t xb[NT][2];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r0 = mt * 16 + g8, r1 = r0 + 8, col = kk * 16 + 2 * t4;
-        a[mt][0] = r0 < m ? *reinterpret_cast<const uint32_t*>(sa + r0 * S::A_STRIDE + col) : 0u;
-        a[mt][1] = r1 < m ? *reinterpret_cast<const uint32_t*>(sa + r1 * S::A_STRIDE + col) : 0u;
-        a[mt][2] = r0 < m ? *reinterpret_cast<const uint32_t*>(sa + r0 * S::A_STRIDE + col + 8) : 0u;
-        a[mt][3] = r1 < m ? *reinterpret_cast<const uint32_t*>(sa + r1 * S::A_STRIDE + col + 8) : 0u;
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = nt * 8 + g8, col = kk * 16 + 2 * t4;
+        xb[nt][0] = r < m ? *reinterpret_cast<const uint32_t*>(sa + r * S::A_STRIDE + col) : 0u;
+        xb[nt][1] = r < m ? *reinterpret_cast<const uint32_t*>(sa + r * S::A_STRIDE + col + 8) : 0u;
       }
       const uint32_t q[4] = {bq.x, bq.y, bq.z, bq.w};
-      const uint32_t sp[4] = {sreg.x, sreg.y, sreg.z, sreg.w};
-      const uint32_t zp[4] = {zreg.x, zreg.y, zreg.z, zreg.w};
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {  // word w feeds subtiles 2w and 2w+1
+      for (int w = 0; w < 4; ++w) {  // word w: feature rows 16w + g (+8)
         uint32_t c[4];
-        O::codes(q[w], c);
-        const uint32_t s0 = O::bcast(sp[w], 0), s1 = O::bcast(sp[w], 1);
-        const uint32_t z0 = O::bcast(zp[w], 0), z1 = O::bcast(zp[w], 1);
-        const uint32_t b00 = O::fma(c[0], s0, z0), b01 = O::fma(c[1], s0, z0);
-        const uint32_t b10 = O::fma(c[2], s1, z1), b11 = O::fma(c[3], s1, z1);
+        O::codes(q[w], zl[w], zh[w], c);
+        const uint32_t a[4] = {c[0], c[2], c[1], c[3]};  // (row g, k lo) (row g+8, k lo) (row g, k hi) (g+8, hi)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          O::mma(acc[mt][2 * w], a[mt], b00, b01);
-          O::mma(acc[mt][2 * w + 1], a[mt], b10, b11);
-        }
+        for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], a, xb[nt][0], xb[nt][1]);
       }
     }
   };
@@ -268,23 +286,23 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
     compute_stage(it % STAGES, st_begin + it);
   }
   cp_async_wait<0>();
+  flush();
 
   // ------------------------------------------------------------------------------------------ epilogue
+  // acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g]
   const int n = p.n;
   if (p.splits == 1) {
     if (active) {
       T* out = reinterpret_cast<T*>(p.c);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int w = 0; w < 4; ++w)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = mt * 16 + g8 + 8 * h;
-            const int col = nb * 64 + j * 8 + 2 * t4;
-            if (row < m)
-              *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * n + col) =
-                  O::pack(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t4 + (e & 1);
+            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+            if (tok < m) out[static_cast<size_t>(tok) * n + col] = O::one(acc[nt][w][e]);
           }
     }
     return;
@@ -292,16 +310,14 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
   float* part = p.partial + static_cast<size_t>(split) * m * n;
   if (active) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int w = 0; w < 4; ++w)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = mt * 16 + g8 + 8 * h;
-          const int col = nb * 64 + j * 8 + 2 * t4;
-          if (row < m)
-            __stcg(reinterpret_cast<float2*>(part + static_cast<size_t>(row) * n + col),
-                   make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]));
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t4 + (e & 1);
+          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
         }
   }
   __threadfence();  // this CTA's partials are visible device-wide before it is counted
@@ -322,37 +338,37 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
       sum.x += v.x;
       sum.y += v.y;
     }
-    *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
+    *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
   }
   if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call
 }
 
-template <typename T, int MT, int KS, bool EVICT>
+template <typename T, int NT, int KS, bool EVICT>
 int launch_t(const SdqW4A16Params& p, cudaStream_t stream) {
-  auto kern = w4a16_kernel<T, MT, KS, EVICT>;
+  auto kern = w4a16_kernel<T, NT, KS, EVICT>;
   static bool configured = false;  // per instantiation; the attribute is per function, not per call
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<MT, KS>::TOTAL);
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<NT, KS>::TOTAL);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   dim3 grid((p.n / 64 + WN - 1) / WN, p.splits);
-  kern<<<grid, THREADS, Smem<MT, KS>::TOTAL, stream>>>(p);
+  kern<<<grid, THREADS, Smem<NT, KS>::TOTAL, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int MT>
+template <typename T, int NT>
 int launch_ks(const SdqW4A16Params& p, cudaStream_t stream) {
   const bool ks4 = p.group_k16 % 4 == 0;
-  if (p.evict_first) return ks4 ? launch_t<T, MT, 4, true>(p, stream) : launch_t<T, MT, 2, true>(p, stream);
-  return ks4 ? launch_t<T, MT, 4, false>(p, stream) : launch_t<T, MT, 2, false>(p, stream);
+  if (p.evict_first) return ks4 ? launch_t<T, NT, 4, true>(p, stream) : launch_t<T, NT, 2, true>(p, stream);
+  return ks4 ? launch_t<T, NT, 4, false>(p, stream) : launch_t<T, NT, 2, false>(p, stream);
 }
 
 template <typename T>
 int launch_m(const SdqW4A16Params& p, cudaStream_t stream) {
-  if (p.m <= 16) return launch_ks<T, 1>(p, stream);
-  if (p.m <= 32) return launch_ks<T, 2>(p, stream);
-  if (p.m <= 64) return launch_ks<T, 4>(p, stream);
+  if (p.m <= 8) return launch_ks<T, 1>(p, stream);
+  if (p.m <= 16) return launch_ks<T, 2>(p, stream);
+  if (p.m <= 32) return launch_ks<T, 4>(p, stream);
   return -2;
 }
 
@@ -383,8 +399,8 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   const int stages = k / 16 / ks;
   const int tiles = (n / 64 + WN - 1) / WN;
   // CTAs per SM from shared memory alone (registers allow more for these sizes)
-  const int mt = m <= 16 ? 1 : (m <= 32 ? 2 : 4);
-  const int stage_bytes = WN * ks * 512 + WN * 256 + mt * 16 * (ks * 16 + 8) * 2;
+  const int nt = m <= 8 ? 1 : (m <= 16 ? 2 : 4);
+  const int stage_bytes = WN * ks * 512 + WN * 256 + nt * 8 * (ks * 16 + 8) * 2;
   int per_sm = (227 * 1024) / (STAGES * stage_bytes + 1024);
   per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
   (void)is_bf16;

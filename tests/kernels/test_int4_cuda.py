@@ -1,0 +1,68 @@
+"""The sm_90a W4A16 CUDA kernel: the source compiles with nvcc (where nvcc exists), and the op's layout
+semantics (its CPU path) match the reference. GPU numbers come from bench/gpu_check.py on the H200."""
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+from sdquant.errors import ShapeError
+from sdquant.kernels import int4_cuda
+from sdquant.kernels import int4_layout as L
+from sdquant.kernels import ops  # noqa: F401
+
+from test_int4_layout import make_qw  # noqa: E402
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_nvcc_compiles_for_sm90a_without_spills():
+    with tempfile.TemporaryDirectory() as d:
+        r = int4_cuda.nvcc_compile(d)
+    assert r.returncode == 0, r.stderr[-4000:]
+    kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
+    assert sum("w4a16_kernel" in ln for ln in kernels) == 24   # {fp16,bf16} x 3 token tiles x 2 K steps x hint
+    assert all("for 'sm_90a'" in ln for ln in kernels)
+    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
+    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_path_matches_reference(m, dtype):
+    qw = make_qw(128, 512, 64, False, True, seed=m)
+    lay = L.repack_cuda(qw, dtype)
+    x = torch.randn(m, 512).to(dtype)
+    bias = torch.randn(128).to(dtype)
+    y = torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], bias)
+    ref = torch.ops.sdquant.int_linear(x.double(), qw.qweight, qw.scales, qw.zeros, qw.g_idx, bias.double(), 4, 64,
+                                       512).float()
+    assert float((y.float() - ref).norm() / ref.norm()) < (2e-3 if dtype == torch.float16 else 1e-2)
+
+
+def test_opcheck():
+    qw = make_qw(64, 128, 32, True, False, seed=9)
+    lay = L.repack_cuda(qw, torch.bfloat16)
+    x = torch.randn(2, 128).bfloat16()
+    torch.library.opcheck(torch.ops.sdquant.w4a16_cuda,
+                          (x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], None),
+                          {"splits": 2, "evict_first": False})
+
+
+def test_rejects_bad_inputs():
+    lay = L.repack_cuda(make_qw(64, 128, 32, True, False), torch.float16)
+    args = (lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"], None)
+    with pytest.raises(ShapeError, match="last dim"):
+        torch.ops.sdquant.w4a16_cuda(torch.randn(1, 64).half(), *args)
+    with pytest.raises(ShapeError, match="dtype"):
+        torch.ops.sdquant.w4a16_cuda(torch.randn(1, 128).bfloat16(), *args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_unavailable_without_gpu_warns_once():
+    int4_cuda._STATE.clear()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert int4_cuda.available() is False
+        assert int4_cuda.available() is False
+    assert sum("Triton" in str(w.message) for w in rec) == 1
+    int4_cuda._STATE.clear()
