@@ -34,6 +34,18 @@ def _sdquant_version() -> str:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _as_bytes(t: Tensor) -> memoryview:
     """Zero-copy byte view of a CPU tensor (copies only when it lives on a device or is non-contiguous)."""
     t = t.detach()
@@ -254,6 +266,7 @@ def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[t
             z.add(F.MANIFEST, len(raw), [raw])
             z.finish()
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

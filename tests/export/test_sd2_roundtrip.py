@@ -9,6 +9,8 @@ import zipfile
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 
 from sd2_testutil import tiny_model, write_tiny
@@ -234,3 +236,73 @@ def test_read_members_on_bytes(tmp_path):
     path, _, _ = write_tiny(tmp_path / "m.sd2")
     members = read_members(path.read_bytes())
     assert list(members)[-1] == "manifest.json" and len(members) == 3 + 7 + 2 + 1
+
+
+layer_spec = st.tuples(st.sampled_from([2, 3, 4, 8, "fp8"]), st.integers(1, 12), st.sampled_from([8, 16, 32, 48]),
+                       st.sampled_from([-1, 8, 16]), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(layer_spec, min_size=0, max_size=4),
+       float_shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), max_size=3))
+def test_roundtrip_property(tmp_path, specs, float_shapes):
+    """Random schemes, shapes (incl. empty and scalar tensors), optional bias/smooth: read == written."""
+    from sd2_testutil import rtn
+    from sdquant.quant.qtensor import quantize_fp8_weight
+    g = torch.Generator().manual_seed(len(specs))
+    quant = []
+    for i, (bits, n, k, gs, sym, act, has_bias, has_smooth) in enumerate(specs):
+        w = torch.randn(n, k, generator=g)
+        if bits == "fp8":
+            qw = quantize_fp8_weight(w, torch.tensor(0.1) if sym else None)
+        else:
+            qw = rtn(w, bits, gs if gs == -1 or k % gs == 0 else -1, sym, act_order=act, seed=i)
+        quant.append((f"layer{i}", qw, torch.randn(n) if has_bias else None,
+                      torch.rand(k) + 0.5 if has_smooth else None))
+    floats = [(f"t{i}", torch.randn(tuple(s), generator=g).to(torch.bfloat16)) for i, s in enumerate(float_shapes)]
+    path = write_sd2(tmp_path / f"p{len(specs)}.sd2", family="x", arch_config={}, float_tensors=floats,
+                     quant_layers=quant)
+    with open_sd2(path) as pkg:
+        ft, ql = pkg.float_tensors(), pkg.quant_layers()
+        for name, t in floats:
+            assert _eq(ft[name], t)
+        for name, w, bias, smooth in quant:
+            w2, b2, s2 = ql[name]
+            assert _eq(b2, bias) and _eq(s2, smooth)
+            fields = ("qweight", "scales", "zeros", "g_idx") if isinstance(w, QuantizedWeight) else \
+                ("weight", "weight_scale", "input_scale")
+            for f in fields:
+                assert _eq(getattr(w2, f), getattr(w, f)), (name, f)
+        assert pkg.verify() == []
+
+
+def test_zip64_paths_with_lowered_limits(tmp_path, monkeypatch):
+    """Exercise every ZIP64 branch (local/central extras, ZIP64 end record + locator) without writing 4 GB:
+    the overflow limits are lowered so that sizes, offsets and the member count of a tiny package overflow.
+    (A real >4 GB package is covered by bench/package.py --layers 32, which opens it with verify='full'.)"""
+    from sdquant.export import sd2_format as F
+    monkeypatch.setattr(F, "U32", 3000)
+    monkeypatch.setattr(F, "U16", 5)
+    path, floats, quant = write_tiny(tmp_path / "m.sd2")
+    raw = path.read_bytes()
+    assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw
+    with open_sd2(path) as pkg:
+        assert _eq(pkg.tensor("model.embed_tokens.weight"), floats[0][1])
+        assert _eq(pkg.layer("l.int4_g32_asym")[0].qweight, quant[0][1].qweight)
+    bad = tmp_path / "bad.sd2"
+    for i in list(range(len(raw) - 200, len(raw))) + list(range(0, 200)):  # end records, first headers
+        b = bytearray(raw)
+        b[i] ^= 0x01
+        bad.write_bytes(bytes(b))
+        with pytest.raises(PackageError):
+            with open_sd2(bad) as pkg:
+                pkg.quant_layers()
+
+
+def test_file_mode_follows_umask(tmp_path):
+    import os
+    import stat
+    path, _, _ = write_tiny(tmp_path / "m.sd2")
+    old = os.umask(0o022)
+    os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~old
