@@ -139,6 +139,39 @@ def split_sweep(dev, shapes, dtype) -> list:
     return rows
 
 
+def triton_sweep(dev, shapes, dtype) -> list:
+    """Tile configs of the small-M Triton kernel at M = 1 (one compile each)."""
+    from sdquant.kernels import int4_triton
+    rows = []
+    configs = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+               dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+               dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+               dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3),
+               dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6)]
+    for (k, n) in shapes:
+        qw = gemm.random_int4(n, k, device=dev)
+        lays = [int4_layout.repack_triton(qw, dtype) for _ in range(gemm.n_copies(n * k // 2))]
+        x = torch.randn(1, k, device=dev, dtype=dtype)
+        base = int4_triton.splitk_config(1, n, k, 128, 132)
+        res = {}
+        for cfg in configs:
+            split = 1
+            while (n // cfg["BLOCK_N"]) * split * 2 <= 264 and k % (split * 2 * cfg["BLOCK_K"]) == 0 \
+                    and k // (split * 2) >= 4 * cfg["BLOCK_K"]:
+                split *= 2
+            c = dict(cfg, SPLIT_K=split)
+            try:
+                us = gemm.time_rotating(lambda i: int4_triton.w4a16_triton_impl(
+                    x, lays[i]["qweight"], lays[i]["scales"], lays[i]["zs"], None, None, config=c), len(lays))
+            except Exception as ex:
+                log(f"  triton cfg {c} failed: {type(ex).__name__}: {str(ex)[:200]}")
+                continue
+            res[str(c)] = round(us, 2)
+        log(f"  triton {k}x{n} M=1 default {base}: " + "; ".join(f"{kk} -> {v}" for kk, v in res.items()))
+        rows.append({"K": k, "N": n, "us": res})
+    return rows
+
+
 def evict_timing(dev, shapes, dtype) -> list:
     rows = []
     for (k, n) in shapes:
@@ -162,6 +195,7 @@ def main():
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_fp8_triton")
     ap.add_argument("--sweep-splits", action="store_true")
+    ap.add_argument("--sweep-triton", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
@@ -178,6 +212,9 @@ def main():
     if a.sweep_splits:
         log(f"[{time.time() - t0:.0f}s] split sweep")
         res["splits"] = split_sweep(dev, shapes, dtype)
+    if a.sweep_triton:
+        log(f"[{time.time() - t0:.0f}s] triton sweep")
+        res["triton_sweep"] = triton_sweep(dev, [shapes[0], shapes[-1]], dtype)
     if res["probe"]["evict_ok"]:
         log(f"[{time.time() - t0:.0f}s] evict-first timing")
         res["evict"] = evict_timing(dev, shapes[:2], dtype)

@@ -216,7 +216,10 @@ def _check(x, qweight, scales, zs, perm):
     return k, n, k // g
 
 
-def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None):
+def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None,
+                      config: Optional[dict] = None):
+    """The op's body. ``force_path`` ("splitk"|"gemm") and ``config`` (overrides of the chosen tile config)
+    exist for tests and bench/gpu_check.py's tile sweep."""
     k, n, gs = _check(x, qweight, scales, zs, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -237,7 +240,7 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     perm_arg = perm if has_perm else qweight  # never read when HAS_PERM is False
     path = force_path or ("splitk" if m <= 32 else "gemm")
     if m > 0 and path == "splitk":
-        cfg = splitk_config(m, n, k, gs, _num_sms(x.device))
+        cfg = {**splitk_config(m, n, k, gs, _num_sms(x.device)), **(config or {})}
         split = cfg["SPLIT_K"]
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
         grid = (n // cfg["BLOCK_N"], split)
@@ -249,7 +252,7 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
             block = 1024
             reduce_k[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block)
     elif m > 0:
-        cfg = gemm_config(m, n, k, gs)
+        cfg = {**gemm_config(m, n, k, gs), **(config or {})}
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * (n // cfg["BLOCK_N"]),)
         gemm[grid](x2, qweight, scales, zs, perm_arg, out, m, n, k, x2.stride(0), GS=gs,
                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
