@@ -345,3 +345,78 @@ def import_hf_checkpoint(folder) -> HFCheckpoint:
         out.quant_layers[p] = (w, tensors.pop(f"{p}.bias", None), None)
     out.float_tensors = tensors
     return out
+
+
+# ============================================================================================== from models
+def _hf_config(model) -> dict:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string"):
+        raise ShapeError(f"{type(model).__name__} has no Hugging Face config to write into config.json")
+    d = json.loads(cfg.to_json_string(use_diff=False))  # through JSON: every key becomes a string
+    for k in ("quantization_config", "_name_or_path"):
+        d.pop(k, None)
+    return d
+
+
+def _tokenizer_files(tok) -> dict[str, bytes]:
+    if tok is None:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        return {p.name: p.read_bytes() for p in Path(d).iterdir() if p.is_file()}
+
+
+def export_checkpoint(result, path, format: str = "gptq", checkpoint_format: str = "gptq",
+                      max_shard_bytes: int = 4 << 30) -> Path:
+    """``sdquant.export(result, path, format="gptq"|"awq")``: a CalibrationResult (``model`` with folded
+    scales, ``weights`` {name: QuantizedWeight}, ``smooth``, ``tokenizer``) as a checkpoint folder."""
+    model, weights = result.model, result.weights
+    smooth = getattr(result, "smooth", {}) or {}
+
+    def floats():
+        for name, t in model.state_dict().items():
+            mod, _, leaf = name.rpartition(".")
+            if not (mod in weights and leaf in ("weight", "bias")):
+                yield name, t
+
+    def quant():
+        for name, w in weights.items():
+            bias = getattr(model.get_submodule(name), "bias", None)
+            yield name, w, bias.detach() if isinstance(bias, torch.Tensor) else None, smooth.get(name)
+
+    high = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in weights
+            and n != "lm_head"]
+    return export_hf_checkpoint(path, fmt=format, config=_hf_config(model), float_tensors=floats(),
+                                quant_layers=quant(), checkpoint_format=checkpoint_format, high_precision=high,
+                                extra_files=_tokenizer_files(getattr(result, "tokenizer", None)),
+                                max_shard_bytes=max_shard_bytes)
+
+
+def export_model(model, path, format: str = "gptq", checkpoint_format: str = "gptq",
+                 max_shard_bytes: int = 4 << 30) -> Path:
+    """A loaded sdquant model (``sdquant.load``: QuantLinear modules in place of linears) as a checkpoint
+    folder; ``model.tokenizer`` is written too when present."""
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    if fp8:
+        raise ShapeError(f"{fp8[0]}: FP8 layers cannot go into a {format} checkpoint")
+    qmods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not qmods:
+        raise ShapeError(f"{type(model).__name__} has no QuantLinear layers to export")
+
+    def floats():
+        for name, t in model.state_dict().items():
+            mod, _, _ = name.rpartition(".")
+            if mod not in qmods:
+                yield name, t
+
+    def quant():
+        for name, m in qmods.items():
+            yield name, m.weight_q, m.bias, m.smooth
+
+    high = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    return export_hf_checkpoint(path, fmt=format, config=_hf_config(model), float_tensors=floats(),
+                                quant_layers=quant(), checkpoint_format=checkpoint_format, high_precision=high,
+                                extra_files=_tokenizer_files(getattr(model, "tokenizer", None)),
+                                max_shard_bytes=max_shard_bytes)

@@ -40,16 +40,21 @@ def _scheme_str(s: dict) -> str:
 
 
 def _per_layer_losses(cal: dict) -> dict[str, float]:
-    """Per-layer losses from the calibration report: ``per_layer: {layer: {"loss": x}}`` or
-    ``{layer: x}`` (docs/FORMAT.md, calibration report)."""
+    """Per-layer losses from the calibration report (docs/FORMAT.md §5.6): ``per_layer: {layer: {"loss": x}}``
+    or ``{layer: x}``, or the row list ``layers: [{"layer": name, "loss": x}, ...]``."""
+    pairs = []
     src = cal.get("per_layer")
-    out = {}
     if isinstance(src, dict):
-        for k, v in src.items():
-            if isinstance(v, dict):
-                v = v.get("loss")
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = float(v)
+        pairs += list(src.items())
+    rows = cal.get("layers")
+    if isinstance(rows, list):
+        pairs += [(r.get("layer", r.get("name")), r) for r in rows if isinstance(r, dict)]
+    out = {}
+    for k, v in pairs:
+        if isinstance(v, dict):
+            v = v.get("loss")
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(v)
     return out
 
 

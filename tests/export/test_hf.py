@@ -268,3 +268,37 @@ def test_import_refuses(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
     with pytest.raises(PackageError, match="unreadable safetensors"):
         import_hf_checkpoint(tmp_path)
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_export_from_calibration_result_and_loaded_model(tmp_path, fmt):
+    """The entry points sdquant.export(format=gptq|awq) and `sdquant export pkg.sd2 --format gptq` use."""
+    from types import SimpleNamespace
+
+    from sdquant.export.hf import export_checkpoint, export_model
+    from sdquant.models.hf import replace_linears
+    model = _tiny_llama()
+    weights = {n: rtn(m.weight.detach(), 4, 32, symmetric=True) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    out = export_checkpoint(SimpleNamespace(model=model, weights=weights, smooth={}, tokenizer=None),
+                            tmp_path / "from_result", format=fmt)
+    ck = import_hf_checkpoint(out)
+    assert set(ck.quant_layers) == set(weights)
+    for n, w in weights.items():
+        _same(ck.quant_layers[n][0], w)
+    assert torch.equal(ck.float_tensors["lm_head.weight"], model.lm_head.weight)
+    assert ck.config["model_type"] == "llama" and ck.config["quantization_config"]["quant_method"] == fmt
+    qmodel = replace_linears(model, weights)
+    out2 = export_model(qmodel, tmp_path / "from_model", format=fmt)
+    ck2 = import_hf_checkpoint(out2)
+    for n, w in weights.items():
+        _same(ck2.quant_layers[n][0], w)
+    assert set(ck2.float_tensors) == set(ck.float_tensors)
