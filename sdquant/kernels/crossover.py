@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sdquant.errors import ConfigError
 from sdquant.kernels import dispatch
 from sdquant.kernels.linear import Fp8Linear, QuantLinear
 from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
@@ -120,7 +121,7 @@ def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int
     ``deadline`` (time.perf_counter() value): shapes not started by then are skipped (and logged);
     ``on_entry(table)`` is called with the partial table after each shape (to save progress)."""
     if not torch.cuda.is_available():
-        raise RuntimeError("measure_crossovers needs a CUDA GPU")
+        raise ConfigError("kernels.tune", "measuring kernel crossovers needs a CUDA GPU, and none is visible")
     dev = torch.device("cuda", torch.cuda.current_device())
     act = getattr(torch, dtype)
     shapes = tuple(shapes or LLAMA_SHAPES)

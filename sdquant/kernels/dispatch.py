@@ -86,16 +86,26 @@ def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[
 
 
 # --------------------------------------------------------------------------------------------- the table
+_LOADED: Dict[Tuple[str, int, int], dict] = {}  # (path, mtime_ns, size) -> parsed table: one parse per model
+
+
 def load_table(path: Optional[os.PathLike] = None) -> dict:
-    """Read and validate a crossover table (the shipped H200 one by default)."""
+    """Read and validate a crossover table (the shipped H200 one by default). Parsed once per file version
+    (every layer of a model plans from the same table); callers must not mutate the result."""
     p = Path(path) if path is not None else SHIPPED_TABLE
     try:
+        st = p.stat()
+        key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
         table = json.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError("kernels.table", f"crossover table {p} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConfigError("kernels.table", f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     validate_table(table, str(p))
+    _LOADED.clear()
+    _LOADED[key] = table
     return table
 
 

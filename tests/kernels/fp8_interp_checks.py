@@ -20,7 +20,7 @@ from sdquant.kernels.ops import quantize_fp8_per_token, quantize_fp8_static  # n
 from sdquant.quant.qtensor import QuantizedWeight, quantize_fp8_weight  # noqa: E402
 
 MS = (1, 3, 16, 33)
-out = {"quant": [], "gemm": [], "op": [], "dequant": [], "errors": []}
+out = {"quant": [], "gemm": [], "op": [], "dequant": [], "errors": [], "opcheck": [], "int4_adapter": []}
 g = torch.Generator().manual_seed(0)
 
 
@@ -88,6 +88,37 @@ for m in MS:
     ref = (xq.double() @ fw.weight.double().t()) * xs.double() * fw.weight_scale.double() + bias.double()
     y = layer(x)
     out["op"].append({"m": m, "kernel": layer.kernel, "shape": list(y.shape), "rel": rel(y.reshape(-1, n), ref)})
+
+# opcheck of the Triton op itself (schema, fake tensor, AOT dispatch); test_schema cannot run on fp8 inputs
+# on CPU (see test_ops.py)
+x = torch.randn(3, 64, generator=g)
+fw = quantize_fp8_weight(torch.randn(32, 64, generator=g) / 8)
+for isc, cfg in ((None, []), (torch.tensor(0.02), [32, 16, 32, 2, 4, 4])):
+    torch.library.opcheck(torch.ops.sdquant.fp8_linear_triton,
+                          (x, fw.weight, fw.weight_scale, isc, torch.randn(32, generator=g), None, cfg),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    out["opcheck"].append("fp8_linear_triton ok" + (" static" if isc is not None else ""))
+
+# the dispatch adapter over the int4 helper's Triton op (argument names read from its schema)
+try:
+    from sdquant.kernels import int4_triton  # noqa: F401
+    have_int4 = hasattr(torch.ops.sdquant, "w4a16_triton")
+except ImportError:
+    have_int4 = False
+if have_int4:
+    from sdquant.kernels.linear import QuantLinear
+    from sdquant.quant.qtensor import compute_qparams, quantize_codes
+    n, k, gs = 64, 256, 64
+    w = torch.randn(n, k, generator=g)
+    sc, z = compute_qparams(w, 4, gs, False)
+    qw = QuantizedWeight.from_codes(quantize_codes(w, sc, z, 4, gs), sc, z, 4, gs)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 33):
+        layer = QuantLinear(qw, bias).prepare("cpu", torch.bfloat16, kernels="triton")
+        xx = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        ref = xx.double() @ qw.dequantize(torch.float64).t() + bias.double()
+        out["int4_adapter"].append({"m": m, "kernel": layer.kernel, "rel": rel(layer(xx), ref),
+                                    "buffers": sorted(b for b, _ in layer.named_buffers() if b.startswith("_triton"))})
 
 try:
     fp8_triton.gemm_swapab(torch.zeros(1, 40, dtype=torch.float8_e4m3fn), torch.ones(1),

@@ -210,6 +210,28 @@ def test_compile_fullgraph_over_a_multi_bucket_plan(make, kernels):
         torch.testing.assert_close(compiled(x), layer(x))
 
 
+def test_compile_with_dynamic_batch():
+    layer = _fp8_layer()
+    t = _table()
+    for e in t["entries"]:
+        e.update(N=layer.out_features, K=layer.in_features)
+        e["us"] = {"reference": [1, 1, 9, 9, 9], "dequant": [9, 9, 1, 1, 1]}
+        e.pop("triton_config", None)
+    layer._set_plan(dispatch.plan_layer("fp8", layer.out_features, layer.in_features, ("reference", "dequant"), t))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (2, 5, 17, 70):
+        x = torch.randn(m, layer.in_features)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_measure_crossovers_without_gpu_is_a_config_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        dispatch.measure_crossovers(tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_wrong_input_width_is_a_shape_error():
     from sdquant.errors import ShapeError
     with pytest.raises(ShapeError, match="expects 128"):

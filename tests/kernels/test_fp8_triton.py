@@ -69,3 +69,16 @@ def test_int_dequant_kernel_exact(report):
     assert len(rows) == 3 * 3 * 2 * 2
     for r in rows:
         assert r["max_abs"] == 0.0, r
+
+
+def test_triton_op_opcheck(report):
+    assert report["opcheck"] == ["fp8_linear_triton ok", "fp8_linear_triton ok static"]
+
+
+def test_dispatch_adapter_runs_the_int4_triton_op(report):
+    if not report["int4_adapter"]:
+        pytest.skip("the int4 Triton op (sdquant.kernels.int4_triton) is not present")
+    for r in report["int4_adapter"]:
+        assert r["kernel"] == "M1+:triton"
+        assert r["buffers"] and all(b.startswith("_triton_") for b in r["buffers"])
+        assert r["rel"] < 1e-2, r
