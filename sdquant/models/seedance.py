@@ -144,6 +144,11 @@ def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1)
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Norm statistics in at least float32 (float64 stays float64 for reference runs)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -151,8 +156,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        xf = _upcast(x)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class ModulatedNorm(nn.Module):
@@ -170,9 +175,9 @@ class ModulatedNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, shift, scale):  # x [B, ..., D]; shift, scale broadcastable to x
-        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        y = y * (1 + scale.float()) + shift.float()
-        return (y * self.weight.float()).to(x.dtype)
+        y = F.layer_norm(_upcast(x), (x.shape[-1],), eps=self.eps)
+        y = y * (1 + scale.to(y.dtype)) + shift.to(y.dtype)
+        return (y * self.weight.to(y.dtype)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -284,13 +289,16 @@ class CrossGateFusion(nn.Module):
         keep = {n: p.detach() for n, p in self.named_parameters()}
         super()._apply(fn, recurse)
         for n, p in self.named_parameters():
-            if p.is_floating_point() and p.dtype != torch.float32:
+            # undo only a *downcast* (fp16/bf16/fp8); float64 is allowed (reference computations)
+            if p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
                 p.data = keep[n].to(device=p.device, dtype=torch.float32)
         return self
 
     def forward(self, xs, xt):  # [B, T, h, w, D] each
         with torch.autocast(device_type=xs.device.type, enabled=False):
-            xs32, xt32 = xs.float(), xt.float()
+            w = getattr(self.gate, "weight", None)   # (a user may have quantized the gate anyway)
+            wdt = torch.float64 if w is not None and w.dtype == torch.float64 else torch.float32
+            xs32, xt32 = xs.to(wdt), xt.to(wdt)
             g = torch.sigmoid(self.gate(torch.cat([xs32, xt32], dim=-1)))
             out = xt32 + g * (xs32 - xt32)
         return out.to(xs.dtype)
@@ -455,6 +463,21 @@ def build_seedance(config: "SeedanceConfig | dict", seed: int = 0) -> SeedanceDi
     return SeedanceDiT(cfg).init_weights(seed)
 
 
+def build_empty(arch: "SeedanceConfig | dict", dtype: Optional[torch.dtype] = None) -> SeedanceDiT:
+    """A model on the meta device (no memory, no init) for loaders that assign tensors afterwards.
+    The CGF gates stay float32 whatever ``dtype`` is."""
+    cfg = arch if isinstance(arch, SeedanceConfig) else SeedanceConfig.from_dict(arch, where="arch_config")
+    with torch.device("meta"):
+        model = SeedanceDiT(cfg)
+    return model.to(dtype) if dtype is not None else model
+
+
+def load_pretrained(path, dtype: Optional[torch.dtype] = torch.float32, device="cpu") -> SeedanceDiT:
+    """A checkpoint folder (config.json + sharded safetensors) -> eval-mode model (see seedance_io)."""
+    from sdquant.models.seedance_io import load_seedance
+    return load_seedance(path, device=device, dtype=dtype)
+
+
 # ------------------------------------------------------------------------------------------------ adapter
 # Layers kept in high precision by default, and why:
 #  - cgf.gate: the seeds' advice (gate precision); it is also computed in float32 at run time.
@@ -499,10 +522,11 @@ def seedance_scaling_groups(window: bool = True) -> list:
     branches = ["s", "t"] + (["w"] if window else [])
     for b in branches:
         groups.append({"prev": f"norm_{b}", "linears": [f"attn_{b}.q", f"attn_{b}.k", f"attn_{b}.v"],
-                       "inspect": f"attn_{b}"})
-        groups.append({"prev": f"attn_{b}.v", "linears": [f"attn_{b}.o"], "inspect": f"attn_{b}.o"})
-    groups.append({"prev": "norm_m", "linears": ["mlp.gate", "mlp.up"], "inspect": "mlp"})
-    groups.append({"prev": "mlp.up", "linears": ["mlp.down"], "inspect": "mlp.down"})
+                       "inspect": f"attn_{b}", "fold": "norm"})
+        groups.append({"prev": f"attn_{b}.v", "linears": [f"attn_{b}.o"], "inspect": f"attn_{b}.o",
+                       "fold": "linear"})
+    groups.append({"prev": "norm_m", "linears": ["mlp.gate", "mlp.up"], "inspect": "mlp", "fold": "norm"})
+    groups.append({"prev": "mlp.up", "linears": ["mlp.down"], "inspect": "mlp.down", "fold": "linear"})
     return groups
 
 
