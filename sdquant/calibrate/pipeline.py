@@ -65,6 +65,18 @@ def _move(obj, device):
     return obj
 
 
+def _detach(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, tuple):
+        return tuple(_detach(o) for o in obj)
+    if isinstance(obj, list):
+        return [_detach(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _detach(v) for k, v in obj.items()}
+    return obj
+
+
 def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -149,13 +161,47 @@ class BlockContext:
     @torch.no_grad()
     def run(self, hooks: Optional[dict] = None) -> list:
         """Run the block on every calibration batch with forward hooks hook(module, args, kwargs, output);
-        returns the block's hidden-state output per batch."""
+        returns the block's hidden-state output per batch (this rank's batches under data parallelism)."""
+        if self.dist.active and hooks:
+            return self._run_data_parallel(hooks)
         handles = [m.register_forward_hook(fn, with_kwargs=True) for m, fn in (hooks or {}).items()]
         try:
             return [_hidden(self.block(*a, **k)) for a, k in self.inputs]
         finally:
             for h in handles:
                 h.remove()
+
+    def _run_data_parallel(self, hooks: dict) -> list:
+        """Forward passes run on each rank's own batches; the hook calls they trigger (module inputs) are
+        gathered and replayed on every rank in global batch order (batch j*world + r), so statistics are
+        accumulated in exactly the order of a single-process run and every rank ends bitwise identical.
+        Hooks receive output=None on replay: statistics hooks must read inputs only."""
+        import torch.distributed as tdist
+        mods = list(hooks)
+        index = {id(m): i for i, m in enumerate(mods)}
+        n_local = len(self.inputs)
+        n_steps = torch.tensor([n_local], dtype=torch.int64, device=self.dist.device())
+        tdist.all_reduce(n_steps, op=tdist.ReduceOp.MAX)
+        outputs = []
+        for j in range(int(n_steps.item())):
+            calls: list = []
+
+            def rec(mod, args, kwargs, out):
+                calls.append((index[id(mod)], _move(_detach(args), "cpu"), _move(_detach(kwargs), "cpu")))
+            handles = [m.register_forward_hook(rec, with_kwargs=True) for m in mods]
+            try:
+                if j < n_local:
+                    a, k = self.inputs[j]
+                    outputs.append(_hidden(self.block(*a, **k)))
+            finally:
+                for h in handles:
+                    h.remove()
+            gathered: list = [None] * self.dist.world
+            tdist.all_gather_object(gathered, calls)
+            for rank_calls in gathered:          # rank order == global batch order within a step
+                for i, a, k in rank_calls:
+                    hooks[mods[i]](mods[i], _move(a, self.device), _move(k, self.device), None)
+        return outputs
 
 
 @dataclass
