@@ -212,6 +212,8 @@ def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[t
     stored under ``files/<name>``. calibration: JSON-able report. high_precision: module names left unquantized.
     """
     path = Path(path)
+    if path.is_dir():
+        raise PackageError(f"{path}: is a folder; give the path of the .sd2 file to write")
     if not isinstance(family, str) or not family:
         raise PackageError("family: must be a non-empty string")
     manifest = {

@@ -190,6 +190,12 @@ def test_writer_rejects_bad_input(tmp_path, bad, match):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_writer_refuses_a_folder_as_target(tmp_path):
+    floats, quant = tiny_model()
+    with pytest.raises(PackageError, match="is a folder"):
+        write_sd2(tmp_path, family="x", arch_config={}, float_tensors=floats, quant_layers=quant)
+
+
 def test_bias_shape_checked(tmp_path):
     floats, quant = tiny_model()
     name, w, _, _ = quant[0]
