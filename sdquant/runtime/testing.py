@@ -33,20 +33,16 @@ def rtn_weight(w: torch.Tensor, bits=4, group_size=32, symmetric=False, act_orde
 
 def quantize_model_rtn(model: nn.Module, bits=4, group_size=32, symmetric=False, act_order=False, fp8=False,
                        skip: Iterable[str] = (r"lm_head$",), only: Optional[str] = None) -> nn.Module:
-    """Replace every nn.Linear (except names matching ``skip``) in place by QuantLinear (RTN) or Fp8Linear."""
-    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    """Replace every nn.Linear (except names matching ``skip``) in place by QuantLinear (RTN) or Fp8Linear,
+    through ``sdquant.models.hf.replace_linears`` (the swap every loader uses)."""
+    from sdquant.models.hf import replace_linears
     skip_re = [re.compile(s) for s in skip]
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear
                and not any(r.search(n) for r in skip_re) and (only is None or re.search(only, n))]
-    for i, (name, lin) in enumerate(targets):
-        bias = None if lin.bias is None else lin.bias.detach().clone()
-        if fp8:
-            new = Fp8Linear(quantize_fp8_weight(lin.weight), bias)
-        else:
-            new = QuantLinear(rtn_weight(lin.weight, bits, group_size, symmetric, act_order, seed=i), bias)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-    return model
+    weights = {name: quantize_fp8_weight(lin.weight) if fp8 else
+               rtn_weight(lin.weight, bits, group_size, symmetric, act_order, seed=i)
+               for i, (name, lin) in enumerate(targets)}
+    return replace_linears(model, weights)
 
 
 def random_int_weight(n: int, k: int, bits=4, group_size=128, symmetric=True, device="cpu",
