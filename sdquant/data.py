@@ -496,7 +496,8 @@ def load_tensor_file(path: str, n_samples: Optional[int] = None) -> Dict[str, to
     n_rows = None
     for name, t in tensors.items():
         if t.dim() == 0:
-            raise ConfigError("data.path", f"{path}: tensor {name!r} is a scalar; every tensor needs a sample dimension")
+            raise ConfigError("data.path", f"{path}: tensor {name!r} is a scalar; every tensor needs a sample "
+                              "dimension")
         if t.is_complex():
             raise ConfigError("data.path", f"{path}: tensor {name!r} is complex ({t.dtype}); not a model input")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -510,7 +511,8 @@ def load_tensor_file(path: str, n_samples: Optional[int] = None) -> Dict[str, to
         raise ConfigError("data.path", f"{path} holds 0 samples")
     if n_samples is not None:
         if n_rows < n_samples:
-            raise ConfigError("data.n_samples", f"{path} holds {n_rows} samples but data.n_samples asks for {n_samples}")
+            raise ConfigError("data.n_samples",
+                              f"{path} holds {n_rows} samples but data.n_samples asks for {n_samples}")
         tensors = {k: v[:n_samples].contiguous() for k, v in tensors.items()}
     return tensors
 

@@ -58,7 +58,8 @@ def _forward(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def window_nll(model: Any, windows: torch.Tensor) -> torch.Tensor:
-    """Summed next-token NLL of each window (fp32 log-softmax, float64 sums): LongTensor [B, L] -> [B] (L - 1 predictions each)."""
+    """Summed next-token NLL of each window: LongTensor [B, L] -> float64 [B] (L - 1 predictions each;
+    fp32 log-softmax, float64 sums)."""
     logits = _forward(model, windows)                                  # [B, L, V]
     if logits.dim() != 3 or logits.shape[:2] != windows.shape:
         raise ShapeError(f"model logits have shape {tuple(logits.shape)}; expected [{windows.shape[0]}, "

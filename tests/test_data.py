@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import types
 
 import pytest
@@ -198,7 +197,8 @@ def test_batches_cover_every_sample_in_order(tmp_path, tok):
     with pytest.raises(ConfigError, match="^batch_size: must be a positive integer"):
         next(cd.batches(0))
     s = cd.summary()
-    assert s["n_samples"] == 7 and s["tensors"]["input_ids"] == ["int64", [7, 16]] and s["fingerprint"] == cd.fingerprint
+    assert s["n_samples"] == 7 and s["tensors"]["input_ids"] == ["int64", [7, 16]]
+    assert s["fingerprint"] == cd.fingerprint
 
 
 def test_fingerprint_covers_params_dtype_and_values():
@@ -294,7 +294,8 @@ def test_tensor_file_roundtrip_slicing_and_batches(tmp_path):
 
 
 @pytest.mark.parametrize("tensors, n, pattern", [
-    ({"a": torch.zeros(4, 2), "b": torch.zeros(3, 2)}, 2, r"^data\.path: .*disagree on the sample count: 'a' has 4, 'b' has 3"),
+    ({"a": torch.zeros(4, 2), "b": torch.zeros(3, 2)}, 2,
+     r"^data\.path: .*disagree on the sample count: 'a' has 4, 'b' has 3"),
     ({"a": torch.tensor([1.0, float("nan")])}, 1, r"^data\.path: .*tensor 'a' holds NaN or Inf"),
     ({"a": torch.tensor(3.0)}, 1, r"^data\.path: .*tensor 'a' is a scalar"),
     ({"a": torch.zeros(2, 3)}, 5, r"^data\.n_samples: .*holds 2 samples but data\.n_samples asks for 5"),
@@ -355,7 +356,8 @@ def test_jsonl_errors_name_the_line(tmp_path, tok):
     with pytest.raises(ConfigError, match=r"^data\.path: .*b\.jsonl line 4: invalid JSON"):
         D.load_calibration(cfg(kind="jsonl", path=p), tok)
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": "ok"}, {"text": None}])
-    with pytest.raises(ConfigError, match=r"^data\.field: .*c\.jsonl line 2: field 'text' is NoneType, expected a string$"):
+    with pytest.raises(ConfigError,
+                       match=r"^data\.field: .*c\.jsonl line 2: field 'text' is NoneType, expected a string$"):
         D.load_calibration(cfg(kind="jsonl", path=p), tok)
     p = write(tmp_path / "d.jsonl", '["a list"]\n')
     with pytest.raises(ConfigError, match=r"^data\.path: .*d\.jsonl line 1: expected a JSON object, got list$"):

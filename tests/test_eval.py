@@ -147,7 +147,8 @@ def tiny_bert_and_tokenizer(seed=0):
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate("the cat dog sat on a mat ran far away".split())}}
+    words = "the cat dog sat on a mat ran far away".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
     tk = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]")
