@@ -188,8 +188,22 @@ def evict_timing(dev, shapes, dtype) -> list:
     return rows
 
 
+def profile_once(dev):
+    """Two launches for ncu (-k regex:w4a16_kernel -c 2): 8192x28672 at M=1, then M=16, bf16, no warm-up."""
+    from sdquant.kernels import int4_cuda
+    qw = gemm.random_int4(28672, 8192, device=dev)
+    lay = int4_layout.repack_cuda(qw, torch.bfloat16)
+    assert int4_cuda.available()
+    for m in (1, 16):
+        x = torch.randn(m, 8192, device=dev, dtype=torch.bfloat16)
+        torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"], None)
+    torch.cuda.synchronize()
+    print("profiled splits:", int4_cuda.auto_splits(1, 28672, 8192, 128), int4_cuda.auto_splits(16, 28672, 8192, 128))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default="8192x28672,4096x28672,14336x4096,4096x4096")
     ap.add_argument("--ms", default="1,16,64")
@@ -199,6 +213,8 @@ def main():
     a = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
+    if a.profile_only:
+        return profile_once(dev)
     props = torch.cuda.get_device_properties(dev)
     log(f"{props.name} sm_{props.major}{props.minor} {props.multi_processor_count} SMs; torch {torch.__version__}; "
         f"triton {__import__('triton').__version__}")

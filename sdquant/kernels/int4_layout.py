@@ -15,10 +15,10 @@ device, each kernel gets its own layout, built once by the functions here. Both 
 
 API (used by the dispatch code; all return/accept plain dicts of tensors, never kernel objects)::
 
-    repack_triton(qw, dtype) -> {"qweight": int32 [N, K/8], "scales": dtype [G, N], "zs": dtype [G, N],
+    repack_triton(qw, dtype) -> {"qweight": int32 [K/8, N], "scales": dtype [G, N], "zs": dtype [G, N],
                                  "perm": int32 [K] | None}
-        word [n, k8] holds codes k = 8*k8 .. 8*k8+7 of feature n, code k8*8+j in bits 4j..4j+3 (without
-        act-order this is the canonical qweight reinterpreted as int32: rows are contiguous along K).
+        word [k8, n] holds codes k = 8*k8 .. 8*k8+7 of feature n, code k8*8+j in bits 4j..4j+3; N is the
+        contiguous axis, so a thread's 16-byte load covers 4 features.
     repack_cuda(qw, dtype) -> {"qweight": int32 [N/64, K/16, 32, 4], "scales": fp16 [G, N/64, 8, 8],
                                "zeros": dtype [G, N/64, 8, 8], "perm": int32 [K] | None, "locks": int32 [N/64]}
         fragment-ordered: lane l = 4g + t of a warp loads 16 bytes (4 words) per 64-feature x 16-k tile, exactly
@@ -114,14 +114,14 @@ def repack_triton(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
     _check_int4(qw, 32, 32, 32, "repack_triton")
     codes, s, zs, perm = _prepared(qw, dtype)
     n, k = codes.shape
-    words = _nibbles_to_words(codes.reshape(n, k // 8, 8))                    # [N, K/8]
+    words = _nibbles_to_words(codes.t().reshape(k // 8, 8, n).transpose(1, 2))  # [K/8, N]
     return {"qweight": words.contiguous(), "scales": s.t().contiguous().to(dtype),
             "zs": zs.t().contiguous().to(dtype), "perm": perm}
 
 
 def _triton_codes_kn(layout: Layout) -> torch.Tensor:
-    q = layout["qweight"]                                            # [N, K/8]
-    return _words_to_nibbles(q).reshape(q.shape[0], q.shape[1] * 8).t()  # [K, N]
+    q = layout["qweight"]                                            # [K/8, N]
+    return _words_to_nibbles(q).permute(0, 2, 1).reshape(q.shape[0] * 8, q.shape[1])  # [K, N]
 
 
 def dequantize_triton(layout: Layout) -> torch.Tensor:

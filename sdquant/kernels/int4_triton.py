@@ -2,20 +2,21 @@
 
     torch.ops.sdquant.w4a16_triton(x, qweight, scales, zs, perm, bias) -> y
         x       fp16/bf16 [..., K]        (dtype must match scales)
-        qweight int32 [N, K/8]            scales / zs  dtype [G, N]  (G = K / group_size; 1 = per-channel)
+        qweight int32 [K/8, N]            scales / zs  dtype [G, N]  (G = K / group_size; 1 = per-channel)
         perm    int32 [K] or None         act-order: the kernels read x[:, perm] (gathered in the load)
         bias    dtype [N] or None
         y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
 
-Two kernels:
-* ``_splitk_kernel`` for M <= 32 (decode), swap-AB: out^T [BLOCK_N, 16|32] = W tile @ x^T, so the weight
-  rows fill the wide side of the MMA and the tokens the narrow one; one program per BLOCK_N features and
+Two kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
+shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
+* ``_splitk_kernel`` for M <= 32 (decode): a 16/32-row tensor-core tile per program over BLOCK_N columns and
   one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets work even at M = 1 on K >> N
   shapes. With SPLIT_K > 1 each program stores its fp32 partial and ``_reduce_kernel`` sums them in a fixed
   order (deterministic; no memset, no atomics).
 * ``_gemm_kernel`` for larger M: a classic tiled GEMM (grouped program order for L2 reuse) whose B tile is
   dequantized in registers right after the load.
-Dequantization: the int32 tile [BLOCK_N, BLOCK_K/8] is unpacked by broadcasting 8 shifts -> [BLOCK_N, BLOCK_K];
+Dequantization: the int32 tile [BLOCK_K/8, BLOCK_N] (16-byte loads along N) is unpacked by broadcasting 8
+shifts -> [BLOCK_K, BLOCK_N];
 then ``code * s + zs`` (one FMA; scale rows broadcast over the group). Group sizes >= 32 dividing K.
 
 Devices: CUDA tensors run the compiled kernels. CPU tensors run the same kernels through Triton's interpreter
@@ -56,8 +57,6 @@ def _splitk_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M,
                    GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr,
                    CDT: tl.constexpr):
-    # swap-AB: acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]; the weight fills the
-    # wide (>= 64) side of the MMA and the few tokens the narrow side.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,9 +64,8 @@ def _splitk_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M,
     offs_k8 = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     m_mask = offs_m < M
-    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_k * K_SPLIT
-    KW = K // 8
     for kt in range(0, K_SPLIT, BLOCK_K):
         k0 = k_begin + kt
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -75,26 +73,26 @@ def _splitk_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M,
             kx = tl.load(perm_ptr + offs_k)
         else:
             kx = offs_k
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :], other=0.0)
-        wq = tl.load(qw_ptr + offs_n[:, None] * KW + (k0 // 8 + offs_k8)[None, :])       # [BN, BK/8] int32
-        w = (wq[:, :, None] >> shifts[None, None, :]) & 0xF                              # [BN, BK/8, 8]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])      # [BK/8, BN] int32
+        w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF                              # [BK/8, 8, BN]
         if GS >= BLOCK_K:
             g = k0 // GS
             s = tl.load(s_ptr + g * N + offs_n).to(CDT)
             zs = tl.load(zs_ptr + g * N + offs_n).to(CDT)
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(CDT) * s[:, None] + zs[:, None]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(CDT) * s[None, :] + zs[None, :]
         else:
             offs_g = k0 // GS + tl.arange(0, BLOCK_K // GS)
-            s = tl.load(s_ptr + offs_g[None, :] * N + offs_n[:, None]).to(CDT)         # [BN, BK/GS]
-            zs = tl.load(zs_ptr + offs_g[None, :] * N + offs_n[:, None]).to(CDT)
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K // GS, GS)).to(CDT) * s[:, :, None] + zs[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-        acc += tl.dot(w, xt.to(CDT))
+            s = tl.load(s_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)         # [BK/GS, BN]
+            zs = tl.load(zs_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            w = tl.reshape(w, (BLOCK_K // GS, GS, BLOCK_N)).to(CDT) * s[:, None, :] + zs[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x.to(CDT), w)
     if SPLIT_K == 1:
-        tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_mask[None, :])
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None])
     else:
-        tl.store(part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=m_mask[None, :])
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
 
 
 def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -131,20 +129,20 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, M, N, K, strid
         else:
             kx = offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
-        wq = tl.load(qw_ptr + offs_n[:, None] * (K // 8) + (k0 // 8 + offs_k8)[None, :])   # [BN, BK/8]
-        w = (wq[:, :, None] >> shifts[None, None, :]) & 0xF
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])
+        w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF
         if GS >= BLOCK_K:
             g = k0 // GS
             s = tl.load(s_ptr + g * N + offs_n).to(CDT)
             zs = tl.load(zs_ptr + g * N + offs_n).to(CDT)
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(CDT) * s[:, None] + zs[:, None]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(CDT) * s[None, :] + zs[None, :]
         else:
             offs_g = k0 // GS + tl.arange(0, BLOCK_K // GS)
-            s = tl.load(s_ptr + offs_g[None, :] * N + offs_n[:, None]).to(CDT)
-            zs = tl.load(zs_ptr + offs_g[None, :] * N + offs_n[:, None]).to(CDT)
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K // GS, GS)).to(CDT) * s[:, :, None] + zs[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-        acc += tl.dot(x.to(CDT), tl.trans(w))
+            s = tl.load(s_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            zs = tl.load(zs_ptr + offs_g[:, None] * N + offs_n[None, :]).to(CDT)
+            w = tl.reshape(w, (BLOCK_K // GS, GS, BLOCK_N)).to(CDT) * s[:, None, :] + zs[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x.to(CDT), w)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None])
 
@@ -202,7 +200,7 @@ def gemm_config(m: int, n: int, k: int, gs: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- launch
 def _check(x, qweight, scales, zs, perm):
-    n, k = qweight.shape[0], qweight.shape[1] * 8
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != k:
         raise ShapeError(f"x: last dim {x.shape[-1]} does not match the weight's in_features {k}")
     if x.dtype not in (torch.float16, torch.bfloat16) or scales.dtype != x.dtype or zs.dtype != x.dtype:
@@ -271,4 +269,4 @@ def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 @w4a16_triton.register_fake
 def _(x, qweight, scales, zs, perm, bias):
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    return x.new_empty((*x.shape[:-1], qweight.shape[1]))

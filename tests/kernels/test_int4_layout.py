@@ -63,10 +63,13 @@ def test_cuda_fragment_order():
                     assert (word >> (4 * p)) & 0xF == int(codes[row, kb * 16 + 2 * t + krow])
 
 
-def test_triton_layout_is_canonical_bytes():
+def test_triton_word_order():
     qw = make_qw(64, 128, 32, True, False)
-    lay = L.repack_triton(qw, torch.float16)
-    assert torch.equal(lay["qweight"].view(torch.uint8), qw.qweight)  # same bytes, read as int32 words
+    q = L.repack_triton(qw, torch.float16)["qweight"]             # [K/8, N]
+    codes = qw.codes()
+    for k8, n in ((0, 0), (3, 17), (15, 63)):
+        word = int(q[k8, n]) & 0xFFFFFFFF
+        assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[n, 8 * k8: 8 * k8 + 8].tolist()
 
 
 def test_rejects_bad_shapes():

@@ -120,7 +120,7 @@ def test_rejects_bad_inputs(interpret):
         run(torch.randn(1, 96).half(), lay)
     with pytest.raises(ShapeError, match="dtype"):
         run(torch.randn(1, 128).bfloat16(), lay)
-    bad = dict(lay, qweight=lay["qweight"][:48])               # N = 48: not a multiple of 32
+    bad = dict(lay, qweight=lay["qweight"][:, :48])            # N = 48: not a multiple of 32
     with pytest.raises(ShapeError, match="multiples of 32"):
         run(torch.randn(1, 128).half(), bad)
 

@@ -398,18 +398,25 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   const int ks = group_k16 % 4 == 0 ? 4 : 2;
   const int stages = k / 16 / ks;
   const int tiles = (n / 64 + WN - 1) / WN;
-  // CTAs per SM from shared memory alone (registers allow more for these sizes)
+  // CTAs per SM: shared memory, and registers (ptxas: ~96 / ~148 / ~216 per thread for 1 / 2 / 4 token tiles)
   const int nt = m <= 8 ? 1 : (m <= 16 ? 2 : 4);
   const int stage_bytes = WN * ks * 512 + WN * 256 + nt * 8 * (ks * 16 + 8) * 2;
+  const int reg_cap = nt == 1 ? 5 : (nt == 2 ? 3 : 2);
   int per_sm = (227 * 1024) / (STAGES * stage_bytes + 1024);
-  per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
+  per_sm = per_sm < 1 ? 1 : (per_sm > reg_cap ? reg_cap : per_sm);
   (void)is_bf16;
   const int slots = sms * per_sm;
-  // one wave that fills the CTA slots; each split keeps >= 1 pipeline depth of K steps
-  int splits = slots / tiles;
-  const int max_splits = stages / STAGES;
-  if (splits > max_splits) splits = max_splits;
+  // Measured on the H200 (bench/gpu_check.py --sweep-splits): about 2.5 CTAs per SM is best; fewer leave
+  // the memory system idle, CTAs beyond what fits at once form a second wave, and splits shorter than ~4
+  // stages spend their time in the pipeline prologue.
+  int splits = (5 * sms + tiles) / (2 * tiles);
+  if (splits > slots / tiles) splits = slots / tiles;
+  if (splits > stages / 4) splits = stages / 4;
   if (splits < 1) splits = 1;
+  // short splits: prefer a divisor of the stage count (one split a stage longer than the rest sets the time)
+  if (stages / splits < 16)
+    for (int s = splits; 2 * s >= splits; --s)
+      if (stages % s == 0) return s;
   return splits;
 }
 
