@@ -68,7 +68,7 @@ def probe_evict_first() -> dict:
     return {"rc": r.returncode, "evict_ok": "EVICT True" in out, "built": "BUILD True" in out, "out": out[-4000:]}
 
 
-def correctness(dev, quick: bool) -> list:
+def correctness(dev, quick: bool, triton: bool = True) -> list:
     from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401
     cuda_ok = int4_cuda.available()
     cases = [  # (K, N, group, symmetric, act_order, dtype)
@@ -91,8 +91,9 @@ def correctness(dev, quick: bool) -> list:
             x = torch.randn(m, k, device=dev, dtype=dt)
             ref = (x.double() @ w.t()).float()
             outs = {}
-            outs["triton"] = [torch.ops.sdquant.w4a16_triton(x, lt["qweight"], lt["scales"], lt["zs"], lt["perm"], None)
-                              for _ in range(2)]
+            if triton:
+                outs["triton"] = [torch.ops.sdquant.w4a16_triton(x, lt["qweight"], lt["scales"], lt["zs"], lt["perm"],
+                                                                 None) for _ in range(2)]
             if lc is not None:
                 for sp in ([0] if m > 16 else [0, 1, 3, 7]):
                     outs[f"cuda_s{sp}"] = [torch.ops.sdquant.w4a16_cuda(
@@ -204,6 +205,10 @@ def profile_once(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--correctness-only", action="store_true", help="exit 1 if any case fails")
+    ap.add_argument("--cuda-only", action="store_true", help="correctness of the CUDA kernel only")
+    ap.add_argument("--no-nvcc", action="store_true")
+    ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default="8192x28672,4096x28672,14336x4096,4096x4096")
     ap.add_argument("--ms", default="1,16,64")
@@ -219,10 +224,16 @@ def main():
     log(f"{props.name} sm_{props.major}{props.minor} {props.multi_processor_count} SMs; torch {torch.__version__}; "
         f"triton {__import__('triton').__version__}")
     res = {"device": props.name, "torch": torch.__version__}
-    res["nvcc"] = nvcc_report()
-    res["probe"] = probe_evict_first()
+    res["nvcc"] = None if a.no_nvcc else nvcc_report()
+    res["probe"] = {"evict_ok": False} if a.no_probe else probe_evict_first()
     log(f"[{time.time() - t0:.0f}s] correctness")
-    res["correctness"] = correctness(dev, a.quick)
+    res["correctness"] = correctness(dev, a.quick, triton=not a.cuda_only)
+    if a.correctness_only:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "gpu_check_correctness.json").write_text(json.dumps(res, indent=1, default=str))
+        ok = all(r["pass"] for r in res["correctness"])
+        log(f"[{time.time() - t0:.0f}s] correctness {'PASS' if ok else 'FAIL'}")
+        sys.exit(0 if ok else 1)
     dtype = torch.bfloat16
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.sweep_splits:

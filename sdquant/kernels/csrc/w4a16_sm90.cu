@@ -182,29 +182,40 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
   const uint4* gb = reinterpret_cast<const uint4*>(p.b);
   const T* ga = reinterpret_cast<const T*>(p.a);
 
-  // stage st = K steps [st*KS, st*KS + KS); KS divides group_k16, so a stage never straddles groups
-  auto need_scales = [&](int st) { return (st * KS) % p.group_k16 == 0 || st == st_begin; };
+  // Stage st = K steps [st*KS, st*KS + KS); KS divides group_k16, so a stage never straddles groups. The loader
+  // and the consumer walk the stages in order and keep their own position in the group (no divisions in the
+  // loop: at 4 K steps a stage, a runtime modulo cost as much as the dequantization).
+  const int gs_st = p.group_k16 / KS;  // stages per group
+  int ld_rem = st_begin % gs_st, ld_g = st_begin / gs_st;
+  bool ld_first = true;
+  const uint4* ld_b = gb + (static_cast<size_t>(nb) * kb_total + static_cast<size_t>(st_begin) * KS) * 32 + lane;
+  const T* ld_a = ga + static_cast<size_t>(st_begin) * KS * 16;
 
-  auto load_stage = [&](int slot, int st) {
+  auto load_next = [&](int slot) {
     uint8_t* base = smem + slot * S::STAGE;
     uint4* sb = reinterpret_cast<uint4*>(base);
     uint4* ss = reinterpret_cast<uint4*>(base + S::B_BYTES);
     T* sa = reinterpret_cast<T*>(base + S::B_BYTES + S::S_BYTES);
     if (active) {
-      const uint4* src = gb + (static_cast<size_t>(nb) * kb_total + st * KS) * 32 + lane;
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) cp_async16<EVICT>(&sb[(warp * KS + kk) * 32 + lane], src + kk * 32, policy);
-      if (need_scales(st) && lane < 16) {
-        const int g = (st * KS) / p.group_k16;
+      for (int kk = 0; kk < KS; ++kk) cp_async16<EVICT>(&sb[(warp * KS + kk) * 32 + lane], ld_b + kk * 32, policy);
+      if ((ld_rem == 0 || ld_first) && lane < 16) {
         const uint4* s_src = reinterpret_cast<const uint4*>(lane < 8 ? p.s : p.zs) +
-                             (static_cast<size_t>(g) * nblk + nb) * 8 + (lane & 7);
+                             (static_cast<size_t>(ld_g) * nblk + nb) * 8 + (lane & 7);
         cp_async16<false>(&ss[warp * 16 + lane], s_src, 0);
       }
     }
     constexpr int CPR = KS * 2;  // 16-byte chunks per activation row
     for (int i = threadIdx.x; i < m * CPR; i += THREADS) {
       const int r = i / CPR, c = i % CPR;
-      cp_async16<false>(sa + r * S::A_STRIDE + c * 8, ga + static_cast<size_t>(r) * p.k + st * KS * 16 + c * 8, 0);
+      cp_async16<false>(sa + r * S::A_STRIDE + c * 8, ld_a + static_cast<size_t>(r) * p.k + c * 8, 0);
+    }
+    ld_first = false;
+    ld_b += KS * 32;
+    ld_a += KS * 16;
+    if (++ld_rem == gs_st) {
+      ld_rem = 0;
+      ++ld_g;
     }
   };
 
@@ -231,13 +242,15 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
         }
   };
 
-  auto compute_stage = [&](int slot, int st) {
+  int cp_rem = st_begin % gs_st;
+  bool cp_first = true;
+  auto compute_next = [&](int slot) {
     const uint8_t* base = smem + slot * S::STAGE;
     const uint4* sb = reinterpret_cast<const uint4*>(base);
     const uint4* ss = reinterpret_cast<const uint4*>(base + S::B_BYTES);
     const T* sa = reinterpret_cast<const T*>(base + S::B_BYTES + S::S_BYTES);
-    if (need_scales(st)) {
-      if (st != st_begin) flush();
+    if (cp_rem == 0 || cp_first) {  // a new group: fold the last one in, load this one's scales and zeros
+      if (!cp_first) flush();
       const uint4 s4 = ss[warp * 16 + g8], z4 = ss[warp * 16 + 8 + g8];
       const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
       const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
@@ -270,20 +283,24 @@ __global__ void __launch_bounds__(THREADS) w4a16_kernel(const SdqW4A16Params p) 
         for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], a, xb[nt][0], xb[nt][1]);
       }
     }
+    cp_first = false;
+    if (++cp_rem == gs_st) cp_rem = 0;
   };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < iters) load_stage(s, st_begin + s);
+    if (s < iters) load_next(s);
     cp_async_commit();
   }
+  int ld_slot = STAGES - 1, cp_slot = 0;
   for (int it = 0; it < iters; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage `it` is visible to all warps; slot (it-1) % STAGES is free again
-    const int nxt = it + STAGES - 1;
-    if (nxt < iters) load_stage(nxt % STAGES, st_begin + nxt);
+    if (it + STAGES - 1 < iters) load_next(ld_slot);
+    ld_slot = ld_slot + 1 == STAGES ? 0 : ld_slot + 1;
     cp_async_commit();
-    compute_stage(it % STAGES, st_begin + it);
+    compute_next(cp_slot);
+    cp_slot = cp_slot + 1 == STAGES ? 0 : cp_slot + 1;
   }
   cp_async_wait<0>();
   flush();
