@@ -61,7 +61,7 @@ def copy_bandwidth(dev) -> float:
     return 2 * 2**30 / statistics.median(ts) / 1e12
 
 
-def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 8.0, max_calls: int = 100) -> float:
+def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 5.0, max_calls: int = 100) -> float:
     """Median microseconds per call; call(i) runs the kernel on copy i % n_rot. Graph replay when possible."""
     for i in range(max(n_rot, 3)):
         call(i % n_rot)
