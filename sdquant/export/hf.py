@@ -22,9 +22,12 @@ AWQ (AutoAWQ GEMM, version "gemm", 4 bits only)
     No g_idx: act-order weights cannot be expressed and raise. Symmetric weights are written with zero = 8
     and come back as symmetric (zeros=None) when every zero of a layer is 8 (numerically identical).
 
-Testing: autoawq 0.2.9 installs here and its own ``WQLinear_GEMM.from_linear`` / ``dequantize_gemm`` are the
-reference in tests/export/test_hf.py. auto-gptq 0.7.1 does not import with transformers 5, so the GPTQ
-layout is tested against fixtures written by hand from the definition above (and v1/v2 zero handling).
+Testing (tests/export/test_hf.py): autoawq 0.2.9 installs here (``pip install --no-deps autoawq``) and its own
+``WQLinear_GEMM.from_linear`` / ``dequantize_gemm`` are the AWQ reference. auto-gptq 0.7.1 installs but does
+not import with transformers 5; its packer module (``nn_modules/qlinear/qlinear_cuda.py``, numpy/torch only) is
+loaded by file path and is the GPTQ reference when available (``AUTOGPTQ_PATH=<pip --target dir>``, bits
+2/3/4/8, act-order). Independently of both, the GPTQ layout is tested against fixtures written by hand from
+the definition above (literal words, a big-integer bit-stream model, v1/v2 zero handling).
 """
 from __future__ import annotations
 

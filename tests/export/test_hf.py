@@ -302,3 +302,43 @@ def test_export_from_calibration_result_and_loaded_model(tmp_path, fmt):
     for n, w in weights.items():
         _same(ck2.quant_layers[n][0], w)
     assert set(ck2.float_tensors) == set(ck.float_tensors)
+
+
+@pytest.fixture(scope="module")
+def autogptq_qlinear():
+    """AutoGPTQ 0.7.1's own packer (nn_modules/qlinear/qlinear_cuda.py, pure numpy/torch). The package does
+    not import with transformers 5, so the one module file is loaded directly, from an installed auto_gptq or
+    from $AUTOGPTQ_PATH (e.g. `pip install --no-deps --target DIR auto-gptq==0.7.1`)."""
+    import os
+    from pathlib import Path
+    spec = importlib.util.find_spec("auto_gptq") if not os.environ.get("AUTOGPTQ_PATH") else None
+    roots = list(spec.submodule_search_locations) if spec else \
+        [str(Path(os.environ["AUTOGPTQ_PATH"]) / "auto_gptq")] if os.environ.get("AUTOGPTQ_PATH") else []
+    f = next((Path(r) / "nn_modules" / "qlinear" / "qlinear_cuda.py" for r in roots
+              if (Path(r) / "nn_modules" / "qlinear" / "qlinear_cuda.py").exists()), None)
+    if f is None:
+        pytest.skip("auto-gptq not available (set AUTOGPTQ_PATH to a --target install of auto-gptq 0.7.1)")
+    mspec = importlib.util.spec_from_file_location("_autogptq_qlinear_cuda", f)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return mod.QuantLinear
+
+
+@pytest.mark.parametrize("bits,gs,sym,act", [(4, 32, False, False), (4, 16, True, True), (3, 32, False, True),
+                                             (2, 32, True, False), (8, 64, False, False)])
+def test_gptq_matches_autogptq_pack(autogptq_qlinear, bits, gs, sym, act):
+    n, k = 64, 128
+    qw = rtn(_w(n, k, 4), bits, gs, sym, act_order=act, seed=3)
+    if qw.zeros is not None:
+        qw.zeros.clamp_(min=1)  # AutoGPTQ's v1 packer corrupts neighbours for a zero of 0 (zero-1 wraps)
+    zeros = (qw.zeros if qw.zeros is not None else torch.full(qw.scales.shape, 1 << (bits - 1))).float()
+    g_idx = qw.g_idx if qw.g_idx is not None else (torch.arange(k) // gs).to(torch.int32)
+    ref = autogptq_qlinear(bits, gs, k, n, False)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = qw.dequantize()
+    ref.pack(lin, qw.scales.float(), zeros, g_idx)
+    mine = to_gptq(qw, "gptq")
+    assert torch.equal(ref.qweight, mine["qweight"])
+    assert torch.equal(ref.qzeros, mine["qzeros"])
+    assert torch.equal(ref.scales.half(), mine["scales"]) and torch.equal(ref.g_idx.int(), mine["g_idx"])
+    _same(from_gptq(ref.qweight, ref.qzeros, ref.scales.half(), ref.g_idx, bits, gs, sym, "gptq"), qw)
