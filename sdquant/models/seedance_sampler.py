@@ -192,3 +192,45 @@ def calibration_batches(data: dict, batch_size: int) -> Iterator[dict]:
     n = data["x"].shape[0]
     for lo in range(0, n, batch_size):
         yield {k: v[lo:lo + batch_size] for k, v in data.items()}
+
+
+# settings of a conditioning-only file (safetensors metadata, all strings) and their defaults
+SAMPLER_METADATA = {"frames": 8, "height": 32, "width": 32, "num_steps": 20, "shift": 1.0, "guidance": 1.0}
+
+
+def diffusion_inputs(model, path: Union[str, Path], n_samples: int, seed: int = 0, key: str = "cond",
+                     batch_size: int = 16) -> dict:
+    """Calibration inputs for ``data.kind: diffusion`` from one safetensors file:
+
+    * a file with ``x`` and ``t`` (and ``cond``) is taken as given (the first ``n_samples``), validated;
+    * a file with only ``cond`` [M, cond_dim] (e.g. pooled text embeddings of M prompts) is run through the
+      sampler (``diffusion_calibration_data``, stratified timesteps) with the settings in the file's metadata
+      (frames, height, width, num_steps, shift, guidance; defaults in SAMPLER_METADATA).
+    """
+    from safetensors import safe_open
+    from sdquant.models.seedance_io import load_conditioning
+    path = Path(path)
+    if not path.is_file():
+        raise PackageError(f"{path}: diffusion calibration file not found")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys, meta = set(f.keys()), f.metadata() or {}
+    except Exception as e:
+        raise PackageError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    if {"x", "t"} <= keys:
+        data = load_calibration_tensors(path, model.config)
+        n = data["x"].shape[0]
+        if n < n_samples:
+            raise ConfigError("data.n_samples", f"{path} holds {n} samples but data.n_samples asks for {n_samples}")
+        return {k: v[:n_samples] for k, v in data.items()}
+    cond = load_conditioning(path, key=key, cond_dim=model.config.cond_dim)
+    opts = {}
+    for k, default in SAMPLER_METADATA.items():
+        raw = meta.get(k, default)
+        try:
+            opts[k] = type(default)(raw)
+        except ValueError:
+            raise PackageError(f"{path}: metadata {k}={raw!r} is not a {type(default).__name__}") from None
+    return diffusion_calibration_data(model, cond, n_samples, opts["frames"], opts["height"], opts["width"],
+                                      num_steps=opts["num_steps"], seed=seed, shift=opts["shift"],
+                                      guidance=opts["guidance"], batch_size=batch_size)
