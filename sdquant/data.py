@@ -37,7 +37,7 @@ import os
 import random
 from dataclasses import dataclass, field as dc_field
 from importlib import resources
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -104,10 +104,12 @@ class CalibrationData:
 
 # --------------------------------------------------------------------------------------------- entry point
 
-def load_calibration(data_cfg: Any = None, tokenizer: Any = None, model: Any = None) -> CalibrationData:
+def load_calibration(data_cfg: Any = None, tokenizer: Any = None, model: Any = None,
+                     progress: Optional[Union[bool, Callable[[int, int], None]]] = None) -> CalibrationData:
     """Build the calibration set described by ``data_cfg`` (see the module docstring for the fields).
 
     ``tokenizer`` is needed by every text kind; ``model`` only by ``kind="self"`` (it writes the text).
+    ``progress`` (self-generation only, the one slow source): True for a tqdm bar, or callable(done, total).
     Raises ``ConfigError`` naming the ``data.*`` field for every problem with the data.
     """
     p = _read_cfg(data_cfg)
@@ -132,7 +134,7 @@ def load_calibration(data_cfg: Any = None, tokenizer: Any = None, model: Any = N
             raise SdquantError("data.kind='self' generates calibration text with the model; pass model=")
         ids = generate_self(model, p["n_samples"], p["seq_len"], seed=p["seed"], temperature=p["temperature"],
                             top_k=p["top_k"], bos_token_id=_bos_id(tokenizer, model),
-                            banned_token_ids=_special_ids(tokenizer, model))
+                            banned_token_ids=_special_ids(tokenizer, model), progress=progress)
         params = {**params, "sampling": "self", "temperature": p["temperature"], "top_k": p["top_k"]}
         tensors = {"input_ids": ids}
         return CalibrationData(tensors, fingerprint(tensors, params), "self", None, params)
@@ -431,17 +433,25 @@ def _cache_kwarg(model: Any) -> Optional[str]:
 @torch.inference_mode()
 def generate_self(model: Any, n_samples: int, seq_len: int, *, seed: int = 0, temperature: float = 1.0,
                   top_k: int = 50, bos_token_id: int, banned_token_ids: Sequence[int] = (),
-                  batch_size: int = 32, progress: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
+                  batch_size: int = 32,
+                  progress: Optional[Union[bool, Callable[[int, int], None]]] = None) -> torch.Tensor:
     """Data-free calibration: sample n_samples sequences of seq_len tokens from the model, each starting at
     ``bos_token_id`` -> LongTensor [n_samples, seq_len] (on the CPU).
 
     Sampling draws from a private CPU ``torch.Generator`` seeded with ``seed`` (the global RNG is untouched);
     tokens in ``banned_token_ids`` (EOS, pad) are never drawn. Uses the model's KV cache when its forward
     takes one (any HF causal LM: ``cache`` or ``past_key_values``); otherwise recomputes the prefix each step.
+    ``progress``: True for a tqdm bar, or callable(done, total) called after every decoding step.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     device = _model_device(model)
     cache_kw = _cache_kwarg(model)
+    total, done = math.ceil(n_samples / batch_size) * (seq_len - 1), 0
+    bar = None
+    if progress is True:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, desc="self-generating calibration text", unit="step")
+        progress = lambda d, _t: bar.update(d - bar.n)  # noqa: E731
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
@@ -470,11 +480,14 @@ def generate_self(model: Any, n_samples: int, seq_len: int, *, seed: int = 0, te
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)   # [b, 1]
                 seqs = torch.cat([seqs, nxt], dim=1)
+                done += 1
+                if progress:
+                    progress(done, total)
             out[start:start + b] = seqs
-            if progress is not None:
-                progress(start + b, n_samples)
         return out
     finally:
+        if bar is not None:
+            bar.close()
         if was_training and hasattr(model, "train"):
             model.train()
 

@@ -243,7 +243,10 @@ def test_self_generation_is_seeded_and_leaves_global_rng_alone():
 
 def test_self_generation_top1_is_greedy_with_kv_cache_equal_to_full_recompute():
     model = tiny_llama(seed=3)
-    ids = D.generate_self(model, 2, 12, seed=0, top_k=1, bos_token_id=1, banned_token_ids=[2])
+    steps = []
+    ids = D.generate_self(model, 2, 12, seed=0, top_k=1, bos_token_id=1, banned_token_ids=[2], batch_size=1,
+                          progress=lambda done, total: steps.append((done, total)))
+    assert steps == [(i, 22) for i in range(1, 23)]                      # 2 chunks × 11 decoding steps
     # recompute every step from the full prefix (no cache): top-1 sampling must pick the argmax each time
     with torch.no_grad():
         logits = model(ids).logits.float()                                   # [2, 12, V]
@@ -259,7 +262,7 @@ def test_self_generation_top1_is_greedy_with_kv_cache_equal_to_full_recompute():
             return self.m(x).logits
 
     assert torch.equal(D.generate_self(LogitsOnly(model), 2, 12, seed=0, top_k=1, bos_token_id=1,
-                                       banned_token_ids=[2]), ids)
+                                       banned_token_ids=[2], progress=True), ids)      # tqdm bar, one batch
 
 
 def test_self_generation_errors():

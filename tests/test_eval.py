@@ -109,7 +109,7 @@ def test_perplexity_progress_callback_and_file(tmp_path):
     res = E.perplexity_file(tiny_llama(), hf, str(tmp_path / "t.txt"), seq_len=20, batch_size=3,
                             progress=lambda done, total: calls.append((done, total)))
     assert calls == [(3, 4), (4, 4)] and res["windows"] == 4 and res["text"].endswith("t.txt")
-    assert res == {**E.perplexity(tiny_llama(), hf, text, seq_len=20), "text": str(tmp_path / "t.txt")}
+    assert res == {**E.perplexity(tiny_llama(), hf, text, seq_len=20, progress=True), "text": str(tmp_path / "t.txt")}
     with pytest.raises(ConfigError, match=r"^text: no such file: .*missing\.txt$"):
         E.perplexity_file(tiny_llama(), hf, str(tmp_path / "missing.txt"))
     (tmp_path / "e.txt").write_text("\n \n")
