@@ -302,16 +302,21 @@ def import_hf_checkpoint(folder) -> HFCheckpoint:
     folder = Path(folder)
     cfg = _read_json(folder / "config.json")
     qc = cfg.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") not in ("gptq", "awq"):
+    if qc is None:  # checkpoints from before the transformers integration keep it in a side file
+        for side, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            if (folder / side).exists():
+                qc = {"quant_method": method, **_read_json(folder / side)}
+                break
+    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() not in ("gptq", "awq"):
         raise PackageError(f"{folder}/config.json: quantization_config.quant_method must be 'gptq' or 'awq'")
-    method = qc["quant_method"]
-    bits, gs = qc.get("bits", 4), qc.get("group_size", 128)
+    method = str(qc["quant_method"]).lower()
+    bits, gs = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
     if not isinstance(bits, int) or not isinstance(gs, int):
         raise PackageError(f"{folder}/config.json: quantization_config bits/group_size must be integers")
     if method == "awq" and (bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm"):
         raise PackageError(f"{folder}: only 4-bit AutoAWQ 'gemm' checkpoints are supported "
                            f"(bits={bits}, version={qc.get('version')!r})")
-    fmt = qc.get("checkpoint_format", "gptq")
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"  # GPTQModel also writes "format"
     index = folder / "model.safetensors.index.json"
     if index.exists():
         wm = _read_json(index).get("weight_map")

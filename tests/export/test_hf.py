@@ -342,3 +342,21 @@ def test_gptq_matches_autogptq_pack(autogptq_qlinear, bits, gs, sym, act):
     assert torch.equal(ref.qzeros, mine["qzeros"])
     assert torch.equal(ref.scales.half(), mine["scales"]) and torch.equal(ref.g_idx.int(), mine["g_idx"])
     _same(from_gptq(ref.qweight, ref.qzeros, ref.scales.half(), ref.g_idx, bits, gs, sym, "gptq"), qw)
+
+
+def test_import_legacy_side_config_files(tmp_path):
+    """AutoGPTQ's quantize_config.json / AutoAWQ's quant_config.json (w_bit, q_group_size) next to a
+    config.json without quantization_config."""
+    lay = _layers(4, 32, False, False)
+    for _, w, _, _ in lay:
+        w.zeros.clamp_(min=1)
+    for fmt, side, qc in (("gptq", "quantize_config.json", {"bits": 4, "group_size": 32, "sym": False,
+                                                             "desc_act": False}),
+                          ("awq", "quant_config.json", {"w_bit": 4, "q_group_size": 32, "zero_point": True,
+                                                        "version": "GEMM"})):
+        out = export_hf_checkpoint(tmp_path / fmt, fmt=fmt, config=HF_CONFIG, float_tensors=[], quant_layers=lay)
+        (out / "config.json").write_text(json.dumps(HF_CONFIG))
+        (out / side).write_text(json.dumps(qc))
+        ck = import_hf_checkpoint(out)
+        for name, w, _, _ in lay:
+            _same(ck.quant_layers[name][0], w)
