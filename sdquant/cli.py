@@ -71,6 +71,10 @@ def main(argv=None) -> int:
             raise
         print(f"sdquant: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `sdquant inspect X | head`: the reader left; not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:
         print("sdquant: interrupted", file=sys.stderr)
         return 130

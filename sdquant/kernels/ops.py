@@ -20,7 +20,7 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                in_features: int) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, x [..., K] fp16/bf16/fp32, weight in the canonical packed layout."""
     w = QuantizedWeight(qweight, scales, zeros, bits, group_size, in_features, g_idx).dequantize(x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 @int_linear.register_fake

@@ -202,9 +202,12 @@ class QuantizedWeight:
         return ((self.codes().float() - z) * s).to(dtype)
 
     def to(self, device) -> "QuantizedWeight":
+        # already validated: skip __post_init__ (its g_idx range check would sync a GPU / fail on meta)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), zeros=mv(self.zeros),
-                       g_idx=mv(self.g_idx))
+        out = object.__new__(QuantizedWeight)
+        out.__dict__.update(self.__dict__, qweight=mv(self.qweight), scales=mv(self.scales),
+                            zeros=mv(self.zeros), g_idx=mv(self.g_idx))
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.g_idx)
