@@ -66,3 +66,15 @@ def test_unavailable_without_gpu_warns_once():
         assert int4_cuda.available() is False
     assert sum("Triton" in str(w.message) for w in rec) == 1
     int4_cuda._STATE.clear()
+
+
+def test_compile_fullgraph_traces_the_op():
+    qw = make_qw(64, 128, 64, False, False, seed=11)
+    lay = L.repack_cuda(qw, torch.float16)
+
+    def f(x):
+        return torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"],
+                                            None).relu()
+    x = torch.randn(4, 128).half()
+    got = torch.compile(f, fullgraph=True, backend="eager")(x)
+    assert torch.equal(got, f(x))
