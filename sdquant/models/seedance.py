@@ -545,3 +545,19 @@ def seedance_adapter(model: Optional[SeedanceDiT] = None) -> dict:
         "keep_high_precision": list(SEEDANCE_KEEP_HIGH_PRECISION),
         "forward": seedance_forward,
     }
+
+
+def seedance_export_spec(model: SeedanceDiT, batch: int = 2, frames: int = 4, height: int = 8, width: int = 8):
+    """Example inputs and dynamic axes for torch.export / ONNX: batch and time are dynamic (time ≥ 3: the
+    exported graph is the dual-branch one; spatial-only needs its own export). -> (args, dynamic_shapes,
+    input_names, output_names)."""
+    cfg = model.config
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(batch, max(frames, MIN_TEMPORAL_FRAMES), cfg.in_channels, height, width, generator=g),
+            torch.rand(batch, generator=g), torch.randn(batch, cfg.cond_dim, generator=g))
+    args = tuple(a.to(p.device) for a in args)
+    B = torch.export.Dim("batch", min=1, max=1024)
+    T = torch.export.Dim("time", min=MIN_TEMPORAL_FRAMES, max=1024)
+    dynamic = {"x": {0: B, 1: T}, "t": {0: B}, "cond": {0: B}}
+    return args, dynamic, ["x", "t", "cond"], ["velocity"]
