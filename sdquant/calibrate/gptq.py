@@ -1,0 +1,235 @@
+"""GPTQ: error-compensating rounding of one linear's weight against the Hessian of its inputs.
+
+Pure functions on tensors. For a linear y = x Wᵀ with W [N, K] and calibration inputs x [T, K], the layer
+reconstruction loss of a quantized Q is  L(Q) = tr((W − Q) H (W − Q)ᵀ) / N  with  H = 2/T · xᵀx  [K, K].
+GPTQ quantizes W column by column and spreads each column's rounding error over the not-yet-quantized columns
+through the inverse Hessian (OBS update), in lazy blocks of ``block_size`` columns.
+
+    H, n = accumulate_hessian(None, x1, 0); H, n = accumulate_hessian(H, x2, n)   # streaming, float32
+    qw, stats = gptq_quantize(W, H, bits=4, group_size=64, symmetric=False, act_order="static")
+    stats.loss <= stats.rtn_loss   # the property the tests check
+
+Quantization parameters come from ``sdquant.quant.qtensor.compute_qparams`` and codes are fitted against the
+*stored* fp16 scales, so the dequantized result is exactly what a package will hold.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from sdquant.errors import ConfigError, SdquantError
+from sdquant.quant.qtensor import QuantizedWeight, check_shape, compute_qparams, effective_group_size
+
+ACT_ORDERS = ("none", "static", "group")
+_log = logging.getLogger("sdquant.calibrate.gptq")
+
+
+class CholeskyError(SdquantError):
+    """The damped Hessian stayed non positive-definite up to ``damp_max`` (never silently replaced by RTN)."""
+
+
+@dataclass
+class GptqStats:
+    loss: float                 # tr(ΔW H ΔWᵀ)/N of the GPTQ result
+    rtn_loss: float             # the same loss for plain round-to-nearest with the same quantizer
+    damp: float                 # damping fraction finally used (of the mean Hessian diagonal)
+    escalations: int = 0        # how many times damping was raised because Cholesky failed
+    dead_columns: int = 0       # input channels that never saw a non-zero activation
+    damp_history: list = field(default_factory=list)
+
+
+def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
+    """Fold a batch of inputs x [..., K] into the running mean Hessian H = 2/T Σ xᵀx (float32).
+
+    Returns (H [K, K] float32, n_seen + number of rows of x). H=None starts a new accumulator. The running
+    mean (rather than a sum) keeps the magnitude independent of the number of calibration tokens.
+    """
+    x = x.reshape(-1, x.shape[-1]).float()  # [T, K]
+    t = x.shape[0]
+    if H is None:
+        H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    if t == 0:
+        return H, n_seen
+    total = n_seen + t
+    H.mul_(n_seen / total)
+    x = x * math.sqrt(2.0 / total)
+    H.addmm_(x.t(), x)
+    return H, total
+
+
+def layer_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
+    """tr((W − Q) H (W − Q)ᵀ) / N: the expected squared output error per output row."""
+    d = (W.float() - Q.float())
+    return float(((d @ H) * d).sum() / W.shape[0])
+
+
+def rtn_dequant(W: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+                clip_ratio: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Round-to-nearest W [N, K] with the canonical quantizer; returns the dequantized float32 weight."""
+    n, k = W.shape
+    gs = effective_group_size(k, group_size)
+    scale, zero = compute_qparams(W, bits, group_size, symmetric, 1.0 if clip_ratio is None else clip_ratio)
+    s = scale.float().repeat_interleave(gs, 1)
+    z = (torch.full_like(s, float(1 << (bits - 1))) if zero is None else zero.float().repeat_interleave(gs, 1))
+    q = torch.clamp(torch.round(W.float() / s) + z, 0, (1 << bits) - 1)
+    return (q - z) * s
+
+
+def mse_clip_ratio(w: torch.Tensor, bits: int, symmetric: bool, grid: int = 10, max_shrink: float = 0.5,
+                   norm: float = 2.4) -> torch.Tensor:
+    """Per-row range shrink for one group w [N, gs] minimising Σ|w − Q(w)|^norm over a grid of ratios
+    (1, 1 − max_shrink/grid, …). At low bits a full min/max range wastes levels on one outlier."""
+    n = w.shape[0]
+    best = torch.ones(n, 1, device=w.device)
+    best_err = torch.full((n,), float("inf"), device=w.device)
+    for i in range(grid + 1):
+        r = 1.0 - max_shrink * i / grid
+        ratio = torch.full((n, 1), r, device=w.device)
+        err = (rtn_dequant(w, bits, -1, symmetric, ratio) - w).abs().pow(norm).sum(1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best[better] = r
+    return best
+
+
+def _damped_inverse_cholesky(H: torch.Tensor, damp: float, damp_max: float, log: logging.Logger, name: str):
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise damp ×10 (capped at damp_max)
+    each time the factorisation fails, logging every escalation."""
+    k = H.shape[0]
+    mean_diag = float(torch.diag(H).mean())
+    cur, escalations, history = damp, 0, []
+    eye = torch.eye(k, device=H.device, dtype=H.dtype)
+    while True:
+        history.append(cur)
+        Hd = H + eye * (cur * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0 and bool(torch.isfinite(U).all()):
+                return U, cur, escalations, history
+        if cur >= damp_max:
+            raise CholeskyError(f"{name or 'layer'}: Hessian not positive definite even with damp={cur:g} "
+                                f"(damp_max={damp_max:g}); raise quant.damp_max or check the calibration data")
+        nxt = min(cur * 10.0, damp_max)
+        escalations += 1
+        log.warning("%s: Cholesky failed at damp=%g, escalating to damp=%g (escalation %d)",
+                    name or "layer", cur, nxt, escalations)
+        cur = nxt
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  symmetric: bool = False, act_order: str = "none", damp: float = 0.01,
+                  block_size: int = 128, damp_max: float = 1.0, clip_ratio: Optional[torch.Tensor] = None,
+                  mse_grid: int = 0, name: str = "", log: Optional[logging.Logger] = None):
+    """Quantize W [N, K] against H [K, K] (float32). Returns (QuantizedWeight, GptqStats).
+
+    act_order: "none" — columns in natural order, group parameters fitted when GPTQ reaches a group (on the
+    already error-updated weights). "static" — columns processed in decreasing diag(H) order, but groups stay
+    contiguous (no g_idx); their parameters are fitted up front on the original weights. "group" — columns in
+    decreasing diag(H) order and groups formed in that order (needs g_idx; parameters fitted when reached).
+    clip_ratio [N, G] (optional): range shrink per group from a clipping search, applied when parameters are
+    fitted. mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
+    weight error when it is fitted (helps at 2-3 bits). Raises CholeskyError when even damp_max cannot make H positive-definite.
+    """
+    log = log or _log
+    if act_order not in ACT_ORDERS:
+        raise ConfigError("quant.act_order", f"must be one of {ACT_ORDERS}, got {act_order!r}")
+    n, k = W.shape
+    check_shape(name or "gptq", k, bits, group_size)
+    if tuple(H.shape) != (k, k):
+        raise SdquantError(f"{name or 'gptq'}: Hessian shape {list(H.shape)} does not match in_features {k}")
+    gs = effective_group_size(k, group_size)
+    ngroups = k // gs
+    maxq = (1 << bits) - 1
+    dev = W.device
+    W0 = W.detach().float()
+    Wf = W0.clone()
+    H = H.detach().float().clone()
+
+    # an input channel that never fired carries no information: pin its weight to zero, keep H invertible
+    dead = torch.diag(H) == 0
+    n_dead = int(dead.sum())
+    if n_dead:
+        H[dead, dead] = 1.0
+        Wf[:, dead] = 0.0
+
+    if act_order == "none":
+        perm = torch.arange(k, device=dev)
+    else:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+    invperm = torch.argsort(perm)
+    # group of each column in processing order
+    if act_order == "group":
+        gpos = torch.arange(k, device=dev) // gs                 # groups formed along the permuted order
+    else:
+        gpos = perm // gs                                        # contiguous groups of the original order
+
+    cr = None if clip_ratio is None else clip_ratio.to(dev).float().reshape(n, ngroups)
+    scales = torch.empty(n, ngroups, dtype=torch.float16, device=dev)
+    zeros = None if symmetric else torch.empty(n, ngroups, dtype=torch.uint8, device=dev)
+    fitted = torch.zeros(ngroups, dtype=torch.bool)
+    if act_order == "static":
+        # fitted once on the original weights so the contiguous groups need no g_idx
+        if cr is None and mse_grid > 0:
+            cr = torch.cat([mse_clip_ratio(Wf[:, g * gs:(g + 1) * gs], bits, symmetric, mse_grid)
+                            for g in range(ngroups)], 1)
+        s_all, z_all = compute_qparams(Wf, bits, group_size, symmetric, 1.0 if cr is None else cr)
+        scales.copy_(s_all)
+        if zeros is not None:
+            zeros.copy_(z_all)
+        fitted[:] = True
+
+    Wp = Wf[:, perm].contiguous()                                # [N, K] in processing order
+    Hp = H[perm][:, perm]
+    U, used_damp, escalations, history = _damped_inverse_cholesky(Hp, damp, damp_max, log, name)
+    codes_p = torch.empty(n, k, dtype=torch.uint8, device=dev)
+    gpos_cpu = gpos.cpu()
+
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        Wb = Wp[:, b0:b1].clone()                               # [N, B]
+        Eb = torch.zeros_like(Wb)
+        Ub = U[b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            col = b0 + j
+            g = int(gpos_cpu[col])
+            if not fitted[g]:
+                # fit this group's parameters on the current (error-updated) weights of its columns
+                # (only reached for "none"/"group", where a group is the next gs columns in processing order)
+                src = torch.cat([Wb[:, j:], Wp[:, b1:]], 1)[:, :gs]
+                ratio = cr[:, g:g + 1] if cr is not None else (
+                    mse_clip_ratio(src, bits, symmetric, mse_grid) if mse_grid > 0 else 1.0)
+                s_g, z_g = compute_qparams(src, bits, -1, symmetric, ratio)
+                scales[:, g] = s_g[:, 0]
+                if zeros is not None:
+                    zeros[:, g] = z_g[:, 0]
+                fitted[g] = True
+            s = scales[:, g].float()
+            z = zeros[:, g].float() if zeros is not None else torch.full_like(s, float(1 << (bits - 1)))
+            w = Wb[:, j]
+            q = torch.clamp(torch.round(w / s) + z, 0, maxq)
+            codes_p[:, col] = q.to(torch.uint8)
+            dq = (q - z) * s
+            d = Ub[j, j]
+            err = (w - dq) / d                                   # [N]
+            Wb[:, j:] -= err[:, None] * Ub[j, j:][None, :]
+            Eb[:, j] = err
+        # lazy update of all later columns with this block's accumulated errors
+        Wp[:, b1:] -= Eb @ U[b0:b1, b1:]
+
+    codes = codes_p[:, invperm]
+    g_idx = None
+    if act_order == "group":
+        g_idx = torch.empty(k, dtype=torch.int32, device=dev)
+        g_idx[perm] = (torch.arange(k, device=dev) // gs).to(torch.int32)
+    qw = QuantizedWeight.from_codes(codes, scales, zeros, bits, group_size, g_idx)
+    deq = qw.dequantize(torch.float32)
+    stats = GptqStats(loss=layer_loss(W0, deq, H), rtn_loss=layer_loss(W0, rtn_dequant(W0, bits, group_size,
+                                                                                        symmetric), H),
+                      damp=used_damp, escalations=escalations, dead_columns=n_dead, damp_history=history)
+    return qw, stats

@@ -1,0 +1,436 @@
+"""Per-block recipes: what the block walker calls once per transformer block.
+
+    result = quantize_block(ctx)          # ctx: see sdquant.calibrate.pipeline (block, inputs, groups, run, ...)
+
+Recipes own the order of operations inside a block; the math lives in awq.py / gptq.py / joint.py / fp8.py.
+For ``awq+gptq`` (the product's default):
+
+    1. one full-precision pass: mean |x| per scaling group, a token-capped sample of every group's inspect
+       input (for the AWQ loss), and the Hessian of every linear input (shared by linears that read the same x)
+    2. per scaling group: AWQ grid search with the final quantizer in the loss, optional per-channel ratio
+       refinement, fold s into the previous norm/linear (or keep it as an explicit ``smooth`` divisor)
+    3. GPTQ stage by stage in execution order: the first stage uses the pass-1 Hessian moved into the scaled
+       coordinates (H' = diag(1/s) H diag(1/s), exact); with ``true_sequential`` every later stage
+       re-captures its Hessian from the block whose earlier stages are already quantized (and whose scales are
+       folded, so it is in scaled coordinates by construction).
+    4. every target linear's ``.weight`` is left holding its dequantized quantized weight, so the walker's
+       run of the block produces the next block's inputs from the quantized model.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from sdquant.calibrate import awq as awq_math
+from sdquant.calibrate import fp8 as fp8_math
+from sdquant.calibrate.gptq import accumulate_hessian, gptq_quantize, layer_loss
+from sdquant.calibrate.joint import scale_hessian
+from sdquant.errors import ConfigError
+from sdquant.quant.qtensor import (Fp8Weight, QuantizedWeight, compute_qparams, quantize_codes)
+
+INT_METHODS = ("rtn", "awq", "gptq", "awq+gptq")
+AWQ_METHODS = ("awq", "awq+gptq")
+GPTQ_METHODS = ("gptq", "awq+gptq")
+
+
+@dataclass
+class BlockResult:
+    weights: dict = field(default_factory=dict)   # full name -> QuantizedWeight | Fp8Weight
+    smooth: dict = field(default_factory=dict)    # full name -> [K] divisor applied to x before the GEMM
+    rows: list = field(default_factory=list)      # per-layer table rows
+    scales: dict = field(default_factory=dict)    # plain data: {"awq": [...], "fp8_smooth": [...]} for replay
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def cfg(obj, path: str, default=None):
+    """Read a dotted config field with a default (fields added later by the lead read the same way)."""
+    cur = obj
+    for part in path.split("."):
+        if cur is None:
+            return default
+        cur = cur.get(part, None) if isinstance(cur, dict) else getattr(cur, part, None)
+    return default if cur is None else cur
+
+
+def _spec(ctx, name):
+    q = ctx.qcfg
+    if hasattr(ctx, "spec"):
+        return ctx.spec(name)
+    return type("LayerSpec", (), dict(method=q.method, bits=q.bits, group_size=q.group_size,
+                                      symmetric=q.symmetric))()
+
+
+def _first_tensor(args, kwargs):
+    if args and torch.is_tensor(args[0]):
+        return args[0]
+    for key in ("hidden_states", "x", "input"):
+        if torch.is_tensor(kwargs.get(key)):
+            return kwargs[key]
+    raise ConfigError("model.adapter", "inspect module has no tensor input to sample")
+
+
+def _out_tensor(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _set_weight(lin: nn.Linear, w: torch.Tensor) -> None:
+    with torch.no_grad():
+        lin.weight.copy_(w.to(lin.weight.dtype))
+
+
+def _qweight_from_dequant_rtn(W: torch.Tensor, bits, group_size, symmetric, clip_ratio=None) -> QuantizedWeight:
+    scales, zeros = compute_qparams(W, bits, group_size, symmetric, 1.0 if clip_ratio is None else clip_ratio)
+    codes = quantize_codes(W, scales, zeros, bits, group_size)
+    return QuantizedWeight.from_codes(codes, scales, zeros, bits, group_size)
+
+
+class _Sampler:
+    """Token-capped sample of a module's calls (whole calls: attention needs whole sequences) or rows."""
+
+    def __init__(self, max_tokens: int, rows: bool):
+        self.max_tokens, self.rows, self.calls, self.tokens = max_tokens, rows, [], 0
+
+    def add(self, args, kwargs):
+        if self.tokens >= self.max_tokens:
+            return
+        x = _first_tensor(args, kwargs)
+        t = x.numel() // x.shape[-1]
+        if self.rows:
+            x2 = x.reshape(-1, x.shape[-1])
+            take = min(t, self.max_tokens - self.tokens)
+            idx = torch.linspace(0, t - 1, take, device=x.device).long()
+            self.calls.append(((x2[idx].detach(),), {}))
+            self.tokens += take
+        else:
+            self.calls.append((args, kwargs))
+            self.tokens += t
+
+
+def _make_loss_fn(inspect: nn.Module, pnames, calls, refs, dtype):
+    """loss(weights) = mean squared error of inspect's output with the group's weights replaced."""
+    def loss_fn(ws):
+        params = {pn: w.to(dtype) for pn, w in zip(pnames, ws)}
+        tot, cnt = 0.0, 0
+        for (a, kw), ref in zip(calls, refs):
+            out = _out_tensor(functional_call(inspect, params, a, kw)).float()
+            tot = tot + (out - ref).pow(2).sum()
+            cnt += ref.numel()
+        return tot / max(cnt, 1)
+    return loss_fn
+
+
+def _fold(g, lins, s: torch.Tensor) -> None:
+    """Consumers' columns × s, producer's output ÷ s. The adapter's ScalingGroup.fold knows the producer's
+    parameterisation (plain norm weight, Gemma's 1 + w, a linear's rows); without it, fold by module type."""
+    if hasattr(g, "fold"):
+        g.fold(s)
+        return
+    for l in lins:
+        awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+    b = getattr(g.prev, "bias", None)
+    b = b.data if torch.is_tensor(b) else None
+    if isinstance(g.prev, nn.Linear):
+        awq_math.fold_into_linear(g.prev.weight.data, b, s.to(g.prev.weight.device))
+    else:
+        awq_math.fold_into_norm(g.prev.weight.data, b, s.to(g.prev.weight.device))
+
+
+# --------------------------------------------------------------------------------------------- recipes
+def quantize_block(ctx) -> BlockResult:
+    """Quantize every target linear of ctx.block according to its LayerSpec; see the module docstring."""
+    specs = {name: _spec(ctx, name) for name in ctx.targets}
+    methods = {s.method for s in specs.values()}
+    res = BlockResult()
+    fp8_names = [n for n, s in specs.items() if s.method == "fp8"]
+    int_names = [n for n, s in specs.items() if s.method in INT_METHODS]
+    unknown = [n for n, s in specs.items() if s.method not in INT_METHODS + ("fp8",)]
+    if unknown:
+        raise ConfigError("quant.method", f"{unknown[0]}: unknown method {specs[unknown[0]].method!r}")
+    if fp8_names:
+        _fp8_block(ctx, fp8_names, res)
+    if int_names:
+        _int_block(ctx, {n: specs[n] for n in int_names}, res)
+    del methods
+    return res
+
+
+# ---------------------------------------------------------------------------------------- integer path
+def _int_block(ctx, specs: dict, res: BlockResult) -> None:
+    q = ctx.qcfg
+    log = ctx.log
+    targets = {n: ctx.targets[n] for n in specs}
+    max_tokens = int(cfg(q, "awq.max_tokens", 8192))
+    true_seq = bool(cfg(q, "true_sequential", True))
+    clip_on = bool(cfg(q, "awq.clip_search", True))
+    dtype = next(ctx.block.parameters()).dtype
+
+    # scaling groups whose linears are all AWQ targets; input keys: linears that read the same x share a Hessian
+    groups = []
+    key_of: dict[str, str] = {}
+    for gi, g in enumerate(ctx.groups):
+        names = [n for n, _ in g.linears if n in targets]
+        if not names:
+            continue
+        awq_on = all(specs[n].method in AWQ_METHODS for n, _ in g.linears if n in targets) and \
+            len(names) == len(g.linears)
+        groups.append((gi, g, names, awq_on))
+        for n in names:
+            key_of[n] = f"group{gi}"
+    for n in targets:
+        key_of.setdefault(n, n)
+    key_first = {}
+    for n in targets:
+        key_first.setdefault(key_of[n], targets[n])
+    gptq_keys = {key_of[n] for n in targets if specs[n].method in GPTQ_METHODS}
+    awq_groups = [t for t in groups if t[3]]
+
+    # ---- pass 1: full precision statistics
+    order: list[str] = []
+    H: dict[str, Any] = {}
+    xsum: dict[str, Any] = {}
+    samplers: dict[int, _Sampler] = {}
+    xsample: dict[int, _Sampler] = {}
+    hooks = {}
+
+    def order_hook(name):
+        def h(mod, args, kwargs, out):
+            if name not in order:
+                order.append(name)
+        return h
+
+    def lin_hook(name):
+        key = key_of[name]
+        collect_h = key in gptq_keys
+        gi = next((t[0] for t in awq_groups if name in t[2]), None)
+
+        def h(mod, args, kwargs, out):
+            if name not in order:
+                order.append(name)
+            x = _first_tensor(args, kwargs)
+            if collect_h:
+                Hk, nk = H.get(key, (None, 0))
+                H[key] = accumulate_hessian(Hk, x, nk)
+            if gi is not None:
+                s, c = xsum.get(gi, (0.0, 0))
+                x2 = x.reshape(-1, x.shape[-1]).float()
+                xsum[gi] = (s + x2.abs().sum(0), c + x2.shape[0])
+                xsample[gi].add(args, kwargs)
+        return h
+
+    for name, lin in targets.items():
+        hooks[lin] = lin_hook(name) if key_first[key_of[name]] is lin else order_hook(name)
+    for gi, g, names, _ in awq_groups:
+        samplers[gi] = _Sampler(max_tokens, rows=isinstance(g.inspect, nn.Linear))
+        xsample[gi] = _Sampler(min(max_tokens, 2048), rows=True)
+        prev_hook = hooks.get(g.inspect)
+
+        def insp_hook(mod, args, kwargs, out, _gi=gi, _prev=prev_hook):
+            samplers[_gi].add(args, kwargs)
+            if _prev is not None:
+                _prev(mod, args, kwargs, out)
+        hooks[g.inspect] = insp_hook
+    t0 = time.perf_counter()
+    ctx.run(hooks)
+    t_pass1 = time.perf_counter() - t0
+    rank = {n: i for i, n in enumerate(order)}
+
+    # ---- AWQ: search, refine, fold
+    scale_of: dict[str, torch.Tensor] = {}     # key -> s applied to the group's inputs
+    folded_keys: set = set()                   # keys whose producer now emits x / s
+    clip_of: dict[str, torch.Tensor] = {}
+    awq_rows = {}
+    ascfg = cfg(q, "activation_scaling", None)
+    for gi, g, names, _ in awq_groups:
+        t1 = time.perf_counter()
+        spec = specs[names[0]]
+        mixed = any((specs[n].bits, specs[n].group_size, specs[n].symmetric) !=
+                    (spec.bits, spec.group_size, spec.symmetric) for n in names)
+        lins = [targets[n] for n in names]
+        k = lins[0].in_features
+        if g.prev is None and g.inspect is None:
+            continue
+        if isinstance(g.prev, nn.Linear) and g.prev.out_features != k:
+            log.info("%s: cannot fold into %s (out %d != in %d); group left unscaled", names[0], g.prev_name,
+                     g.prev.out_features, k)
+            continue
+        s_sum, cnt = xsum[gi]
+        x_mean = s_sum / max(cnt, 1)
+        pn = {m: n for n, m in g.inspect.named_modules()}
+        pnames = [(pn[l] + ".weight").lstrip(".") for l in lins]
+        calls = samplers[gi].calls
+        with torch.no_grad():
+            refs = [_out_tensor(g.inspect(*a, **kw)).float() for a, kw in calls]
+        loss_fn = _make_loss_fn(g.inspect, pnames, calls, refs, dtype)
+        ws = [l.weight.detach().float() for l in lins]
+        r = awq_math.awq_search_scales(x_mean, ws, loss_fn, spec.bits, spec.group_size, spec.symmetric,
+                                       grid=int(cfg(q, "awq.grid", 20)),
+                                       duo_scaling=bool(cfg(q, "awq.duo_scaling", True)))
+        s, loss = r.scales, r.loss
+        if ascfg is not None and bool(cfg(ascfg, "per_channel", True)) and not mixed:
+            req = [p.requires_grad for p in ctx.block.parameters()]
+            for p in ctx.block.parameters():
+                p.requires_grad_(False)
+            try:
+                s, loss, _ = awq_math.refine_channel_ratio(
+                    s, x_mean, ws, loss_fn, spec.bits, spec.group_size, spec.symmetric, r.loss,
+                    init_ratio=float(cfg(ascfg, "init_ratio", 1.0)),
+                    ratio_range=tuple(cfg(ascfg, "ratio_range", (0.8, 1.2))),
+                    granularity=int(cfg(ascfg, "granularity", 1)),
+                    method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)))
+            finally:
+                for p, rq in zip(ctx.block.parameters(), req):
+                    p.requires_grad_(rq)
+            r.ratio_loss = loss
+        key = f"group{gi}"
+        # fold: the producer emits x / s, the consumers hold W · s (exact in full precision)
+        if g.prev is None:
+            for l in lins:
+                awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+            for n in names:
+                res.smooth[n] = s.detach().clone()
+        else:
+            _fold(g, lins, s)
+            folded_keys.add(key)
+        scale_of[key] = s
+        if clip_on:
+            xs = torch.cat([c[0][0] for c in xsample[gi].calls], 0).float() / s[None, :]
+            for n, l in zip(names, lins):
+                sp = specs[n]
+                clip_of[n] = awq_math.clip_search(l.weight.detach().float(), xs, sp.bits, sp.group_size,
+                                                  sp.symmetric, grid=int(cfg(q, "awq.clip_grid", 20)),
+                                                  max_shrink=float(cfg(q, "awq.clip_max_shrink", 0.5)))
+        res.scales.setdefault(ctx.prefix + "awq", []).append({
+            "prev": g.prev_name, "linears": names, "inspect": g.inspect_name, "alpha": r.alpha,
+            "folded": g.prev is not None, "scales": s.detach().float().cpu().tolist()})
+        dt = time.perf_counter() - t1
+        for n in names:
+            awq_rows[n] = dict(awq_loss_unscaled=r.loss_unscaled, awq_loss=r.loss, awq_ratio_loss=r.ratio_loss,
+                               alpha=r.alpha, awq_seconds=dt / len(names))
+        log.debug("%s: AWQ alpha=%.2f loss %.4g -> %.4g (ratio %s)", g.inspect_name, r.alpha, r.loss_unscaled,
+                  r.loss, r.ratio_loss)
+
+    # ---- quantize, stage by stage in execution order
+    keys_in_order = sorted({key_of[n] for n in targets}, key=lambda kk: min(rank.get(n, 1 << 30)
+                                                                            for n in targets if key_of[n] == kk))
+    first_stage = True
+    for key in keys_in_order:
+        names = sorted([n for n in targets if key_of[n] == key], key=lambda n: rank.get(n, 0))
+        s = scale_of.get(key)
+        Hk = None
+        if key in gptq_keys:
+            captured_scaled = False
+            if true_seq and not first_stage:
+                H.pop(key, None)
+                acc = {}
+                lin0 = key_first[key]
+
+                def hk(mod, args, kwargs, out, _acc=acc):
+                    Hc, nc = _acc.get("h", (None, 0))
+                    _acc["h"] = accumulate_hessian(Hc, _first_tensor(args, kwargs), nc)
+                tr = time.perf_counter()
+                ctx.run({lin0: hk})
+                t_pass1 += time.perf_counter() - tr
+                Hk = acc["h"][0]
+                captured_scaled = key in folded_keys
+            else:
+                Hk = H[key][0]
+            if s is not None and not captured_scaled:
+                Hk = scale_hessian(Hk, s.to(Hk.device))     # H' = diag(1/s) H diag(1/s): exact
+        first_stage = False
+        for n in names:
+            t1 = time.perf_counter()
+            lin, sp = targets[n], specs[n]
+            W = lin.weight.detach().float()                 # already W · s when the group was scaled
+            row = dict(layer=n, method=sp.method, bits=sp.bits, group_size=sp.group_size)
+            if sp.method in GPTQ_METHODS:
+                clip = clip_of.get(n) if bool(cfg(q, "awq.clip_for_gptq", False)) else None
+                qw, st = gptq_quantize(W, Hk, sp.bits, sp.group_size, sp.symmetric,
+                                       act_order=str(cfg(q, "act_order", "static")),
+                                       damp=float(cfg(q, "damp", 0.01)),
+                                       block_size=int(cfg(q, "gptq_block_size", 128)),
+                                       damp_max=float(cfg(q, "damp_max", 1.0)), clip_ratio=clip,
+                                       mse_grid=0 if clip is not None else int(cfg(q, "gptq_mse_grid", 10)),
+                                       name=n, log=log)
+                row.update(rtn_loss=st.rtn_loss, loss=st.loss, damp=st.damp, escalations=st.escalations)
+            else:
+                qw = _qweight_from_dequant_rtn(W, sp.bits, sp.group_size, sp.symmetric, clip_of.get(n))
+                if key in H:
+                    Hs = H[key][0] if s is None else scale_hessian(H[key][0], s.to(W.device))
+                    row.update(loss=layer_loss(W, qw.dequantize(torch.float32), Hs))
+            deq = qw.dequantize(torch.float32)
+            if n in res.smooth:                              # the module still sees x: keep Q(W·s)/s
+                deq = deq / res.smooth[n].to(deq.device)[None, :]
+            _set_weight(lin, deq)
+            res.weights[n] = qw
+            row.update(awq_rows.get(n, {}))
+            row["seconds"] = time.perf_counter() - t1 + row.get("awq_seconds", 0.0)
+            res.rows.append(row)
+            if hasattr(ctx, "progress") and callable(ctx.progress):
+                ctx.progress(1)
+    res.scales[ctx.prefix + "forward_seconds"] = t_pass1
+
+
+# -------------------------------------------------------------------------------------------- fp8 path
+def _fp8_block(ctx, names: list, res: BlockResult) -> None:
+    q = ctx.qcfg
+    targets = {n: ctx.targets[n] for n in names}
+    static = str(cfg(q, "fp8.activations", "dynamic")) == "static"
+    smoothing = bool(cfg(q, "fp8.smoothing", False))
+    alpha = float(cfg(q, "fp8.smooth_alpha", 0.5))
+    amax: dict[str, Optional[torch.Tensor]] = {}
+    t0 = time.perf_counter()
+    if static or smoothing:
+        def mk(n):
+            def h(mod, args, kwargs, out):
+                amax[n] = fp8_math.channel_absmax_update(amax.get(n), _first_tensor(args, kwargs))
+            return h
+        ctx.run({lin: mk(n) for n, lin in targets.items()})
+    smooth_of: dict[str, torch.Tensor] = {}
+    if smoothing:
+        for g in ctx.groups:
+            gnames = [n for n, _ in g.linears if n in targets]
+            if not gnames or len(gnames) != len(g.linears):
+                continue
+            lins = [targets[n] for n in gnames]
+            if isinstance(g.prev, nn.Linear) and g.prev.out_features != lins[0].in_features:
+                continue
+            a = amax[gnames[0]]
+            s = fp8_math.smooth_scales(a, [l.weight for l in lins], alpha)
+            for l in lins:
+                awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+            if g.prev is None:
+                for l in lins:
+                    awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+                for n in gnames:
+                    res.smooth[n] = s.clone()
+            else:
+                _fold(g, lins, s)
+            for n in gnames:
+                smooth_of[n] = s
+            res.scales.setdefault(ctx.prefix + "fp8_smooth", []).append({"prev": g.prev_name, "linears": gnames,
+                                                            "scales": s.float().cpu().tolist()})
+    for n, lin in targets.items():
+        t1 = time.perf_counter()
+        W = lin.weight.detach().float()
+        in_scale = None
+        if static:
+            a = amax[n]
+            if n in smooth_of:
+                a = a / smooth_of[n].to(a.device)
+            in_scale = fp8_math.static_input_scale(a)
+        fw: Fp8Weight = fp8_math.quantize_fp8(W, in_scale)
+        deq = fw.dequantize(torch.float32)
+        err = float((deq - W).pow(2).mean())
+        if n in res.smooth:
+            deq = deq / res.smooth[n].to(deq.device)[None, :]
+        _set_weight(lin, deq)
+        res.weights[n] = fw
+        res.rows.append(dict(layer=n, method="fp8", weight_mse=err,
+                             input_scale=None if in_scale is None else float(in_scale),
+                             seconds=time.perf_counter() - t1))
+    res.scales[ctx.prefix + "forward_seconds"] = time.perf_counter() - t0
