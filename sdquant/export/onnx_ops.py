@@ -239,18 +239,25 @@ def matmulnbits_node(gb: GraphBuilder, x: str, qw: QuantizedWeight, prefix: str,
 def fp8_linear_nodes(gb: GraphBuilder, x: str, fw: Fp8Weight, prefix: str, bias=None, opset: int = 21) -> str:
     """W8A8 e4m3 as standard QDQ (opset >= 19): activation QuantizeLinear->DequantizeLinear in float8e4m3fn
     (dynamic per-token scale computed in the graph, or the static scale), weight DequantizeLinear per output
-    channel, then a float MatMul. Runtimes that fuse QDQ run it in fp8; others emulate it exactly."""
+    channel, then a float MatMul. Runtimes that fuse QDQ run it in fp8; others emulate it exactly.
+    Always computed in fp32 (a float16 graph casts in and out), as the reference op accumulates in fp32."""
     import onnx
+    from onnx import helper
     if opset < 19:
         raise OnnxExportError(f"{prefix}: FP8 linears need opset >= 19 (float8 QuantizeLinear); got opset {opset}")
     n, k = fw.weight.shape
-    # weight: float8 [N, K] with per-row scale; DequantizeLinear(axis=0) gives float [N, K]
+    f32 = lambda name, t: gb.initializer(name, np.asarray(  # noqa: E731
+        t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else t, dtype=np.float32))
+    fc = lambda v: gb.const(v, np.float32)  # noqa: E731
+    half = gb.dtype != "float32"
+    if half:
+        x = gb.op("Cast", [x], to=onnx.TensorProto.FLOAT, name=f"{prefix}/to_fp32")
+    # weight: float8 [N, K] with per-row scale; DequantizeLinear(axis=0) gives fp32 [N, K]
     w8 = fw.weight.cpu().view(torch.uint8).numpy()
-    from onnx import helper, numpy_helper  # noqa: F401
     wname = gb.name(f"{prefix}.weight_fp8")
     gb.initializers.append(helper.make_tensor(wname, onnx.TensorProto.FLOAT8E4M3FN, [n, k], w8.tobytes(), raw=True))
-    ws = gb.float_init(f"{prefix}.weight_scale", fw.weight_scale)
-    wdq = gb.op("DequantizeLinear", [wname, ws], axis=0, name=f"{prefix}/w_dq")            # [N, K]
+    wdq = gb.op("DequantizeLinear", [wname, f32(f"{prefix}.weight_scale", fw.weight_scale)], axis=0,
+                name=f"{prefix}/w_dq")                                                      # [N, K]
     wt = gb.op("Transpose", [wdq], perm=[1, 0], name=f"{prefix}/w_t")                       # [K, N]
     shape_x = gb.op("Shape", [x])
     x2 = gb.op("Reshape", [x, gb.const([-1, k])], name=f"{prefix}/flatten")                 # [M, K]
@@ -259,20 +266,19 @@ def fp8_linear_nodes(gb: GraphBuilder, x: str, fw: Fp8Weight, prefix: str, bias=
         # dynamic per-token scale s [M, 1] = absmax / 448; the QDQ pair runs at unit scale on x / s (a float8
         # zero point cannot be broadcast per row by Expand in ONNX Runtime), then the result is rescaled by s
         amax = gb.op("ReduceMax", [gb.op("Abs", [x2]), gb.const([1])], keepdims=1)          # [M, 1]
-        s = gb.op("Div", [amax, gb.fconst(448.0)])
-        s = gb.op("Max", [s, gb.fconst(1e-12 if gb.dtype == "float32" else 1e-7)])
-        one = gb.fconst(1.0)
-        xq = gb.op("QuantizeLinear", [gb.op("Div", [x2, s]), one, zp], saturate=1, name=f"{prefix}/x_q")
-        xdq = gb.op("Mul", [gb.op("DequantizeLinear", [xq, one, zp], name=f"{prefix}/x_dq"), s])
+        s = gb.op("Max", [gb.op("Div", [amax, fc(448.0)]), fc(1e-12)])
+        xq = gb.op("QuantizeLinear", [gb.op("Div", [x2, s]), fc(1.0), zp], saturate=1, name=f"{prefix}/x_q")
+        xdq = gb.op("Mul", [gb.op("DequantizeLinear", [xq, fc(1.0), zp], name=f"{prefix}/x_dq"), s])
     else:
-        s = gb.float_init(f"{prefix}.input_scale", fw.input_scale.reshape(()))
+        s = f32(f"{prefix}.input_scale", fw.input_scale.reshape(()))
         xq = gb.op("QuantizeLinear", [x2, s, zp], saturate=1, name=f"{prefix}/x_q")
         xdq = gb.op("DequantizeLinear", [xq, s, zp], name=f"{prefix}/x_dq")
     y = gb.op("MatMul", [xdq, wt], name=f"{prefix}/MatMul")
     if bias is not None:
-        y = gb.op("Add", [y, gb.float_init(f"{prefix}.bias", bias)])
+        y = gb.op("Add", [y, f32(f"{prefix}.bias", bias)])
     out_shape = gb.op("Concat", [gb.op("Slice", [shape_x, gb.const([0]), gb.const([-1])]), gb.const([n])], axis=0)
-    return gb.op("Reshape", [y, out_shape], name=f"{prefix}/unflatten")
+    y = gb.op("Reshape", [y, out_shape], name=f"{prefix}/unflatten")
+    return gb.op("Cast", [y], to=gb.elem_type, name=f"{prefix}/to_half") if half else y
 
 
 def _fp8_zero(gb: GraphBuilder, prefix: str) -> str:

@@ -128,3 +128,19 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         export_onnx(gpt2, tmp_path)
     assert not (tmp_path / "model.onnx").exists()   # nothing half-written
+
+
+@pytest.mark.parametrize("quant,tol", [(dict(bits=4, group_size=32), 5e-3), (dict(fp8=True), 6e-2)],
+                         ids=["int4", "fp8"])
+def test_float16_graph_for_the_cuda_provider_runs_on_cpu(tmp_path, quant, tol):
+    """dtype="float16" is the CUDA deployment export; ORT's CPU provider runs it too, so it is checked here.
+    FP8's per-token e4m3 rounding is discontinuous: fp16 roundings upstream flip a few codes, hence 6e-2."""
+    model = tiny("llama", **quant)
+    export_onnx(model, tmp_path, accuracy_level=0, dtype="float16")
+    dec = OnnxDecoder(tmp_path)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits, past = dec.forward(ids.numpy(), np.ones((2, 9)), dec.empty_past(2))
+    assert logits.dtype == np.float16 and past[0][0].dtype == np.float16
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    assert rel_err(logits.astype(np.float32), ref) < tol
