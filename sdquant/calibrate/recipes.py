@@ -401,8 +401,6 @@ def _fp8_block(ctx, names: list, res: BlockResult) -> None:
                 continue
             a = amax[gnames[0]]
             s = fp8_math.smooth_scales(a, [l.weight for l in lins], alpha)
-            for l in lins:
-                awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
             if g.prev is None:
                 for l in lins:
                     awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
@@ -412,8 +410,8 @@ def _fp8_block(ctx, names: list, res: BlockResult) -> None:
                 _fold(g, lins, s)
             for n in gnames:
                 smooth_of[n] = s
-            res.scales.setdefault(ctx.prefix + "fp8_smooth", []).append({"prev": g.prev_name, "linears": gnames,
-                                                            "scales": s.float().cpu().tolist()})
+            res.scales.setdefault(ctx.prefix + "fp8_smooth", []).append(
+                {"prev": g.prev_name, "linears": gnames, "scales": s.float().cpu().tolist()})
     for n, lin in targets.items():
         t1 = time.perf_counter()
         W = lin.weight.detach().float()
