@@ -41,6 +41,10 @@ class DataConfig:
     n_samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    split: Optional[str] = None                     # hf_disk: which split (default "train" or the only one)
+    sampling: Literal["random", "packed"] = "random"  # random starts (the GPTQ/AWQ protocol) or disjoint windows
+    temperature: float = 1.0                        # kind "self": sampling temperature
+    top_k: int = 50                                 # kind "self": 0 = whole vocabulary
 
 
 @dataclass(frozen=True)
@@ -347,6 +351,10 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     if d.n_samples < 1:
         raise ConfigError("data.n_samples", f"{d.n_samples} must be >= 1")
+    if d.temperature <= 0:
+        raise ConfigError("data.temperature", f"{d.temperature} must be > 0")
+    if d.top_k < 0:
+        raise ConfigError("data.top_k", f"{d.top_k} must be >= 0 (0 = whole vocabulary)")
     if d.seq_len < 2:
         raise ConfigError("data.seq_len", f"{d.seq_len} must be >= 2")
     if d.kind in ("text", "jsonl", "hf_disk", "parquet", "tensors") and not d.path:
