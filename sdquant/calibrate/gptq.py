@@ -48,7 +48,7 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
     Returns (H [K, K] float32, n_seen + number of rows of x). H=None starts a new accumulator. The running
     mean (rather than a sum) keeps the magnitude independent of the number of calibration tokens.
     """
-    x = x.reshape(-1, x.shape[-1]).float()  # [T, K]
+    x = x.reshape(-1, x.shape[-1])  # [T, K]
     t = x.shape[0]
     if H is None:
         H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
@@ -56,7 +56,15 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
         return H, n_seen
     total = n_seen + t
     H.mul_(n_seen / total)
-    x = x * math.sqrt(2.0 / total)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        # half inputs, fp32 accumulation and output on the tensor cores (products of half values are exact
+        # in fp32); avoids a [T, K] fp32 copy and fp32 SIMT matmuls
+        try:
+            H.add_(torch.mm(x.t(), x, out_dtype=torch.float32), alpha=2.0 / total)
+            return H, total
+        except (RuntimeError, TypeError):
+            pass
+    x = x.float() * math.sqrt(2.0 / total)
     H.addmm_(x.t(), x)
     return H, total
 
@@ -98,18 +106,22 @@ def mse_clip_ratio(w: torch.Tensor, bits: int, symmetric: bool, grid: int = 10, 
 
 def _damped_inverse_cholesky(H: torch.Tensor, damp: float, damp_max: float, log: logging.Logger, name: str):
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise damp ×10 (capped at damp_max)
-    each time the factorisation fails, logging every escalation."""
-    k = H.shape[0]
-    mean_diag = float(torch.diag(H).mean())
+    each time the factorisation fails, logging every escalation. H's diagonal is damped in place and
+    restored before returning (a 28672² Hessian is 3.3 GB: no extra copies)."""
+    diag = H.diagonal()
+    mean_diag = float(diag.mean())
     cur, escalations, history = damp, 0, []
-    eye = torch.eye(k, device=H.device, dtype=H.dtype)
     while True:
         history.append(cur)
-        Hd = H + eye * (cur * mean_diag)
-        L, info = torch.linalg.cholesky_ex(Hd)
+        lam = cur * mean_diag
+        diag.add_(lam)
+        L, info = torch.linalg.cholesky_ex(H)
+        diag.sub_(lam)
         if int(info) == 0:
             Hinv = torch.cholesky_inverse(L)
+            del L
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            del Hinv
             if int(info) == 0 and bool(torch.isfinite(U).all()):
                 return U, cur, escalations, history
         if cur >= damp_max:
@@ -125,7 +137,8 @@ def _damped_inverse_cholesky(H: torch.Tensor, damp: float, damp_max: float, log:
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, act_order: str = "none", damp: float = 0.01,
                   block_size: int = 128, damp_max: float = 1.0, clip_ratio: Optional[torch.Tensor] = None,
-                  mse_grid: int = 0, name: str = "", log: Optional[logging.Logger] = None):
+                  mse_grid: int = 0, name: str = "", log: Optional[logging.Logger] = None,
+                  overwrite_h: bool = False):
     """Quantize W [N, K] against H [K, K] (float32). Returns (QuantizedWeight, GptqStats).
 
     act_order: "none" — columns in natural order, group parameters fitted when GPTQ reaches a group (on the
@@ -133,7 +146,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     contiguous (no g_idx); their parameters are fitted up front on the original weights. "group" — columns in
     decreasing diag(H) order and groups formed in that order (needs g_idx; parameters fitted when reached).
     clip_ratio [N, G] (optional): range shrink per group from a clipping search, applied when parameters are
-    fitted. mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
+    fitted. overwrite_h: H may be modified and released (saves a K² copy for large layers). mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
     weight error when it is fitted (helps at 2-3 bits). Raises CholeskyError when even damp_max cannot make H positive-definite.
     """
     log = log or _log
@@ -149,7 +162,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     dev = W.device
     W0 = W.detach().float()
     Wf = W0.clone()
-    H = H.detach().float().clone()
+    H = H.detach().float()
+    if not overwrite_h:
+        H = H.clone()
 
     # an input channel that never fired carries no information: pin its weight to zero, keep H invertible
     dead = torch.diag(H) == 0
@@ -185,7 +200,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         fitted[:] = True
 
     Wp = Wf[:, perm].contiguous()                                # [N, K] in processing order
-    Hp = H[perm][:, perm]
+    Hp = H if act_order == "none" else H[perm][:, perm]
+    del H                                                        # losses are computed in processing order
     U, used_damp, escalations, history = _damped_inverse_cholesky(Hp, damp, damp_max, log, name)
     codes_p = torch.empty(n, k, dtype=torch.uint8, device=dev)
     gpos_cpu = gpos.cpu()
@@ -228,8 +244,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         g_idx = torch.empty(k, dtype=torch.int32, device=dev)
         g_idx[perm] = (torch.arange(k, device=dev) // gs).to(torch.int32)
     qw = QuantizedWeight.from_codes(codes, scales, zeros, bits, group_size, g_idx)
+    del U
     deq = qw.dequantize(torch.float32)
-    stats = GptqStats(loss=layer_loss(W0, deq, H), rtn_loss=layer_loss(W0, rtn_dequant(W0, bits, group_size,
-                                                                                        symmetric), H),
-                      damp=used_damp, escalations=escalations, dead_columns=n_dead, damp_history=history)
+    W0p = W0[:, perm]
+    loss = layer_loss(W0p, deq[:, perm], Hp)
+    rtn_loss = layer_loss(W0p, rtn_dequant(W0, bits, group_size, symmetric)[:, perm], Hp)
+    stats = GptqStats(loss=loss, rtn_loss=rtn_loss, damp=used_damp, escalations=escalations,
+                      dead_columns=n_dead, damp_history=history)
     return qw, stats

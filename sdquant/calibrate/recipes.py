@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from sdquant.calibrate import awq as awq_math
 from sdquant.calibrate import fp8 as fp8_math
-from sdquant.calibrate.gptq import accumulate_hessian, gptq_quantize, layer_loss
+from sdquant.calibrate.gptq import accumulate_hessian, gptq_quantize, layer_loss, rtn_dequant
 from sdquant.calibrate.joint import scale_hessian
 from sdquant.errors import ConfigError
 from sdquant.quant.qtensor import (Fp8Weight, QuantizedWeight, compute_qparams, quantize_codes)
@@ -81,6 +81,18 @@ def _out_tensor(out):
 def _set_weight(lin: nn.Linear, w: torch.Tensor) -> None:
     with torch.no_grad():
         lin.weight.copy_(w.to(lin.weight.dtype))
+
+
+def _split_rows(qw: QuantizedWeight, sizes: list) -> list:
+    """Split a row-concatenated QuantizedWeight back into one per linear (g_idx is shared)."""
+    out, r0 = [], 0
+    for n in sizes:
+        sl = slice(r0, r0 + n)
+        out.append(QuantizedWeight(qw.qweight[sl].contiguous(), qw.scales[sl].contiguous(),
+                                   None if qw.zeros is None else qw.zeros[sl].contiguous(), qw.bits,
+                                   qw.group_size, qw.in_features, qw.g_idx))
+        r0 += n
+    return out
 
 
 def _qweight_from_dequant_rtn(W: torch.Tensor, bits, group_size, symmetric, clip_ratio=None) -> QuantizedWeight:
@@ -191,6 +203,7 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
 
     # ---- pass 1: full precision statistics
     order: list[str] = []
+    first_key: list = []
     H: dict[str, Any] = {}
     xsum: dict[str, Any] = {}
     samplers: dict[int, _Sampler] = {}
@@ -212,7 +225,11 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
             if name not in order:
                 order.append(name)
             x = _first_tensor(args, kwargs)
-            if collect_h:
+            # with true_sequential only the first stage uses pass-1 statistics: the others are re-captured
+            # later, so do not hold their (possibly K² = GBs) Hessians now
+            if collect_h and (not true_seq or not first_key or first_key[0] == key):
+                if not first_key:
+                    first_key.append(key)
                 Hk, nk = H.get(key, (None, 0))
                 H[key] = accumulate_hessian(Hk, x, nk)
             if gi is not None:
@@ -317,61 +334,86 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
     # ---- quantize, stage by stage in execution order
     keys_in_order = sorted({key_of[n] for n in targets}, key=lambda kk: min(rank.get(n, 1 << 30)
                                                                             for n in targets if key_of[n] == kk))
-    first_stage = True
     for key in keys_in_order:
         names = sorted([n for n in targets if key_of[n] == key], key=lambda n: rank.get(n, 0))
         s = scale_of.get(key)
         Hk = None
         if key in gptq_keys:
-            captured_scaled = False
-            if true_seq and not first_stage:
-                H.pop(key, None)
+            if key in H:                                    # pass-1 statistics: before any fold
+                Hk = H.pop(key)[0]
+                captured_scaled = False
+            else:                                           # true_sequential: earlier stages are quantized
                 acc = {}
-                lin0 = key_first[key]
 
                 def hk(mod, args, kwargs, out, _acc=acc):
                     Hc, nc = _acc.get("h", (None, 0))
                     _acc["h"] = accumulate_hessian(Hc, _first_tensor(args, kwargs), nc)
                 tr = time.perf_counter()
-                ctx.run({lin0: hk})
+                ctx.run({key_first[key]: hk})
                 t_pass1 += time.perf_counter() - tr
-                Hk = acc["h"][0]
-                captured_scaled = key in folded_keys
-            else:
-                Hk = H[key][0]
+                Hk = acc.pop("h")[0]
+                captured_scaled = key in folded_keys        # the producer already emits x / s
             if s is not None and not captured_scaled:
                 Hk = scale_hessian(Hk, s.to(Hk.device))     # H' = diag(1/s) H diag(1/s): exact
-        first_stage = False
+        quantized: dict = {}
+        # linears that read the same x with the same quantizer are one GPTQ problem (rows are independent
+        # given H): one column sweep for q/k/v or gate/up instead of two or three
+        fused: dict = {}
+        for n in names:
+            sp = specs[n]
+            if sp.method in GPTQ_METHODS:
+                fused.setdefault((sp.bits, sp.group_size, sp.symmetric), []).append(n)
+        for (bits, gs, sym), fnames in fused.items():
+            t1 = time.perf_counter()
+            Ws = [targets[n].weight.detach().float() for n in fnames]   # already W · s when scaled
+            clip = None
+            if bool(cfg(q, "awq.clip_for_gptq", False)) and all(n in clip_of for n in fnames):
+                clip = torch.cat([clip_of[n] for n in fnames], 0)
+            # a layer that alone uses this Hessian hands it over (no K² copy: 3.3 GB for a 70B down_proj)
+            own = len(fused) == 1 and len(fnames) == 1 and all(specs[n].method in GPTQ_METHODS for n in names)
+            box = [Hk]
+            if own:
+                Hk = None
+            qw, st = gptq_quantize(torch.cat(Ws, 0), box.pop(), bits, gs, sym,
+                                   act_order=str(cfg(q, "act_order", "static")),
+                                   damp=float(cfg(q, "damp", 0.01)),
+                                   block_size=int(cfg(q, "gptq_block_size", 128)),
+                                   damp_max=float(cfg(q, "damp_max", 1.0)), clip_ratio=clip,
+                                   mse_grid=0 if clip is not None else int(cfg(q, "gptq_mse_grid", 10)),
+                                   name="+".join(fnames), log=log, overwrite_h=own)
+            parts = _split_rows(qw, [w.shape[0] for w in Ws])
+            dt = (time.perf_counter() - t1) / len(fnames)
+            for n, w, part in zip(fnames, Ws, parts):
+                row = dict(damp=st.damp, escalations=st.escalations, gptq_seconds=dt)
+                if len(fnames) == 1:
+                    row.update(rtn_loss=st.rtn_loss, loss=st.loss)
+                elif Hk is not None:
+                    row.update(rtn_loss=layer_loss(w, rtn_dequant(w, bits, gs, sym), Hk),
+                               loss=layer_loss(w, part.dequantize(torch.float32), Hk))
+                quantized[n] = (part, row)
         for n in names:
             t1 = time.perf_counter()
             lin, sp = targets[n], specs[n]
-            W = lin.weight.detach().float()                 # already W · s when the group was scaled
             row = dict(layer=n, method=sp.method, bits=sp.bits, group_size=sp.group_size)
-            if sp.method in GPTQ_METHODS:
-                clip = clip_of.get(n) if bool(cfg(q, "awq.clip_for_gptq", False)) else None
-                qw, st = gptq_quantize(W, Hk, sp.bits, sp.group_size, sp.symmetric,
-                                       act_order=str(cfg(q, "act_order", "static")),
-                                       damp=float(cfg(q, "damp", 0.01)),
-                                       block_size=int(cfg(q, "gptq_block_size", 128)),
-                                       damp_max=float(cfg(q, "damp_max", 1.0)), clip_ratio=clip,
-                                       mse_grid=0 if clip is not None else int(cfg(q, "gptq_mse_grid", 10)),
-                                       name=n, log=log)
-                row.update(rtn_loss=st.rtn_loss, loss=st.loss, damp=st.damp, escalations=st.escalations)
+            if n in quantized:
+                qw, extra = quantized[n]
+                row.update(extra)
             else:
+                W = lin.weight.detach().float()
                 qw = _qweight_from_dequant_rtn(W, sp.bits, sp.group_size, sp.symmetric, clip_of.get(n))
-                if key in H:
-                    Hs = H[key][0] if s is None else scale_hessian(H[key][0], s.to(W.device))
-                    row.update(loss=layer_loss(W, qw.dequantize(torch.float32), Hs))
+                if Hk is not None:
+                    row.update(loss=layer_loss(W, qw.dequantize(torch.float32), Hk))
             deq = qw.dequantize(torch.float32)
             if n in res.smooth:                              # the module still sees x: keep Q(W·s)/s
                 deq = deq / res.smooth[n].to(deq.device)[None, :]
             _set_weight(lin, deq)
             res.weights[n] = qw
             row.update(awq_rows.get(n, {}))
-            row["seconds"] = time.perf_counter() - t1 + row.get("awq_seconds", 0.0)
+            row["seconds"] = time.perf_counter() - t1 + row.get("awq_seconds", 0.0) + row.get("gptq_seconds", 0.0)
             res.rows.append(row)
             if hasattr(ctx, "progress") and callable(ctx.progress):
                 ctx.progress(1)
+        del Hk
     res.scales[ctx.prefix + "forward_seconds"] = t_pass1
 
 
