@@ -206,7 +206,8 @@ def refine_channel_ratio(scales: torch.Tensor, x_mean: torch.Tensor, weights: Se
 
 @torch.no_grad()
 def clip_search(W: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-                grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 512, row_chunk: int = 256) -> torch.Tensor:
+                grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 512,
+                row_chunk: Optional[int] = None) -> torch.Tensor:
     """Per (row, group) range shrink r ∈ {1, 1 − max_shrink/grid, …} minimising Σ_t (Q_r(W_g) x_g − W_g x_g)²
     on sampled inputs x [T, K]. Returns the clip ratios [N, G] (float32) for compute_qparams."""
     n, k = W.shape
@@ -217,6 +218,8 @@ def clip_search(W: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, sy
         idx = torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()
         x = x[idx]
     xg = x.reshape(-1, g, gs)                                   # [T, G, gs]
+    if row_chunk is None:                                       # bound the [rows, G, T] products to ~32M floats
+        row_chunk = max(1, (32 << 20) // max(1, g * xg.shape[0]))
     ratios = [1.0 - max_shrink * i / grid for i in range(int(grid * 1.0) + 1) if 1.0 - max_shrink * i / grid > 0]
     out = torch.ones(n, g, device=W.device)
     for r0 in range(0, n, row_chunk):
