@@ -111,6 +111,28 @@ def kernel_labels(rt):
     return out
 
 
+def check_layers(rt, dev, dtype):
+    """Relative error of the prepared quantized layers against their own dequantized weights (fp32 matmul),
+    at M = 1, 8, 32 and 2048: the kernels the plans picked must compute the same function."""
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    from sdquant.kernels.ops import fp8_linear
+    out = {}
+    blk = rt.layers[0]
+    for name, m in (("qkv", blk.attn.wqkv), ("down", blk.w2), ("lm_head", rt.lm_head)):
+        if not isinstance(m, (QuantLinear, Fp8Linear)):
+            continue
+        for mm in (1, 8, 32, 2048):
+            x = torch.randn(mm, m.in_features, device=dev, dtype=dtype)
+            with torch.no_grad():
+                y = m(x).float()
+                if isinstance(m, QuantLinear):
+                    ref = x.float() @ m.weight_q.dequantize(torch.float32).t()
+                else:
+                    ref = fp8_linear(x.float(), m.weight, m.weight_scale, m.input_scale, None)
+            out[f"{name}/M{mm}"] = float((y - ref).norm() / ref.norm())
+    return out
+
+
 def run_variant(name, args, dev, dtype, dims):
     spec = VARIANTS[name]
     # every variant compiles the same block function: start from an empty dynamo cache so one variant's
@@ -130,6 +152,11 @@ def run_variant(name, args, dev, dtype, dims):
            "kernels": kernel_labels(rt)}
     if dev.type == "cuda":
         res["weights_allocated_gb"] = (torch.cuda.memory_allocated(dev) - base) / 1e9
+    try:
+        res["kernel_check_rel_err"] = check_layers(rt, dev, dtype)
+    except Exception as e:
+        res["kernel_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"  {name} kernels {res['kernels']} check {res['kernel_check_rel_err']}", flush=True)
     if spec["compiled"]:
         rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block")
     graph = spec["graph"] and dev.type == "cuda"

@@ -60,7 +60,8 @@ class OnnxExportResult:
 
 def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_level: int = 4, opset: int = 21,
                 dtype: str = "float32", max_positions: Optional[int] = None,
-                external_data: Union[bool, str] = "auto", check: bool = True, tokenizer=None) -> OnnxExportResult:
+                external_data: Union[bool, str] = "auto", check: bool = True, tokenizer=None,
+                fuse: bool = True) -> OnnxExportResult:
     """Export a (quantized) HF decoder or a .sd2 package to ``out_dir/model.onnx``.
 
     accuracy_level: MatMulNBits' minimum accuracy of A: 0 = unset (ONNX Runtime computes in A's type),
@@ -70,6 +71,7 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
     max_positions: size of the RoPE tables (default: config.max_position_embeddings, capped at 32768).
     external_data: True, False or "auto" (weights go to model.onnx.data when the model is over 2 GB).
     tokenizer: a HF tokenizer saved next to the model (default: ``model.tokenizer`` when the model has one).
+    fuse: one MatMulNBits for q/k/v and one for gate/up per layer where the weights allow (exact).
     """
     if not isinstance(accuracy_level, int) or not 0 <= accuracy_level <= 4:
         raise ConfigError("accuracy_level", f"must be an integer in 0..4, got {accuracy_level!r}")
@@ -85,7 +87,7 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
     if not isinstance(n_pos, int) or n_pos < 1:
         raise ConfigError("max_positions", f"must be a positive integer, got {max_positions!r}")
     gb, counts = build_decoder_graph(spec, dtype=dtype, opset=opset, accuracy_level=accuracy_level,
-                                     max_positions=n_pos)
+                                     max_positions=n_pos, fuse=fuse)
     meta = {"format": "sdquant-onnx-decoder", "version": 1, "family": spec.dims.family,
             "n_layers": spec.dims.n_layers, "n_kv_heads": spec.dims.n_kv_heads, "head_dim": spec.dims.head_dim,
             "vocab_size": spec.dims.vocab_size, "dtype": dtype, "opset": opset, "accuracy_level": accuracy_level,
@@ -115,8 +117,10 @@ def _load(model_or_package):
 
 
 # ------------------------------------------------------------------------------------------------- graph
-def build_decoder_graph(spec: DecoderSpec, dtype="float32", opset=21, accuracy_level=4, max_positions=4096):
-    """-> (GraphBuilder, (n_matmulnbits, n_fp8, n_float_linear))."""
+def build_decoder_graph(spec: DecoderSpec, dtype="float32", opset=21, accuracy_level=4, max_positions=4096,
+                        fuse: bool = True):
+    """-> (GraphBuilder, (n_matmulnbits, n_fp8, n_float_linear)); counts are of the model's linears (a fused
+    q/k/v is one node but three linears). fuse: q/k/v and gate/up as one node each where the weights allow."""
     import onnx
     from sdquant.kernels.linear import Fp8Linear, QuantLinear
     d = spec.dims
@@ -150,9 +154,11 @@ def build_decoder_graph(spec: DecoderSpec, dtype="float32", opset=21, accuracy_l
         p = f"model.layers.{i}"
         lin = lambda mod, name, inp: linear_nodes(gb, inp, mod, f"{p}.{name}", accuracy_level, opset)  # noqa: E731
         h = _rms_norm(gb, x, L.input_norm, d.rms_eps, f"{p}.input_layernorm")
-        q = _heads(gb, lin(L.q, "self_attn.q_proj", h), d.n_heads, d.head_dim)          # [B, S, nh, hd]
-        k = _heads(gb, lin(L.k, "self_attn.k_proj", h), d.n_kv_heads, d.head_dim)
-        v = _heads(gb, lin(L.v, "self_attn.v_proj", h), d.n_kv_heads, d.head_dim)
+        q, k, v = _parallel_linears(gb, lin, h, [(L.q, "self_attn.q_proj"), (L.k, "self_attn.k_proj"),
+                                                  (L.v, "self_attn.v_proj")], fuse, "self_attn.qkv_proj")
+        q = _heads(gb, q, d.n_heads, d.head_dim)                                           # [B, S, nh, hd]
+        k = _heads(gb, k, d.n_kv_heads, d.head_dim)
+        v = _heads(gb, v, d.n_kv_heads, d.head_dim)
         if L.q_norm is not None:
             q = _rms_norm(gb, q, L.q_norm, d.rms_eps, f"{p}.self_attn.q_norm")
             k = _rms_norm(gb, k, L.k_norm, d.rms_eps, f"{p}.self_attn.k_norm")
@@ -175,8 +181,8 @@ def build_decoder_graph(spec: DecoderSpec, dtype="float32", opset=21, accuracy_l
         att = gb.op("Reshape", [gb.op("Transpose", [att], perm=[0, 2, 1, 3]), gb.const([0, 0, d.q_size])])
         x = gb.op("Add", [x, lin(L.o, "self_attn.o_proj", att)], name=f"{p}/residual1")
         h = _rms_norm(gb, x, L.post_norm, d.rms_eps, f"{p}.post_attention_layernorm")
-        g = lin(L.gate, "mlp.gate_proj", h)
-        u = lin(L.up, "mlp.up_proj", h)
+        g, u = _parallel_linears(gb, lin, h, [(L.gate, "mlp.gate_proj"), (L.up, "mlp.up_proj")], fuse,
+                                 "mlp.gate_up_proj")
         act = gb.op("Mul", [gb.op("Mul", [g, gb.op("Sigmoid", [g])]), u], name=f"{p}/silu_mul")
         x = gb.op("Add", [x, lin(L.down, "mlp.down_proj", act)], name=f"{p}/residual2")
     h = _rms_norm(gb, x, spec.final_norm, d.rms_eps, "model.norm")
@@ -191,6 +197,20 @@ def build_decoder_graph(spec: DecoderSpec, dtype="float32", opset=21, accuracy_l
     counts = (sum(isinstance(m, QuantLinear) for m in mods), sum(isinstance(m, Fp8Linear) for m in mods),
               sum(type(m) is torch.nn.Linear for m in mods))
     return gb, counts
+
+
+def _parallel_linears(gb: GraphBuilder, lin, x: str, mods, fuse: bool, fused_name: str):
+    """Outputs of several linears reading the same x. Fused into one node and split when the weights can be
+    concatenated along N (same kind, bits, group size, act-order permutation): one larger GEMM per layer instead
+    of two or three small ones, which is what decode on a CPU is short of. Exact: the same codes and scales."""
+    from sdquant.runtime.model import ConcatLinear, fuse_linears
+    if fuse:
+        fused = fuse_linears([m for m, _ in mods])
+        if not isinstance(fused, ConcatLinear):
+            y = lin(fused, fused_name, x)
+            sizes = [m.out_features for m, _ in mods]
+            return gb.op("Split", [y, gb.const(sizes)], n_out=len(mods), axis=-1, name=f"{fused_name}/split")
+    return [lin(m, name, x) for m, name in mods]
 
 
 def _rms_norm(gb: GraphBuilder, x: str, weight, eps: float, prefix: str) -> str:

@@ -144,3 +144,17 @@ def test_float16_graph_for_the_cuda_provider_runs_on_cpu(tmp_path, quant, tol):
     with torch.no_grad():
         ref = model(ids).logits.numpy()
     assert rel_err(logits.astype(np.float32), ref) < tol
+
+
+def test_qkv_and_gate_up_fused_into_one_node_where_weights_allow(tmp_path):
+    def n_nodes(model, **kw):
+        export_onnx(model, tmp_path, accuracy_level=0, **kw)
+        g = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+        return sum(n.op_type == "MatMulNBits" for n in g.node)
+    plain = tiny("qwen2", bits=4, group_size=32)          # qwen2: q/k/v biases are concatenated too
+    assert n_nodes(plain) == 2 * 4 and n_nodes(plain, fuse=False) == 2 * 7
+    check_parity(plain, OnnxDecoder(tmp_path), 1e-5)      # unfused export still in the folder
+    export_onnx(plain, tmp_path, accuracy_level=0)
+    check_parity(plain, OnnxDecoder(tmp_path), 1e-5)
+    # act-order layers carry different channel permutations: they stay separate nodes
+    assert n_nodes(tiny("llama", bits=4, group_size=32, act_order=True)) == 2 * 7
