@@ -134,11 +134,88 @@ def _damped_inverse_cholesky(H: torch.Tensor, damp: float, damp_max: float, log:
         cur = nxt
 
 
+def _sweep_column(j, WbT, ST, ZT, Ub, invd, QT, ET, maxq):
+    """Quantize column j of the block (row j of the transposed block) and push its error onto the later
+    columns of the block: ~10 kernels, no host synchronisation."""
+    w = WbT[j]
+    q = (w / ST[j]).round_().add_(ZT[j]).clamp_(0, maxq)
+    QT[j] = q
+    err = torch.addcmul(w, q.sub_(ZT[j]), ST[j], value=-1.0).mul_(invd[j])   # (w − dq) / U[j, j]
+    if j + 1 < WbT.shape[0]:
+        WbT[j + 1:].addr_(Ub[j, j + 1:], err, alpha=-1.0)
+    ET[j] = err
+
+
+def _sweep_block(WbT, ST, ZT, Ub, QT, ET, maxq):
+    invd = 1.0 / torch.diagonal(Ub)
+    for j in range(WbT.shape[0]):
+        _sweep_column(j, WbT, ST, ZT, Ub, invd, QT, ET, maxq)
+
+
+class _Sweeps:
+    """Fully fitted block sweeps, eager or as CUDA graphs captured once per (B, N) shape. A block sweep is
+    B×~10 tiny kernels whose cost is launch overhead; a graph replays them with one launch."""
+
+    def __init__(self, enabled: bool, log: logging.Logger):
+        self.enabled, self.log, self.graphs = enabled, log, {}
+
+    def run(self, WbT, ST, ZT, Ub, maxq):
+        QT, ET = torch.empty_like(WbT), torch.empty_like(WbT)
+        if not self.enabled:
+            _sweep_block(WbT, ST, ZT, Ub, QT, ET, maxq)
+            return WbT, QT, ET
+        key = (tuple(WbT.shape), maxq)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(WbT, ST, ZT, Ub, maxq)
+            if g is None:
+                self.enabled = False
+                _sweep_block(WbT, ST, ZT, Ub, QT, ET, maxq)
+                return WbT, QT, ET
+            # first use: the replay must match the eager sweep bit for bit
+            ref = [t.clone() for t in (WbT, ST, ZT, Ub)]
+            rq, re = torch.empty_like(WbT), torch.empty_like(WbT)
+            _sweep_block(ref[0], ref[1], ref[2], ref[3], rq, re, maxq)
+            out = self._replay(g, WbT, ST, ZT, Ub)
+            if not (torch.equal(out[1], rq) and torch.equal(out[2], re)):
+                self.log.warning("GPTQ CUDA-graph sweep differs from eager; using eager sweeps")
+                self.enabled = False
+                return ref[0], rq, re
+            return tuple(t.clone() for t in out)
+        return tuple(t.clone() for t in self._replay(g, WbT, ST, ZT, Ub))
+
+    @staticmethod
+    def _replay(g, WbT, ST, ZT, Ub):
+        buf = g["buf"]
+        for name, t in (("WbT", WbT), ("ST", ST), ("ZT", ZT), ("Ub", Ub)):
+            buf[name].copy_(t)
+        g["graph"].replay()
+        return buf["WbT"], buf["QT"], buf["ET"]
+
+    def _capture(self, WbT, ST, ZT, Ub, maxq):
+        try:
+            buf = {"WbT": WbT.clone(), "ST": ST.clone(), "ZT": ZT.clone(), "Ub": Ub.clone(),
+                   "QT": torch.empty_like(WbT), "ET": torch.empty_like(WbT)}
+            args = (buf["WbT"], buf["ST"], buf["ZT"], buf["Ub"], buf["QT"], buf["ET"], maxq)
+            side = torch.cuda.Stream(device=WbT.device)
+            side.wait_stream(torch.cuda.current_stream(WbT.device))
+            with torch.cuda.stream(side):                      # warm-up outside the capture
+                _sweep_block(*args)
+            torch.cuda.current_stream(WbT.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _sweep_block(*args)
+            return {"graph": graph, "buf": buf}
+        except Exception as e:  # noqa: BLE001 - any capture problem means: run eagerly
+            self.log.warning("GPTQ CUDA-graph capture failed (%s); using eager sweeps", e)
+            return None
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, act_order: str = "none", damp: float = 0.01,
                   block_size: int = 128, damp_max: float = 1.0, clip_ratio: Optional[torch.Tensor] = None,
                   mse_grid: int = 0, name: str = "", log: Optional[logging.Logger] = None,
-                  overwrite_h: bool = False):
+                  overwrite_h: bool = False, use_graphs: bool = True):
     """Quantize W [N, K] against H [K, K] (float32). Returns (QuantizedWeight, GptqStats).
 
     act_order: "none" — columns in natural order, group parameters fitted when GPTQ reaches a group (on the
@@ -146,7 +223,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     contiguous (no g_idx); their parameters are fitted up front on the original weights. "group" — columns in
     decreasing diag(H) order and groups formed in that order (needs g_idx; parameters fitted when reached).
     clip_ratio [N, G] (optional): range shrink per group from a clipping search, applied when parameters are
-    fitted. overwrite_h: H may be modified and released (saves a K² copy for large layers). mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
+    fitted. use_graphs: on CUDA, replay fully fitted column sweeps as captured CUDA graphs (checked
+    bit-for-bit against the eager sweep on first use; any mismatch or capture failure falls back, logged).
+    overwrite_h: H may be modified and released (saves a K² copy for large layers). mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
     weight error when it is fitted (helps at 2-3 bits). Raises CholeskyError when even damp_max cannot make H positive-definite.
     """
     log = log or _log
@@ -191,8 +270,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     if act_order == "static":
         # fitted once on the original weights so the contiguous groups need no g_idx
         if cr is None and mse_grid > 0:
-            cr = torch.cat([mse_clip_ratio(Wf[:, g * gs:(g + 1) * gs], bits, symmetric, mse_grid)
-                            for g in range(ngroups)], 1)
+            # all groups at once: [N·G, gs] rows
+            cr = mse_clip_ratio(Wf.reshape(n * ngroups, gs), bits, symmetric, mse_grid).reshape(n, ngroups)
         s_all, z_all = compute_qparams(Wf, bits, group_size, symmetric, 1.0 if cr is None else cr)
         scales.copy_(s_all)
         if zeros is not None:
@@ -200,43 +279,58 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         fitted[:] = True
 
     Wp = Wf[:, perm].contiguous()                                # [N, K] in processing order
-    Hp = H if act_order == "none" else H[perm][:, perm]
-    del H                                                        # losses are computed in processing order
+    if act_order == "none":
+        Hp = H
+    else:                                                        # two steps: one K² temporary, not two
+        Hp = H.index_select(0, perm)
+        del H
+        Hp = Hp.index_select(1, perm)
+    H = None                                                     # losses are computed in processing order
     U, used_damp, escalations, history = _damped_inverse_cholesky(Hp, damp, damp_max, log, name)
     codes_p = torch.empty(n, k, dtype=torch.uint8, device=dev)
     gpos_cpu = gpos.cpu()
 
+    # Column sweep. Rows of the transposed block are the columns being quantized (contiguous vectors), and
+    # every column costs ~10 small kernels: on a GPU the sweep is bound by launch overhead, not arithmetic.
+    zero_sym = float(1 << (bits - 1))
+    sweeps = _Sweeps(use_graphs and W.is_cuda, log)
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
-        Wb = Wp[:, b0:b1].clone()                               # [N, B]
-        Eb = torch.zeros_like(Wb)
+        B = b1 - b0
+        WbT = Wp[:, b0:b1].t().contiguous()                     # [B, N]
+        QT = torch.empty_like(WbT)                               # codes (as floats) of this block
+        ET = torch.empty_like(WbT)                               # scaled errors, for the lazy update
         Ub = U[b0:b1, b0:b1]
-        for j in range(b1 - b0):
-            col = b0 + j
-            g = int(gpos_cpu[col])
-            if not fitted[g]:
-                # fit this group's parameters on the current (error-updated) weights of its columns
-                # (only reached for "none"/"group", where a group is the next gs columns in processing order)
-                src = torch.cat([Wb[:, j:], Wp[:, b1:]], 1)[:, :gs]
-                ratio = cr[:, g:g + 1] if cr is not None else (
-                    mse_clip_ratio(src, bits, symmetric, mse_grid) if mse_grid > 0 else 1.0)
-                s_g, z_g = compute_qparams(src, bits, -1, symmetric, ratio)
-                scales[:, g] = s_g[:, 0]
-                if zeros is not None:
-                    zeros[:, g] = z_g[:, 0]
-                fitted[g] = True
-            s = scales[:, g].float()
-            z = zeros[:, g].float() if zeros is not None else torch.full_like(s, float(1 << (bits - 1)))
-            w = Wb[:, j]
-            q = torch.clamp(torch.round(w / s) + z, 0, maxq)
-            codes_p[:, col] = q.to(torch.uint8)
-            dq = (q - z) * s
-            d = Ub[j, j]
-            err = (w - dq) / d                                   # [N]
-            Wb[:, j:] -= err[:, None] * Ub[j, j:][None, :]
-            Eb[:, j] = err
+        invd = 1.0 / torch.diagonal(Ub)                          # [B]
+        gb = gpos[b0:b1]
+        ST = scales[:, gb].float().t().contiguous()              # [B, N] scale of each column
+        ZT = (zeros[:, gb].float().t().contiguous() if zeros is not None
+              else torch.full_like(ST, zero_sym))
+        if bool(fitted[gpos_cpu[b0:b1]].all()):
+            # every group of this block is fitted (static act-order, or a later block of a group): no
+            # data-dependent Python in the sweep, so on CUDA it can be one captured graph
+            WbT, QT, ET = sweeps.run(WbT, ST, ZT, Ub, maxq)
+        else:
+            for j in range(B):
+                g = int(gpos_cpu[b0 + j])
+                if not fitted[g]:
+                    # fit this group's parameters on the current (error-updated) weights of its columns
+                    # (only reached for "none"/"group": a group is the next gs columns in processing order)
+                    src = torch.cat([WbT[j:].t(), Wp[:, b1:]], 1)[:, :gs]
+                    ratio = cr[:, g:g + 1] if cr is not None else (
+                        mse_clip_ratio(src, bits, symmetric, mse_grid) if mse_grid > 0 else 1.0)
+                    s_g, z_g = compute_qparams(src, bits, -1, symmetric, ratio)
+                    scales[:, g] = s_g[:, 0]
+                    ST[j:j + gs] = s_g[:, 0].float()
+                    if zeros is not None:
+                        zeros[:, g] = z_g[:, 0]
+                        ZT[j:j + gs] = z_g[:, 0].float()
+                    fitted[g] = True
+                _sweep_column(j, WbT, ST, ZT, Ub, invd, QT, ET, maxq)
+        codes_p[:, b0:b1] = QT.t().to(torch.uint8)
         # lazy update of all later columns with this block's accumulated errors
-        Wp[:, b1:] -= Eb @ U[b0:b1, b1:]
+        if b1 < k:
+            Wp[:, b1:].addmm_(ET.t(), U[b0:b1, b1:], alpha=-1.0)
 
     codes = codes_p[:, invperm]
     g_idx = None

@@ -234,8 +234,8 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                 H[key] = accumulate_hessian(Hk, x, nk)
             if gi is not None:
                 s, c = xsum.get(gi, (0.0, 0))
-                x2 = x.reshape(-1, x.shape[-1]).float()
-                xsum[gi] = (s + x2.abs().sum(0), c + x2.shape[0])
+                x2 = x.reshape(-1, x.shape[-1])
+                xsum[gi] = (s + x2.abs().sum(0, dtype=torch.float32), c + x2.shape[0])
                 xsample[gi].add(args, kwargs)
         return h
 
