@@ -103,6 +103,34 @@ def bench_prefill(rt, args, dev):
     return {"ms": statistics.median(trials) * 1e3, "trials_ms": [t * 1e3 for t in trials]}
 
 
+def profile_step(rt, args, dev, batch=1, n=3):
+    """CUDA kernel time per decode step (B=1), grouped by kernel name: where the step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    rt.setup_caches(batch, args.max_seq)
+    idx = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.tensor([args.max_seq // 2], device=dev)
+    with torch.no_grad():
+        for _ in range(2):
+            rt.decode_step(idx, pos)
+        sync(dev)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(n):
+                rt.decode_step(idx, pos)
+            sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if t and e.key and not e.key.startswith(("cuda", "aten::", "Torch-Compiled", "CompiledFunction")):
+            rows.append((t / n, e.count // n, e.key[:90]))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"  profile: {total / 1e3:.2f} ms of kernels per step (B={batch}, no CUDA graph)", flush=True)
+    for t, c, k in rows[:25]:
+        print(f"    {t:8.1f} us  x{c:<4d} {k}", flush=True)
+    return {"kernel_us_per_step": total, "top": [{"us": t, "count": c, "kernel": k} for t, c, k in rows[:40]]}
+
+
 def kernel_labels(rt):
     """Which kernel each quantized layer kind runs, from the layers' dispatch plans."""
     out = {}
@@ -170,17 +198,28 @@ def run_variant(name, args, dev, dtype, dims):
     from torch._dynamo.utils import counters
     graphs0 = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
-    res["decode"] = {}
-    for b in args.batches:
+    res["attention"] = args.attention[0]
+    res["decode_other_attention"] = {}
+    for j, impl in enumerate(args.attention):
+        rt.set_attention(impl)
+        if j == 0:
+            out = res["decode"] = {}
+        else:
+            out = res["decode_other_attention"][impl] = {}
+        for b in args.batches if j == 0 else args.batches[:1]:   # other implementations: first batch only
+            try:
+                out[str(b)] = bench_decode(rt, b, args, dev, graph)
+            except Exception as e:  # keep the other measurements; say what broke
+                out[str(b)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  {name} [{impl}] decode B={b}: {out[str(b)]}", flush=True)
+    rt.set_attention(args.attention[0])
+    if name == args.profile_variant:
+        res["profile"] = profile_step(rt, args, dev)
+    if args.prefill:
         try:
-            res["decode"][str(b)] = bench_decode(rt, b, args, dev, graph)
-        except Exception as e:  # keep the other measurements; say what broke
-            res["decode"][str(b)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(f"  {name} decode B={b}: {res['decode'][str(b)]}", flush=True)
-    try:
-        res["prefill"] = bench_prefill(rt, args, dev)
-    except Exception as e:
-        res["prefill"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            res["prefill"] = bench_prefill(rt, args, dev)
+        except Exception as e:
+            res["prefill"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     res["measure_s"] = time.perf_counter() - t0   # includes the block compiles (one per shape)
     res["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs0
     if dev.type == "cuda":
@@ -199,7 +238,7 @@ def table(results, batches):
         cells = [f"{r['decode'][str(b)]['tokens_per_s']:.1f}" if "tokens_per_s" in r["decode"].get(str(b), {})
                  else "err" for b in batches]
         p = r.get("prefill", {})
-        cells.append(f"{p['ms']:.1f}" if "ms" in p else "err")
+        cells.append(f"{p['ms']:.1f}" if "ms" in p else "err" if p else "–")
         cells.append(f"{r['weights_gb']:.2f} / {r.get('weights_allocated_gb', float('nan')):.2f}")
         cells.append(f"{r.get('peak_gb', float('nan')):.1f}")
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
@@ -221,16 +260,24 @@ def main(argv=None):
     ap.add_argument("--kernels", default="auto", help="QuantLinear.prepare kernels= (auto, cuda, triton, torch)")
     ap.add_argument("--mode", default="default", help="torch.compile mode for the block (CUDA graph is ours)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager on CPU)")
+    ap.add_argument("--attention", default="matmul",
+                    help="decode attention implementations, comma-separated; the first gets every batch size, "
+                         "the others the first batch size only (matmul, sdpa, sdpa_gqa)")
+    ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
+    ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--commit", default=os.environ.get("SDQUANT_COMMIT", "unknown"))
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.attention = [a for a in args.attention.split(",") if a]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = TINY if args.tiny else LLAMA3_8B
     if args.tiny:
         args.prefill, args.max_seq, args.steps, args.warmup, args.trials, args.prefill_trials = 64, 128, 4, 1, 1, 1
         args.batches = [b for b in args.batches if b <= 8] or [1]
+    if not args.prefill_on:
+        args.prefill = 0
     if args.backend is None:
         args.backend = "inductor" if dev.type == "cuda" else "aot_eager"
     if args.backend != "inductor":
@@ -282,6 +329,13 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     ok = [r for r in results if "decode" in r and "error" not in r and "skipped" not in r]
     print(table(ok, args.batches))
+    for r in ok:
+        for impl, d in r.get("decode_other_attention", {}).items():
+            for b, v in d.items():
+                if "tokens_per_s" in v:
+                    main_v = r["decode"].get(b, {}).get("tokens_per_s", float("nan"))
+                    print(f"{r['variant']} B={b}: attention {impl} {v['tokens_per_s']:.1f} tok/s vs "
+                          f"{r['attention']} {main_v:.1f}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"total {meta['total_s']:.0f} s on {meta['device']}")

@@ -126,10 +126,23 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+ATTENTION_IMPLS = ("matmul", "sdpa", "sdpa_gqa")
+
+
 class Attention(nn.Module):
-    def __init__(self, d: DecoderDims, wqkv: nn.Module, wo: nn.Module, q_norm=None, k_norm=None):
+    """impl (decode steps; prefill always uses "sdpa"):
+    "matmul"   q.k^T, masked fp32 softmax, p.v as plain ops: cuBLAS spreads the two small batched GEMMs over
+               all SMs, inductor fuses the mask into the softmax (flash-decoding-like parallelism).
+    "sdpa"     SDPA with the rep query heads of a KV head as rep query rows (no K/V repeat); with a mask SDPA
+               uses its memory-efficient kernel, one block per (batch, KV head) at decode: few SMs busy.
+    "sdpa_gqa" SDPA with enable_gqa=True on [B, nh, S, hd] queries.
+    """
+
+    def __init__(self, d: DecoderDims, wqkv: nn.Module, wo: nn.Module, q_norm=None, k_norm=None,
+                 impl: str = "matmul"):
         super().__init__()
         self.d = d
+        self.impl = impl
         self.wqkv, self.wo = wqkv, wo
         self.register_buffer("q_norm", q_norm)
         self.register_buffer("k_norm", k_norm)
@@ -147,6 +160,15 @@ class Attention(nn.Module):
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))   # [B, nkv, T, hd]
+        if s == 1 and self.impl == "matmul":
+            q = q.view(b, d.n_kv_heads, rep, d.head_dim)                                      # [B, nkv, rep, hd]
+            scores = torch.matmul(q, k_all.transpose(-1, -2)).float() * d.head_dim ** -0.5    # [B, nkv, rep, T]
+            p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+            return self.wo(torch.matmul(p, v_all).reshape(b, 1, d.q_size))                    # [B, 1, nh*hd]
+        if s == 1 and self.impl == "sdpa_gqa":
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
+                                               enable_gqa=True)                               # [B, nh, 1, hd]
+            return self.wo(y.reshape(b, 1, d.q_size))
         # GQA without repeating K/V: the rep query heads of one KV head become rep*S query rows
         q = q.view(b, s, d.n_kv_heads, rep, d.head_dim).permute(0, 2, 3, 1, 4).reshape(b, d.n_kv_heads, rep * s,
                                                                                           d.head_dim)
@@ -291,6 +313,14 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
+
+    def set_attention(self, impl: str) -> "Transformer":
+        """Choose the decode attention implementation (see ``Attention``) for every layer."""
+        if impl not in ATTENTION_IMPLS:
+            raise ConfigError("attention", f"must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}")
+        for blk in self.layers:
+            blk.attn.impl = impl
+        return self
 
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """One token per sequence: idx [B, 1] -> logits [B, V]. The compiled entry point."""

@@ -115,3 +115,20 @@ def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
         assert r["decode"]["1"]["tokens_per_s"] > 0 and r["decode"]["2"]["tokens_per_s"] > 0 and r["prefill"]["ms"] > 0
     # int4 everywhere (embedding and lm_head too) holds ~1/8 of the fp32 bytes (+ group scales)
     assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]
+
+
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "sdpa_gqa"])
+def test_decode_attention_implementations_agree(impl):
+    model = tiny("mistral", dict(bits=4, group_size=32))     # sliding window 6 < 12 positions: mask exercised
+    rt = Transformer.from_hf(model, max_seq_len=64).set_attention(impl)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        rt.setup_caches(2, 16)
+        rt(hf[:, :11], torch.arange(11))
+        torch.testing.assert_close(rt.decode_step(hf[:, 11:12], torch.tensor([11])),
+                                   model(hf).logits[:, -1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(rt, ids, 7), hf)
+    with pytest.raises(ConfigError, match="attention"):
+        rt.set_attention("flash")
