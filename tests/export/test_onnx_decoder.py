@@ -158,3 +158,22 @@ def test_qkv_and_gate_up_fused_into_one_node_where_weights_allow(tmp_path):
     check_parity(plain, OnnxDecoder(tmp_path), 1e-5)
     # act-order layers carry different channel permutations: they stay separate nodes
     assert n_nodes(tiny("llama", bits=4, group_size=32, act_order=True)) == 2 * 7
+
+
+def test_llama3_rope_scaling_is_reproduced(tmp_path):
+    """RoPE tables come from the model's own rotary module, so scaled RoPE (Llama-3's) exports exactly."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        rope_parameters=rope)
+    model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), bits=4, group_size=32)
+    assert model.model.rotary_emb.rope_type == "llama3"
+    export_onnx(model, tmp_path, accuracy_level=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))   # past the original 16
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    dec = OnnxDecoder(tmp_path)
+    logits, _ = dec.forward(ids.numpy(), np.ones((1, 40)), dec.empty_past(1))
+    assert rel_err(logits, ref) < 1e-5
