@@ -65,7 +65,8 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
     """Export a (quantized) HF decoder or a .sd2 package to ``out_dir/model.onnx``.
 
     accuracy_level: MatMulNBits' minimum accuracy of A: 0 = unset (ONNX Runtime computes in A's type),
-        1 = fp32, 2 = fp16, 3 = bf16, 4 = int8 (A quantized per block to int8: fastest on CPU, ~1e-2 error).
+        1 = fp32, 2 = fp16, 3 = bf16, 4 = int8 (A quantized per block to int8: fastest on CPU; moved SmolLM2's
+        logits by up to 9% of the max logit, see docs/ONNX.md). 0 matches the PyTorch model to ~1e-6.
     opset: default-domain opset (>= 18; FP8 linears need >= 19).
     dtype: float32 (CPU) or float16 (CUDA provider) for activations, float weights, scales and KV cache.
     max_positions: size of the RoPE tables (default: config.max_position_embeddings, capped at 32768).
