@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple  # noqa: F401
 
 import numpy as np
 
@@ -64,8 +64,13 @@ class OnnxDecoder:
         present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(self.n_layers)]
         return logits, present
 
-    def generate(self, input_ids, max_new_tokens: int, attention_mask=None, eos_token_id: Optional[int] = None):
-        """Greedy decoding: one prefill call, then one call per token. Returns int64 [B, S + new]."""
+    def generate(self, input_ids, max_new_tokens: int, attention_mask=None, eos_token_id="model"):
+        """Greedy decoding: one prefill call, then one call per token. Returns int64 [B, S + new].
+        eos_token_id: "model" (the exported model's, from sdquant_onnx.json), an int, or None (never stop)."""
+        if eos_token_id == "model":
+            eos_token_id = self.meta.get("eos_token_id")
+        if isinstance(eos_token_id, list):
+            eos_token_id = eos_token_id[0] if eos_token_id else None
         ids = np.asarray(input_ids, dtype=np.int64)
         b = ids.shape[0]
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)

@@ -89,7 +89,7 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
     model = tiny("llama", bits=4, group_size=32)
     export_onnx(model, tmp_path, accuracy_level=0)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
-    ours = OnnxDecoder(tmp_path).generate(ids.numpy(), max_new_tokens=8, eos_token_id=model.config.eos_token_id)
+    ours = OnnxDecoder(tmp_path).generate(ids.numpy(), max_new_tokens=8)   # eos from sdquant_onnx.json
     with torch.no_grad():
         hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                             pad_token_id=0)
