@@ -1,6 +1,7 @@
 """The CUDA C++ W4A16 decode kernel for Hopper (sm_90a), built on first use, as the op ``sdquant::w4a16_cuda``.
 
-    torch.ops.sdquant.w4a16_cuda(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False) -> y
+    torch.ops.sdquant.w4a16_cuda(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False,
+                                 config=-1) -> y
         x        fp16/bf16 [..., K]            (dtype must match zeros)
         qweight  int32 [N/64, K/16, 32, 4]     scales fp16 / zeros x.dtype [G, N/64, 8, 8]  (int4_layout.repack_cuda)
         perm     int32 [K] or None             act-order: x[:, perm] is gathered before the kernel
@@ -8,7 +9,11 @@
                                                must not run on two streams at once)
         bias     dtype [N] or None
         splits   split-K factor, 0 = automatic (fill every SM once)
-        evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``)
+        evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``; variant 0 only)
+        config   kernel variant + 16 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
+                 the list in csrc/w4a16_sm90.cu (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
+                 split-K, pipeline depth and stage-wide shared-memory reads; M <= 16 only, larger M uses 0);
+                 target: automatic split-K aims at target / 2 CTAs per SM (0 = the variant's default)
 
 Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
 launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
@@ -16,10 +21,11 @@ or cuBLAS there). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
 Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_sm90.cu and csrc/w4a16_binding.cpp with
-``-gencode=arch=compute_90a,code=sm_90a`` into ``$SDQUANT_CACHE_DIR`` (default ~/.cache/sdquant/extensions);
+``-gencode=arch=compute_90a,code=sm_90a`` (one translation unit per dtype and token-tile count, so ninja builds
+them in parallel) into ``$SDQUANT_CACHE_DIR`` (default ~/.cache/sdquant/extensions);
 later processes reuse the build. ``available()`` says whether the kernel can run here; when it cannot (no
 CUDA, not sm_90, no nvcc, build error) it warns once and callers fall back to the Triton kernels.
-``nvcc_compile(out_dir)`` compiles the kernel file alone (no torch headers) — used by the CI compile test.
+``nvcc_compile(out_dir)`` compiles the kernel files alone (no torch headers) — used by the CI compile test.
 """
 from __future__ import annotations
 
@@ -36,7 +42,9 @@ from sdquant.errors import ShapeError
 from sdquant.kernels import int4_layout
 
 CSRC = Path(__file__).parent / "csrc"
-KERNEL_SRC = CSRC / "w4a16_sm90.cu"
+KERNEL_SRC = CSRC / "w4a16_sm90.cu"          # the C interface (w4a16.h)
+PART_SRCS = sorted(CSRC.glob("w4a16_part_*.cu"))  # kernel instantiations, one per (dtype, token tiles)
+KERNEL_SRCS = [KERNEL_SRC, *PART_SRCS]
 BINDING_SRC = CSRC / "w4a16_binding.cpp"
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *ARCH_FLAGS]
@@ -52,13 +60,22 @@ def nvcc_path() -> Optional[str]:
 
 
 def nvcc_compile(out_dir: str, extra_flags: tuple = ()) -> subprocess.CompletedProcess:
-    """Compile the kernel translation unit alone for sm_90a (object file + ptxas resource report)."""
+    """Compile the kernel translation units alone for sm_90a (object files + ptxas resource report), in parallel.
+    Returns one CompletedProcess: returncode = the first non-zero one, stdout/stderr concatenated."""
+    from concurrent.futures import ThreadPoolExecutor
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    out = Path(out_dir) / "w4a16_sm90.o"
-    cmd = [nvcc, "-c", *NVCC_FLAGS, "-Xptxas", "-v", *extra_flags, str(KERNEL_SRC), "-o", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+    def one(src: Path) -> subprocess.CompletedProcess:
+        out = Path(out_dir) / (src.stem + ".o")
+        cmd = [nvcc, "-c", *NVCC_FLAGS, "-Xptxas", "-v", *extra_flags, str(src), "-o", str(out)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(KERNEL_SRCS), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(one, KERNEL_SRCS))
+    rc = next((r.returncode for r in results if r.returncode), 0)
+    return subprocess.CompletedProcess([str(s) for s in KERNEL_SRCS], rc, "".join(r.stdout for r in results),
+                                       "".join(r.stderr for r in results))
 
 
 def _cache_dir() -> Path:
@@ -89,7 +106,7 @@ def extension():
     if reason is None:
         try:
             from torch.utils.cpp_extension import load
-            ext = load(name="sdquant_w4a16_sm90", sources=[str(BINDING_SRC), str(KERNEL_SRC)],
+            ext = load(name="sdquant_w4a16_sm90", sources=[str(BINDING_SRC), *map(str, KERNEL_SRCS)],
                        extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=NVCC_FLAGS,
                        extra_include_paths=[str(CSRC)], build_directory=str(_cache_dir()), verbose=False)
         except Exception as e:  # a compiler/toolkit problem must not take the model down: fall back
@@ -114,9 +131,49 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-def auto_splits(m: int, n: int, k: int, group_size: int) -> int:
+N_VARIANTS = 8
+
+# Measured defaults (bench/int4_tune.py on the H200): config per M bucket, and per (K, N, M bucket) where one
+# shape's winner differs. A config is variant + 16 * target (see the module docstring); 0 = the run-3 kernel.
+DEFAULT_CONFIGS = {1: 0, 2: 0, 4: 0, 8: 0, 16: 0}
+SHAPE_CONFIGS: dict = {}
+
+
+def m_bucket(m: int) -> int:
+    for b in (1, 2, 4, 8, 16):
+        if m <= b:
+            return b
+    return 32
+
+
+def auto_config(m: int, n: int, k: int) -> int:
+    """The kernel config the op uses when called with config=-1 (measured winners; 0 above M = 16)."""
+    b = m_bucket(m)
+    if b > 16:
+        return 0
+    return SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
+
+
+def split_config(config: int) -> tuple:
+    """config -> (variant, target); bad values fall back to (0, 0)."""
+    if config < 0:
+        return 0, 0
+    v, t = config % 16, config // 16
+    return (v if v < N_VARIANTS else 0), (t if t < 64 else 0)
+
+
+def auto_splits(m: int, n: int, k: int, group_size: int, config: int = 0, dtype=torch.bfloat16) -> int:
     ext = extension()
-    return 1 if ext is None else int(ext.auto_splits(m, n, k, group_size // 16))
+    v, t = split_config(config)
+    return 1 if ext is None else int(ext.auto_splits(m, n, k, group_size // 16, dtype == torch.bfloat16, v, t))
+
+
+def occupancy(m: int, group_size: int, config: int = 0, dtype=torch.bfloat16) -> int:
+    """Resident CTAs per SM of the kernel that config runs at this M (the occupancy calculator's answer)."""
+    ext = extension()
+    if ext is None:
+        return 0
+    return int(ext.occupancy(m, group_size // 16, dtype == torch.bfloat16, split_config(config)[0]))
 
 
 def _check(x, qweight, scales, zeros, perm):
@@ -139,7 +196,7 @@ def _check(x, qweight, scales, zeros, perm):
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
 def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
-               splits: int = 0, evict_first: bool = False) -> torch.Tensor:
+               splits: int = 0, evict_first: bool = False, config: int = -1) -> torch.Tensor:
     """y = x @ W.T + bias over the CUDA fragment layout (see module docstring)."""
     k, n = _check(x, qweight, scales, zeros, perm)
     lead = x.shape[:-1]
@@ -154,12 +211,15 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first))
+    if config < 0:
+        config = auto_config(x2.shape[0], n, k)
+    variant, target = split_config(int(config))
+    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target)
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
 
 
 @w4a16_cuda.register_fake
-def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False):
+def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1):
     return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))

@@ -20,7 +20,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
         r = int4_cuda.nvcc_compile(d)
     assert r.returncode == 0, r.stderr[-4000:]
     kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
-    assert sum("w4a16_kernel" in ln for ln in kernels) == 24   # {fp16,bf16} x 3 token tiles x 2 K steps x hint
+    # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
+    # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52
+    assert sum("w4a16_kernel" in ln for ln in kernels) == 76
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
@@ -45,7 +47,18 @@ def test_opcheck():
     x = torch.randn(2, 128).bfloat16()
     torch.library.opcheck(torch.ops.sdquant.w4a16_cuda,
                           (x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], None),
-                          {"splits": 2, "evict_first": False})
+                          {"splits": 2, "evict_first": False, "config": 3 + 16 * 4})
+
+
+def test_config_encoding_and_defaults():
+    assert int4_cuda.split_config(-1) == (0, 0)
+    assert int4_cuda.split_config(5 + 16 * 6) == (5, 6)
+    assert int4_cuda.split_config(15) == (0, 0)          # unknown variant ids run the run-3 kernel
+    for m in (1, 2, 3, 8, 9, 16):
+        v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
+        assert 0 <= v < int4_cuda.N_VARIANTS
+    assert int4_cuda.auto_config(17, 4096, 4096) == 0      # M > 16: only variant 0 is instantiated
+    assert [int4_cuda.m_bucket(m) for m in (1, 2, 3, 5, 9, 17)] == [1, 2, 4, 8, 16, 32]
 
 
 def test_rejects_bad_inputs():

@@ -15,7 +15,8 @@ struct SdqW4A16Params {
   int group_k16;       // group size / 16 (k / 16 for per-channel)
   int splits;          // split-K factor (>= 1); sdq_w4a16_auto_splits picks one
   int is_bf16;
-  int evict_first;     // 1: weights copied with an L2 evict-first policy
+  int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
+  int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
 };
 
 #ifdef __cplusplus
@@ -23,8 +24,11 @@ extern "C" {
 #endif
 // Returns 0 or a cudaError_t / negative code for bad parameters (-1: shape, -2: m too large).
 int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream);
-// Split-K factor that keeps every SM busy for this shape (reads the device's SM count and occupancy).
-int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16);
+// Split-K factor for this shape and variant: target2 / 2 CTAs per SM (0 = the variant's default: 2.5 per SM for
+// variant 0, every resident slot for the others); reads the SM count and the occupancy calculator.
+int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16, int variant, int target2);
+// Resident CTAs per SM of the kernel the launcher would pick for (m, group, dtype, variant).
+int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 // Runs a tiny kernel that copies through cp.async with an L2::evict_first cache policy; 0 = it worked.
 int sdq_probe_evict_first(cudaStream_t stream);
 #ifdef __cplusplus

@@ -10,7 +10,7 @@ namespace {
 constexpr int64_t kMaxRows = 32;  // rows per launch (4 token tiles of 8)
 
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
-                    torch::Tensor locks, int64_t splits, bool evict_first) {
+                    torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
               "w4a16_cuda: all tensors must be on a CUDA device");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_cuda: x must be a contiguous [M, K] matrix");
@@ -38,7 +38,8 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
     const int rows = static_cast<int>(std::min(kMaxRows, m - r0));
     int sp = splits > 0 ? static_cast<int>(splits)
                         : sdq_w4a16_auto_splits(rows, static_cast<int>(n), static_cast<int>(k), group_k16,
-                                                x.scalar_type() == at::kBFloat16);
+                                                x.scalar_type() == at::kBFloat16, static_cast<int>(variant),
+                                                static_cast<int>(target2));
     at::Tensor partial;
     if (sp > 1) partial = at::empty({sp, rows, n}, x.options().dtype(at::kFloat));
     SdqW4A16Params p{};
@@ -56,6 +57,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
     p.splits = sp;
     p.is_bf16 = x.scalar_type() == at::kBFloat16;
     p.evict_first = evict_first ? 1 : 0;
+    p.variant = static_cast<int>(variant);
     const int rc = sdq_w4a16_launch(&p, stream);
     TORCH_CHECK(rc == 0, "w4a16_cuda: launch failed (code ", rc, ": ",
                 rc > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc)) : "unsupported shape", ")");
@@ -63,9 +65,16 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   return out;
 }
 
-int64_t auto_splits(int64_t m, int64_t n, int64_t k, int64_t group_k16) {
+int64_t auto_splits(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant,
+                    int64_t target2) {
   return sdq_w4a16_auto_splits(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                               static_cast<int>(group_k16), 0);
+                               static_cast<int>(group_k16), is_bf16 ? 1 : 0, static_cast<int>(variant),
+                               static_cast<int>(target2));
+}
+
+int64_t occupancy(int64_t m, int64_t group_k16, bool is_bf16, int64_t variant) {
+  return sdq_w4a16_occupancy(static_cast<int>(m), static_cast<int>(group_k16), is_bf16 ? 1 : 0,
+                             static_cast<int>(variant));
 }
 
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
@@ -74,6 +83,7 @@ int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentC
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
-  mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape");
+  mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
+  mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

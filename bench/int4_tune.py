@@ -1,0 +1,399 @@
+"""Tune the sm_90a W4A16 decode kernel's variants in ONE device call: build, check every variant, time, pick.
+
+    python bench/int4_tune.py [--out DIR] [--budget-s 100] [--shapes 8192x28672,...] [--ms 1,2,4,8,16,32]
+    python bench/int4_tune.py --dry          # no GPU, no build: the Python logic on tiny CPU tensors
+
+Steps (each guarded: a failure is reported and skipped, never aborts the run):
+1. build the extension (cache under $SDQUANT_CACHE_DIR, default /tmp/sdq_ext) in a child process that then
+   checks every config of CONFIGS on fresh random inputs against x @ W.T in float64 (W from
+   QuantizedWeight.dequantize): symmetric/asymmetric, groups 32/64/128/per-channel, act-order, fp16/bf16,
+   M from 1 to 32, automatic and forced split-K; ||y - ref|| / ||ref|| <= 1e-2 (bf16) / 2e-3 (fp16), the
+   output memory poisoned with NaN before each call, each call run twice and required bit-identical, split-K
+   locks back at zero. A config that fails (or crashes the child: it is then re-run without it) is not timed.
+2. time (weights rotated past the 60 MB L2, back-to-back calls in a CUDA graph, median of 5 replays, CUDA
+   events) every passing config and, in the same process, cuBLAS bf16 F.linear and torch's int4 tinygemm, over
+   K x N in SHAPES x M in MS (the shapes with issue-4 targets first). A global guard stops timing once
+   --budget-s seconds have passed since the start.
+3. print the per-(shape, M) winners and the proposed int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS; write
+   $OUT/int4_tune.json and $OUT/int4_tune.log.
+A config is variant + 16 * target (int4_cuda's docstring; target = CTAs per SM x 2 for automatic split-K).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gemm  # noqa: E402
+from sdquant.kernels import int4_layout  # noqa: E402
+
+T0 = time.time()
+LOG: list = []
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (28672, 8192), (8192, 10240), (4096, 6144)]
+MS = [1, 2, 4, 8, 16, 32]
+# variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
+# variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
+CONFIGS = [0, 0 + 16 * 8, 1, 1 + 16 * 5, 2, 2 + 16 * 4, 3, 4, 5, 6, 7, 7 + 16 * 2]
+NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
+         6: "4x1 s8 pre", 7: "2x4 s8 pre"}
+CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
+    (4096, 4096, 128, True, False, torch.bfloat16, (1, 3, 8, 16, 32)),
+    (4096, 4096, 128, False, False, torch.float16, (1, 5, 16)),
+    (8192, 1024, 128, True, False, torch.bfloat16, (1, 12)),
+    (1536, 320, 64, False, True, torch.bfloat16, (1, 9)),
+    (1536, 320, 32, True, True, torch.float16, (2, 16)),
+    (2048, 1024, -1, False, False, torch.bfloat16, (4, 13)),
+    (2048, 1024, 64, False, True, torch.float16, (1, 7)),
+]
+
+
+def cfg_name(c: int) -> str:
+    v, t = c % 16, c // 16
+    return f"v{v}[{NAMES.get(v, '?')}]" + (f"@{t / 2:g}/SM" if t else "")
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    LOG.append(s)
+    print(s, flush=True)
+
+
+def elapsed() -> float:
+    return time.time() - T0
+
+
+# ------------------------------------------------------------------------------------------- correctness
+def check_configs(dev, configs, cases, progress=None) -> list:
+    """Run every config on every case; returns rows with pass/fail. ``progress(cfg)`` is called before each
+    config's first launch (the parent uses it to find a config that crashed the process)."""
+    rows = []
+    on_gpu = dev.type == "cuda"
+    for (k, n, gs, sym, act, dt, ms) in cases:
+        qw = gemm.random_int4(n, k, gs, sym, act, device=dev, seed=k + 3 * n + gs)
+        w = qw.dequantize(torch.float64)
+        lay = int4_layout.repack_cuda(qw, dt)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ref = (x.double() @ w.t()).float()
+            for c in configs:
+                if progress is not None:
+                    progress(c)
+                for sp in (0, 3):
+                    try:
+                        ys = []
+                        for _ in range(2):
+                            if on_gpu:  # the op's output block comes from the allocator: poison what it will reuse
+                                torch.full((m, n), float("nan"), device=dev, dtype=dt)
+                            ys.append(torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"],
+                                                                   lay["perm"], lay["locks"], None, sp, False, c))
+                        if on_gpu:
+                            torch.cuda.synchronize()
+                        err = gemm.rel_err(ys[0], ref)
+                        same = bool(torch.equal(ys[0], ys[1]))
+                        locks0 = int(lay["locks"].abs().sum()) == 0
+                        ok = err == err and err <= BOUND[dt] and same and locks0
+                        note = ""
+                    except Exception as ex:  # noqa: BLE001 - reported, the config is then skipped
+                        err, same, locks0, ok, note = float("nan"), False, False, False, f"{type(ex).__name__}: {ex}"[:300]
+                    rows.append({"config": c, "K": k, "N": n, "gs": gs, "sym": sym, "act": act,
+                                 "dtype": str(dt).replace("torch.", ""), "M": m, "splits": sp, "rel_err": err,
+                                 "deterministic": same, "locks_zero": locks0, "pass": ok, "note": note})
+                    if not ok:
+                        log(f"  FAIL {cfg_name(c)} K={k} N={n} gs={gs} sym={sym} act={act} {dt} M={m} splits={sp}: "
+                            f"err={err:.3g} same={same} locks0={locks0} {note}")
+    return rows
+
+
+def summarize_checks(rows) -> dict:
+    per = {}
+    for r in rows:
+        d = per.setdefault(r["config"], {"n": 0, "pass": 0, "worst": {}})
+        d["n"] += 1
+        d["pass"] += bool(r["pass"])
+        e = r["rel_err"] if r["rel_err"] == r["rel_err"] else 1e9
+        d["worst"][r["dtype"]] = max(d["worst"].get(r["dtype"], 0.0), e)
+    return per
+
+
+def child_check(configs) -> None:
+    """Entry of the checking child: build, then print one JSON line per finished config."""
+    dev = torch.device("cuda")
+    from sdquant.kernels import int4_cuda
+    t = time.time()
+    ok = int4_cuda.available()
+    print(f"BUILD {ok} {int4_cuda._STATE.get('reason')} {time.time() - t:.1f}s", flush=True)
+    if not ok:
+        return
+    print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in (1, 16)] for c in configs}), flush=True)
+    rows = check_configs(dev, configs, CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
+    print("ROWS " + json.dumps(rows), flush=True)
+
+
+def run_checks_in_child(configs, timeout=240) -> tuple:
+    """(passing configs, check rows, build line, occupancy). Re-runs without a config that killed the child."""
+    remaining, rows, build, occ = list(configs), [], "", {}
+    for attempt in range(3):
+        code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
+                f"t.child_check({remaining!r})")
+        t = time.time()
+        try:
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
+                               timeout=timeout)
+            out, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired as ex:
+            out, rc = (ex.stdout or b"").decode() if isinstance(ex.stdout, bytes) else (ex.stdout or ""), -9
+        lines = out.splitlines()
+        build = next((ln for ln in lines if ln.startswith("BUILD")), build)
+        log(f"check child (attempt {attempt + 1}) rc={rc} in {time.time() - t:.1f} s; {build}")
+        for ln in lines:
+            if ln.startswith("OCC "):
+                occ = json.loads(ln[4:])
+                log("  resident CTAs/SM at M=1/16 (group 128): " +
+                    ", ".join(f"{cfg_name(int(c))}: {v}" for c, v in occ.items()))
+        got = next((ln for ln in lines if ln.startswith("ROWS ")), None)
+        if got is not None:
+            rows += json.loads(got[5:])
+            break
+        if not build.startswith("BUILD True"):
+            log("  build failed:\n" + "\n".join(lines[-40:]))
+            return [], rows, build, occ
+        started = [int(ln.split()[1]) for ln in lines if ln.startswith("START ")]
+        bad = started[-1] if started else None
+        log(f"  child died (last config started: {bad}); tail:\n" + "\n".join(lines[-15:]))
+        if bad is None or bad not in remaining:
+            return [], rows, build, occ
+        rows.append({"config": bad, "pass": False, "rel_err": float("nan"), "dtype": "?", "note": "crashed the process"})
+        remaining.remove(bad)
+    per = summarize_checks(rows)
+    passing = [c for c in configs if c in per and per[c]["pass"] == per[c]["n"]]
+    for c in configs:
+        d = per.get(c)
+        if d is None:
+            log(f"  {cfg_name(c)}: not checked")
+        else:
+            log(f"  {cfg_name(c)}: {d['pass']}/{d['n']} pass, worst " +
+                ", ".join(f"{k} {v:.2e}" for k, v in sorted(d["worst"].items())))
+    return passing, rows, build, occ
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def time_cpu(call, n_rot: int, trials: int = 3) -> float:
+    """--dry: host clock, no graph (the CPU op path), microseconds per call."""
+    ts = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for i in range(n_rot):
+            call(i)
+        ts.append((time.perf_counter() - t) * 1e6 / n_rot)
+    return statistics.median(ts)
+
+
+def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list:
+    rows = []
+    timer = (lambda call, n: time_cpu(call, n)) if dry else \
+        (lambda call, n: gemm.time_rotating(call, n, trials=5, target_ms=3.0, max_calls=100))
+    for (k, n) in shapes:
+        if elapsed() > budget_s:
+            log(f"time guard: stop before {k}x{n} at {elapsed():.0f} s")
+            break
+        t_shape = time.time()
+        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
+        w_ref = qw.dequantize(dtype)
+        int4_bytes = n * k // 2 + n * (k // gemm.GS) * 2 * 2
+        n_int4 = 2 if dry else gemm.n_copies(int4_bytes)
+        base = int4_layout.repack_cuda(qw, dtype)
+        lays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
+        provs = {"bf16": (2 if dry else gemm.n_copies(n * k * 2), lambda i: w_ref.clone(),
+                          lambda w, x: torch.nn.functional.linear(x, w), n * k * 2)}
+        if not dry:
+            try:
+                tw, tsz = gemm.tinygemm_pack(qw, dtype)
+                provs["tinygemm"] = (n_int4, lambda i: (tw.clone(), tsz.clone()),
+                                     lambda c, x: torch._weight_int4pack_mm(x, c[0], gemm.GS, c[1]), int4_bytes)
+            except Exception as ex:  # noqa: BLE001
+                log(f"  tinygemm unavailable: {type(ex).__name__}: {str(ex)[:200]}")
+        ctx = {name: [p[1](i) for i in range(p[0])] for name, p in provs.items()}
+        for m in ms:
+            if elapsed() > budget_s:
+                log(f"time guard: stop at {k}x{n} M={m} ({elapsed():.0f} s)")
+                break
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = (x.double() @ w_ref.double().t()).float()
+            res = {}
+            for name, p in provs.items():
+                cs = ctx[name]
+                try:
+                    err = gemm.rel_err(p[2](cs[0], x), ref)
+                    us = timer(lambda i: p[2](cs[i % len(cs)], x), len(cs))
+                    res[name] = (us, err, p[3])
+                except Exception as ex:  # noqa: BLE001
+                    log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+            for c in (configs if m <= 16 else [cc for cc in configs if cc % 16 == 0]):
+                def call(i, c=c):
+                    lay = lays[i % len(lays)]
+                    return torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None,
+                                                        lay["locks"], None, 0, False, c)
+                try:
+                    err = gemm.rel_err(call(0), ref)
+                    res[c] = (timer(call, len(lays)), err, int4_bytes)
+                except Exception as ex:  # noqa: BLE001
+                    log(f"  {cfg_name(c)} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+            for key, (us, err, wbytes) in res.items():
+                nbytes = wbytes + m * k * 2 + m * n * 2
+                tbs = nbytes / (us * 1e-6) / 1e12
+                rows.append({"K": k, "N": n, "M": m, "kernel": key if isinstance(key, str) else f"cfg{key}",
+                             "config": None if isinstance(key, str) else key, "us": round(us, 3),
+                             "rel_err": err, "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1)})
+            sd = {kk: v[0] for kk, v in res.items() if not isinstance(kk, str)}
+            if sd:
+                best = min(sd, key=sd.get)
+                log(f"  {k}x{n} M={m}: bf16 {res.get('bf16', (float('nan'),))[0]:.1f} tinygemm "
+                    f"{res.get('tinygemm', (float('nan'),))[0]:.1f} old {sd.get(0, float('nan')):.1f} "
+                    f"best {cfg_name(best)} {sd[best]:.1f} us  [{elapsed():.0f} s]")
+        log(f"shape {k}x{n} done in {time.time() - t_shape:.1f} s")
+        del lays, ctx, provs, w_ref
+        if not dry:
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ choose
+def choose(rows, tol: float = 0.03) -> dict:
+    """Per M bucket: the config with the best geometric-mean time ratio to each point's fastest config, over
+    the shapes measured (ties to the old kernel within tol); per (K, N, M): overrides where the shape's winner
+    beats that default by more than tol."""
+    from sdquant.kernels.int4_cuda import m_bucket
+    pts = {}
+    for r in rows:
+        if r["config"] is not None:
+            pts.setdefault((r["K"], r["N"], r["M"]), {})[r["config"]] = r["us"]
+    buckets = {}
+    for (k, n, m), d in pts.items():
+        buckets.setdefault(m_bucket(m), []).append(((k, n, m), d))
+    defaults, overrides, score_log = {}, {}, {}
+    for b, items in sorted(buckets.items()):
+        if b > 16:
+            continue
+        common = set.intersection(*(set(d) for _, d in items))
+        scores = {c: math.exp(statistics.fmean(math.log(d[c] / min(d.values())) for _, d in items)) for c in common}
+        if not scores:
+            continue
+        best = min(scores, key=scores.get)
+        if 0 in scores and scores[0] <= scores[best] * (1 + tol):
+            best = 0
+        defaults[b] = best
+        score_log[b] = {cfg_name(c): round(s, 4) for c, s in sorted(scores.items(), key=lambda t: t[1])}
+        for (k, n, m), d in items:
+            w = min(d, key=d.get)
+            if w != best and best in d and d[w] * (1 + tol) < d[best]:
+                overrides[(k, n, b)] = w
+    return {"DEFAULT_CONFIGS": defaults, "SHAPE_CONFIGS": overrides, "scores": score_log}
+
+
+def table(rows, chosen) -> str:
+    cells = {}
+    for r in rows:
+        cells[(r["K"], r["N"], r["M"], r["kernel"])] = r
+    keys = sorted({(r["K"], r["N"], r["M"]) for r in rows},
+                  key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
+    from sdquant.kernels.int4_cuda import m_bucket
+    out = ["| K×N | M | bf16 | tinygemm | old (v0) | new default | best config | best µs | ×bf16 | ×old | TB/s (% copy) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (k, n, m) in keys:
+        def us(name):
+            r = cells.get((k, n, m, name))
+            return None if r is None else r["us"]
+        sdq = {r["config"]: r for (kk, nn, mm, _), r in cells.items() if (kk, nn, mm) == (k, n, m) and r["config"] is not None}
+        if not sdq:
+            continue
+        best = min(sdq, key=lambda c: sdq[c]["us"])
+        b = m_bucket(m)
+        dflt = chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0)) if b <= 16 else 0
+        d_us = sdq.get(dflt, sdq[best])["us"]
+        bf, old = us("bf16"), us("cfg0")
+        f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
+        out.append(f"| {k}×{n} | {m} | {f(bf)} | {f(us('tinygemm'))} | {f(old)} | {f(d_us)} | {cfg_name(best)} | "
+                   f"{sdq[best]['us']:.1f} | {'–' if not bf else f'{bf / d_us:.2f}'} | "
+                   f"{'–' if not old else f'{old / d_us:.2f}'} | {sdq.get(dflt, sdq[best])['TBps']:.2f} "
+                   f"({sdq.get(dflt, sdq[best])['pct_copy']:.0f}%) |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="CPU only: no build, tiny shapes, the op's PyTorch path")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=100.0, help="stop timing this many seconds after start")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in RUN_ORDER))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    a = ap.parse_args(argv)
+    os.environ.setdefault("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, a.dtype)
+    configs = [int(c) for c in a.configs.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    ms = [int(v) for v in a.ms.split(",")]
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "dtype": a.dtype, "group_size": gemm.GS, "configs": {c: cfg_name(c) for c in configs}, "dry": a.dry}
+    from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
+    if a.dry:
+        dev, copy_bw = torch.device("cpu"), 4.3
+        shapes = [(256, 128), (128, 192)]
+        ms = [1, 16, 32]
+        crows = check_configs(dev, configs[:3], [(256, 128, 64, False, True, torch.bfloat16, (1, 5)),
+                                                 (128, 64, -1, True, False, torch.float16, (2,))])
+        passing = configs
+        meta["device"] = "cpu (dry run)"
+    else:
+        dev = torch.device("cuda")
+        meta["device"] = torch.cuda.get_device_name()
+        passing, crows, build, occ = run_checks_in_child(configs)
+        meta.update(build=build, occupancy=occ)
+        from sdquant.kernels import int4_cuda as ic
+        if not ic.available():
+            log(f"extension unavailable in the parent: {ic._STATE.get('reason')}")
+            passing = []
+        copy_bw = gemm.copy_bandwidth(dev)
+    meta["copy_TBps"] = copy_bw
+    log(f"device {meta['device']} torch {torch.__version__} copy {copy_bw:.2f} TB/s; passing configs: "
+        f"{[cfg_name(c) for c in passing]} [{elapsed():.0f} s]")
+
+    def save(rows, chosen=None):
+        tmp = out / "int4_tune.json.tmp"
+        tmp.write_text(json.dumps({"meta": meta, "check": crows, "rows": rows, "chosen": chosen}, indent=1,
+                                  default=str))
+        os.replace(tmp, out / "int4_tune.json")
+    rows = []
+    try:
+        rows = sweep(dev, dtype, shapes, ms, passing, a.budget_s, copy_bw, dry=a.dry)
+    except Exception as ex:  # noqa: BLE001 - keep what was measured
+        log(f"sweep aborted: {type(ex).__name__}: {str(ex)[:300]}")
+    chosen = choose(rows)
+    save(rows, {"DEFAULT_CONFIGS": chosen["DEFAULT_CONFIGS"], "scores": chosen["scores"],
+                "SHAPE_CONFIGS": {f"{k}x{n}:M{b}": c for (k, n, b), c in chosen["SHAPE_CONFIGS"].items()}})
+    (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
+    log(f"scores (geo-mean time / best, per M bucket): {json.dumps(chosen['scores'])}")
+    log(f"proposed DEFAULT_CONFIGS = {chosen['DEFAULT_CONFIGS']}")
+    log(f"proposed SHAPE_CONFIGS = {chosen['SHAPE_CONFIGS']}")
+    log(table(rows, chosen))
+    (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+// sdquant W4A16 decode GEMM for sm_90 (kernel templates; w4a16_part_*.cu instantiate them, w4a16_sm90.cu
+// holds the C interface) (M <= 32 per launch, best at M <= 16): y[m, n] = sum_k x[m, k] W[n, k].
+//
+// Design (why each piece is there):
+// * Swap-AB: the weight tile is the A operand of mma.m16n8k16 (16 features x 16 k) and the tokens are the
+//   n8 B operand, so at M <= 8 a tensor-core instruction does 16 useful features instead of 8 padded rows.
+// * Weights arrive fragment-ordered (int4_layout.repack_cuda): for each 64-feature block and 16-deep K step,
+//   lane l of a warp owns 16 contiguous bytes that are exactly its A fragments for four 16x16 tiles, so a
+//   warp reads 512 contiguous bytes per step and never shuffles.
+// * int4 -> fp16/bf16 with lop3 + magic exponent: (q & 0x000f000f) | 0x6400_6400 is the half2 (1024 + c0,
+//   1024 + c1); one sub with (1024 + zero) (one fma for the high nibbles) gives the exact (code - zero).
+//   The group scale multiplies the fp32 group sums once per group (not once per weight).
+// * A multi-stage cp.async pipeline (STAGES deep) per CTA keeps ~(STAGES-1) * 8 KB of weights in flight
+//   without holding registers; activations for the stage go to shared memory once and feed all 4 warps.
+// * Split-K over the grid's y dimension so every SM has work at M = 1 on K >> N shapes. Partial sums go to
+//   an fp32 scratch; the last CTA of a column tile (counted on a lock that it resets) adds them in a fixed
+//   order and writes the output: one launch, deterministic, no memset.
+// * Optional L2 evict-first hint on weight copies (they are read exactly once); only used after
+//   sdq_probe_evict_first ran on the device (a published kernel's hint raised "illegal instruction" there).
+#pragma once
+#include "w4a16.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace sdq_w4a16 {
+namespace {  // internal linkage: every translation unit keeps its own copies
+
+// A kernel variant (Cfg): WNN 64-feature blocks per CTA (the CTA's column tile is 64 * WNN features), KW warps
+// per block that split each stage's K steps between them (intra-CTA split-K: more warps in flight without a
+// wider tile or more global splits; summed through shared memory at the end), STAGES cp.async stages, and
+// PRE = 1 to read a warp's whole stage of fragments and activations from shared memory before the first
+// dequantize/MMA (the loads' latency overlaps instead of sitting in each step's dependency chain).
+template <int WNN_, int KW_, int STAGES_, int PRE_>
+struct Cfg {
+  static constexpr int WNN = WNN_, KW = KW_, STAGES = STAGES_, PRE = PRE_;
+  static constexpr int WARPS = WNN * KW;
+  static constexpr int THREADS = 32 * WARPS;
+};
+
+template <typename C, int NT, int KS>
+struct Smem {
+  static constexpr int B_BYTES = C::WNN * KS * 32 * 16;   // fragments
+  static constexpr int S_BYTES = C::WNN * 16 * 16;        // 8 uint4 scales + 8 uint4 zs per 64-feature block
+  static constexpr int A_STRIDE = KS * 16 + 8;            // halves; +16 B per row avoids bank conflicts
+  static constexpr int A_BYTES = NT * 8 * A_STRIDE * 2;
+  static constexpr int STAGE = B_BYTES + S_BYTES + A_BYTES;
+  static constexpr int TOTAL = C::STAGES * STAGE;
+  static constexpr int RED_BYTES = (C::KW - 1) * C::WNN * NT * 16 * 32 * 4;  // KW > 1: partial sums of warps kw > 0
+  static_assert(RED_BYTES <= TOTAL, "reduction buffer must fit in the pipeline's shared memory");
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <bool EVICT>
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint64_t policy) {
+  if constexpr (EVICT) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "l"(policy));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+}
+constexpr int AND_OR = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
+
+template <typename T>
+struct Ops;
+
+// The weight is the MMA's A operand (16 output features x 16 k), the tokens its B operand (n8): at M <= 8
+// one m16n8k16 covers 16 features instead of 8, half the tensor-core work of putting tokens on the M side.
+// Codes are converted to exact (code - zero) values; the group scale multiplies the fp32 partial sums once per
+// group, so the per-weight work is one lop3 and one sub/fma per pair.
+template <>
+struct Ops<half> {
+  using T2 = half2;
+  // zero pairs for a row: lo nibbles need (1024 + z), high nibbles -(64 + z)
+  __device__ __forceinline__ static void zero_pairs(uint32_t zpair, int hi, uint32_t& zlo, uint32_t& zhi) {
+    const half2 z = hi ? __high2half2(*reinterpret_cast<const half2*>(&zpair))
+                       : __low2half2(*reinterpret_cast<const half2*>(&zpair));
+    const half2 lo = __hadd2(z, __float2half2_rn(1024.f));
+    const half2 h = __hneg2(__hadd2(z, __float2half2_rn(64.f)));
+    zlo = *reinterpret_cast<const uint32_t*>(&lo);
+    zhi = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  // word -> (code - zero) pairs: o0 = (p0,p4) row g, o1 = (p1,p5) row g, o2 = (p2,p6) row g+8, o3 = (p3,p7) row g+8
+  __device__ __forceinline__ static void codes(uint32_t q, const uint32_t (&zl)[2], const uint32_t (&zh)[2],
+                                               uint32_t (&o)[4]) {
+    const uint32_t lo0 = lop3<AND_OR>(q, 0x000f000fu, 0x64006400u);
+    const uint32_t hi0 = lop3<AND_OR>(q, 0x00f000f0u, 0x64006400u);
+    const uint32_t q8 = q >> 8;
+    const uint32_t lo1 = lop3<AND_OR>(q8, 0x000f000fu, 0x64006400u);
+    const uint32_t hi1 = lop3<AND_OR>(q8, 0x00f000f0u, 0x64006400u);
+    const uint32_t k1_16 = 0x2c002c00u;
+    const half2 r0 = __hsub2(*reinterpret_cast<const half2*>(&lo0), *reinterpret_cast<const half2*>(&zl[0]));
+    const half2 r1 = __hfma2(*reinterpret_cast<const half2*>(&hi0), *reinterpret_cast<const half2*>(&k1_16),
+                             *reinterpret_cast<const half2*>(&zh[0]));
+    const half2 r2 = __hsub2(*reinterpret_cast<const half2*>(&lo1), *reinterpret_cast<const half2*>(&zl[1]));
+    const half2 r3 = __hfma2(*reinterpret_cast<const half2*>(&hi1), *reinterpret_cast<const half2*>(&k1_16),
+                             *reinterpret_cast<const half2*>(&zh[1]));
+    o[0] = *reinterpret_cast<const uint32_t*>(&r0);
+    o[1] = *reinterpret_cast<const uint32_t*>(&r1);
+    o[2] = *reinterpret_cast<const uint32_t*>(&r2);
+    o[3] = *reinterpret_cast<const uint32_t*>(&r3);
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2half2_rn(x, y); }
+  __device__ __forceinline__ static half one(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Ops<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  // bf16 has 7 mantissa bits: the high-nibble trick does not fit, every nibble pair is shifted down and
+  // uses the magic 128 + code; (code - zero) = v - (128 + z)
+  __device__ __forceinline__ static void zero_pairs(uint32_t zpair, int hi, uint32_t& zlo, uint32_t& zhi) {
+    const __nv_bfloat162 z = hi ? __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&zpair))
+                                : __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&zpair));
+    const __nv_bfloat162 lo = __hadd2(z, __float2bfloat162_rn(128.f));
+    zlo = *reinterpret_cast<const uint32_t*>(&lo);
+    zhi = zlo;
+  }
+  __device__ __forceinline__ static void codes(uint32_t q, const uint32_t (&zl)[2], const uint32_t (&zh)[2],
+                                               uint32_t (&o)[4]) {
+    (void)zh;
+    const uint32_t k128 = 0x43004300u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = lop3<AND_OR>(q >> (4 * i), 0x000f000fu, k128);
+      const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&zl[i >> 1]));
+      o[i] = *reinterpret_cast<const uint32_t*>(&r);
+    }
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2bfloat162_rn(x, y); }
+  __device__ __forceinline__ static __nv_bfloat16 one(float x) { return __float2bfloat16_rn(x); }
+};
+
+// NT = token tiles of 8 (M <= 8 * NT). Warp (wn, kw): 64-feature block blockIdx.x * WNN + wn, K steps kw, kw + KW,
+// ... of every stage. Lane (g, t): feature rows g and g+8 of each 16-row tile w of the block, tokens 2t and
+// 2t+1 of each token tile.
+template <typename T, typename C, int NT, int KS, bool EVICT>
+__global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params p) {
+  static_assert(KS % C::KW == 0, "the K steps of a stage must split evenly between a block's warps");
+  constexpr int WNN = C::WNN, KW = C::KW, STAGES = C::STAGES, THREADS = C::THREADS;
+  constexpr int KPW = KS / KW;  // K steps per warp and stage
+  using S = Smem<C, NT, KS>;
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wn = warp % WNN, kw = warp / WNN;
+  const int g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WNN + wn;  // this warp's 64-feature block
+  const bool active = nb < nblk;
+  const int kb_total = p.k / 16;
+  const int stages_total = kb_total / KS;
+  const int split = blockIdx.y;
+  const int st_begin = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
+  const int st_end = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
+  const int iters = st_end - st_begin;
+  const int m = p.m;
+  uint64_t policy = 0;
+  if constexpr (EVICT) policy = evict_first_policy();
+
+  const uint4* gb = reinterpret_cast<const uint4*>(p.b);
+  const T* ga = reinterpret_cast<const T*>(p.a);
+
+  // Stage st = K steps [st*KS, st*KS + KS); KS divides group_k16, so a stage never straddles groups. The loader
+  // and the consumer walk the stages in order and keep their own position in the group (no divisions in the
+  // loop: at 4 K steps a stage, a runtime modulo cost as much as the dequantization). Each warp copies exactly
+  // the fragments it will consume.
+  const int gs_st = p.group_k16 / KS;  // stages per group
+  int ld_rem = st_begin % gs_st, ld_g = st_begin / gs_st;
+  bool ld_first = true;
+  const uint4* ld_b = gb + (static_cast<size_t>(nb) * kb_total + static_cast<size_t>(st_begin) * KS) * 32 + lane;
+  const T* ld_a = ga + static_cast<size_t>(st_begin) * KS * 16;
+
+  auto load_next = [&](int slot) {
+    uint8_t* base = smem + slot * S::STAGE;
+    uint4* sb = reinterpret_cast<uint4*>(base);
+    uint4* ss = reinterpret_cast<uint4*>(base + S::B_BYTES);
+    T* sa = reinterpret_cast<T*>(base + S::B_BYTES + S::S_BYTES);
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < KPW; ++j) {
+        const int kk = kw + KW * j;
+        cp_async16<EVICT>(&sb[(wn * KS + kk) * 32 + lane], ld_b + kk * 32, policy);
+      }
+      if (kw == 0 && (ld_rem == 0 || ld_first) && lane < 16) {
+        const uint4* s_src = reinterpret_cast<const uint4*>(lane < 8 ? p.s : p.zs) +
+                             (static_cast<size_t>(ld_g) * nblk + nb) * 8 + (lane & 7);
+        cp_async16<false>(&ss[wn * 16 + lane], s_src, 0);
+      }
+    }
+    constexpr int CPR = KS * 2;  // 16-byte chunks per activation row
+    for (int i = threadIdx.x; i < m * CPR; i += THREADS) {
+      const int r = i / CPR, c = i % CPR;
+      cp_async16<false>(sa + r * S::A_STRIDE + c * 8, ld_a + static_cast<size_t>(r) * p.k + c * 8, 0);
+    }
+    ld_first = false;
+    ld_b += KS * 32;
+    ld_a += KS * 16;
+    if (++ld_rem == gs_st) {
+      ld_rem = 0;
+      ++ld_g;
+    }
+  };
+
+  float acc[NT][4][4], accg[NT][4][4];  // totals, and the current group's sum of (code - zero) * x
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
+
+  float sf[4][2] = {};                 // fp32 scales of rows (w, h)
+  uint32_t zl[4][2] = {}, zh[4][2] = {};
+
+  auto flush = [&]() {  // acc += scale * group sum
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+          accg[i][w][e] = 0.f;
+        }
+  };
+
+  int cp_rem = st_begin % gs_st;
+  bool cp_first = true;
+  auto compute_next = [&](int slot) {
+    const uint8_t* base = smem + slot * S::STAGE;
+    const uint4* sb = reinterpret_cast<const uint4*>(base);
+    const uint4* ss = reinterpret_cast<const uint4*>(base + S::B_BYTES);
+    const T* sa = reinterpret_cast<const T*>(base + S::B_BYTES + S::S_BYTES);
+    if (cp_rem == 0 || cp_first) {  // a new group: fold the last one in, load this one's scales and zeros
+      if (!cp_first) flush();
+      const uint4 s4 = ss[wn * 16 + g8], z4 = ss[wn * 16 + 8 + g8];
+      const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
+      const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+        sf[w][0] = f.x;
+        sf[w][1] = f.y;
+        O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+        O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+      }
+    }
+    // PRE: every shared-memory read of this stage is issued before the first dequantize/MMA
+    constexpr int NB = C::PRE ? KPW : 1;
+    uint4 bq_pre[NB];
+    uint32_t xb_pre[NB][NT][2];
+    auto read_step = [&](int j, uint4& bq, uint32_t (&xb)[NT][2]) {
+      const int kk = kw + KW * j;
+      bq = sb[(wn * KS + kk) * 32 + lane];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = nt * 8 + g8, col = kk * 16 + 2 * t4;
+        xb[nt][0] = r < m ? *reinterpret_cast<const uint32_t*>(sa + r * S::A_STRIDE + col) : 0u;
+        xb[nt][1] = r < m ? *reinterpret_cast<const uint32_t*>(sa + r * S::A_STRIDE + col + 8) : 0u;
+      }
+    };
+    if constexpr (C::PRE) {
+#pragma unroll
+      for (int j = 0; j < KPW; ++j) read_step(j, bq_pre[j], xb_pre[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < KPW; ++j) {
+      const int jj = C::PRE ? j : 0;
+      if constexpr (!C::PRE) read_step(j, bq_pre[0], xb_pre[0]);
+      const uint4 bq = bq_pre[jj];
+      const uint32_t q[4] = {bq.x, bq.y, bq.z, bq.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {  // word w: feature rows 16w + g (+8)
+        uint32_t c[4];
+        O::codes(q[w], zl[w], zh[w], c);
+        const uint32_t a[4] = {c[0], c[2], c[1], c[3]};  // (row g, k lo) (row g+8, k lo) (row g, k hi) (g+8, hi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], a, xb_pre[jj][nt][0], xb_pre[jj][nt][1]);
+      }
+    }
+    cp_first = false;
+    if (++cp_rem == gs_st) cp_rem = 0;
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < iters) load_next(s);
+    cp_async_commit();
+  }
+  int ld_slot = STAGES - 1, cp_slot = 0;
+  for (int it = 0; it < iters; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage `it` is visible to all warps; slot (it-1) % STAGES is free again
+    if (it + STAGES - 1 < iters) load_next(ld_slot);
+    ld_slot = ld_slot + 1 == STAGES ? 0 : ld_slot + 1;
+    cp_async_commit();
+    compute_next(cp_slot);
+    cp_slot = cp_slot + 1 == STAGES ? 0 : cp_slot + 1;
+  }
+  cp_async_wait<0>();
+  flush();
+
+  if constexpr (KW > 1) {  // fold the K-split warps of each block into warp kw = 0 through shared memory
+    __syncthreads();       // every warp is done reading the pipeline's shared memory
+    float* red = reinterpret_cast<float*>(smem);
+    if (kw > 0) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            red[((((kw - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
+    }
+    __syncthreads();
+    if (kw == 0) {
+#pragma unroll
+      for (int q = 1; q < KW; ++q)
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
+    }
+  }
+  const bool writer = active && kw == 0;
+
+  // ------------------------------------------------------------------------------------------ epilogue
+  // acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g]
+  const int n = p.n;
+  if (p.splits == 1) {
+    if (writer) {
+      T* out = reinterpret_cast<T*>(p.c);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t4 + (e & 1);
+            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+            if (tok < m) out[static_cast<size_t>(tok) * n + col] = O::one(acc[nt][w][e]);
+          }
+    }
+    return;
+  }
+  float* part = p.partial + static_cast<size_t>(split) * m * n;
+  if (writer) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t4 + (e & 1);
+          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
+        }
+  }
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int col0 = blockIdx.x * WNN * 64;
+  const int ncols = min(WNN * 64, n - col0);
+  const int pairs = ncols / 2;
+  T* out = reinterpret_cast<T*>(p.c);
+  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
+    const int row = i / pairs, col = col0 + 2 * (i % pairs);
+    float2 sum = make_float2(0.f, 0.f);
+    for (int s = 0; s < p.splits; ++s) {  // fixed order: the result does not depend on arrival order
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
+  }
+  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call
+}
+
+// ------------------------------------------------------------------------------------------------ variants
+// Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
+//   0: 4 blocks x 1 warp, 5 stages            (the run-3 kernel; the only one for M > 16 and evict-first)
+//   1: 4 x 1, 5 stages, stage-wide smem reads  2: 4 x 2 warps, 5 stages, PRE     3: 4 x 2, 8 stages, PRE
+//   4: 2 x 2, 8 stages, PRE                    5: 8 x 1, 4 stages, PRE           6: 4 x 1, 8 stages, PRE
+//   7: 2 x 4 (KS = 4 only), 8 stages, PRE
+using V0 = Cfg<4, 1, 5, 0>;
+using V1 = Cfg<4, 1, 5, 1>;
+using V2 = Cfg<4, 2, 5, 1>;
+using V3 = Cfg<4, 2, 8, 1>;
+using V4 = Cfg<2, 2, 8, 1>;
+using V5 = Cfg<8, 1, 4, 1>;
+using V6 = Cfg<4, 1, 8, 1>;
+using V7 = Cfg<2, 4, 8, 1>;
+constexpr int N_VARIANTS = 8;
+
+template <typename T, typename C, int NT, int KS, bool EVICT>
+struct Kern {
+  static int configure() {  // once per instantiation: the attribute is per function, not per call
+    static int rc = -100;
+    if (rc == -100)
+      rc = cudaFuncSetAttribute(w4a16_kernel<T, C, NT, KS, EVICT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Smem<C, NT, KS>::TOTAL);
+    return rc;
+  }
+  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
+    const int rc = configure();
+    if (rc != cudaSuccess) return rc;
+    dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+    w4a16_kernel<T, C, NT, KS, EVICT><<<grid, C::THREADS, Smem<C, NT, KS>::TOTAL, stream>>>(p);
+    return cudaGetLastError();
+  }
+  static int per_sm() {  // resident CTAs per SM (registers and shared memory), cached per device ordinal 0..7
+    static int cache[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    int& c = cache[dev & 7];
+    if (c == 0) {
+      if (configure() != cudaSuccess) return 1;
+      int v = 1;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, w4a16_kernel<T, C, NT, KS, EVICT>, C::THREADS,
+                                                        Smem<C, NT, KS>::TOTAL) != cudaSuccess || v < 1)
+        v = 1;
+      c = v;
+    }
+    return c;
+  }
+};
+
+// op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA
+template <typename T, typename C, int NT, int KS>
+int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  using K = Kern<T, C, NT, KS, false>;
+  if (op == 1) return K::per_sm();
+  if (op == 2) return C::WNN;
+  return K::launch(p, stream);
+}
+
+template <typename T, int NT, int KS>
+int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if constexpr (NT <= 2) switch (variant) {
+    case 1: return run_op<T, V1, NT, KS>(op, p, stream);
+    case 2: return run_op<T, V2, NT, KS>(op, p, stream);
+    case 3: return run_op<T, V3, NT, KS>(op, p, stream);
+    case 4: return run_op<T, V4, NT, KS>(op, p, stream);
+    case 5: return run_op<T, V5, NT, KS>(op, p, stream);
+    case 6: return run_op<T, V6, NT, KS>(op, p, stream);
+    case 7:
+      if constexpr (KS % 4 == 0) return run_op<T, V7, NT, KS>(op, p, stream);
+      else return run_op<T, V4, NT, KS>(op, p, stream);  // group 32: two K steps a stage cannot feed 4 warps
+    default: break;
+  }
+  if (op == 2) return V0::WNN;
+  if (op == 1) return p.evict_first ? Kern<T, V0, NT, KS, true>::per_sm() : Kern<T, V0, NT, KS, false>::per_sm();
+  return p.evict_first ? Kern<T, V0, NT, KS, true>::launch(p, stream) : Kern<T, V0, NT, KS, false>::launch(p, stream);
+}
+
+// Variant 0 serves every M <= 32 and the evict-first hint; the others are instantiated for M <= 16 only.
+template <typename T, int NT>
+int dispatch_ks(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  const bool ks4 = p.group_k16 % 4 == 0;
+  if constexpr (NT > 2) {
+    (void)variant;
+    return ks4 ? dispatch_variant<T, NT, 4>(0, op, p, stream) : dispatch_variant<T, NT, 2>(0, op, p, stream);
+  } else {
+    const int v = p.evict_first ? 0 : variant;
+    return ks4 ? dispatch_variant<T, NT, 4>(v, op, p, stream) : dispatch_variant<T, NT, 2>(v, op, p, stream);
+  }
+}
+
+}  // namespace
+}  // namespace sdq_w4a16
+
+// One translation unit per (dtype, token tiles) so that the build compiles them in parallel.
+#define SDQ_W4A16_PART(T, NT, NAME)                                                                         \
+  extern "C" int sdq_w4a16_part_##NAME(int variant, int op, const SdqW4A16Params* p, cudaStream_t stream) { \
+    return sdq_w4a16::dispatch_ks<T, NT>(variant, op, *p, stream);                                         \
+  }
