@@ -46,9 +46,10 @@ RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (28672, 
 MS = [1, 2, 4, 8, 16, 32]
 # variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
-CONFIGS = [0, 0 + 16 * 8, 1, 1 + 16 * 5, 2, 2 + 16 * 4, 3, 4, 5, 6, 7, 7 + 16 * 2]
+CONFIGS = [0, 0 + 16 * 8, 1, 2, 2 + 16 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 16 * 2]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
-         6: "4x1 s8 pre", 7: "2x4 s8 pre"}
+         6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
+         11: "direct 4x1 d4", 12: "direct 8x1 d2"}
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (4096, 4096, 128, True, False, torch.bfloat16, (1, 3, 8, 16, 32)),
     (4096, 4096, 128, False, False, torch.float16, (1, 5, 16)),
@@ -204,7 +205,7 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
 def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list:
     rows = []
     timer = (lambda call, n: time_cpu(call, n)) if dry else \
-        (lambda call, n: gemm.time_rotating(call, n, trials=5, target_ms=3.0, max_calls=100))
+        (lambda call, n: gemm.time_rotating(call, n, trials=5, target_ms=2.0, max_calls=60))
     for (k, n) in shapes:
         if elapsed() > budget_s:
             log(f"time guard: stop before {k}x{n} at {elapsed():.0f} s")

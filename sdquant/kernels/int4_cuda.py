@@ -11,8 +11,10 @@
         splits   split-K factor, 0 = automatic (fill every SM once)
         evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``; variant 0 only)
         config   kernel variant + 16 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
-                 the list in csrc/w4a16_sm90.cu (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
-                 split-K, pipeline depth and stage-wide shared-memory reads; M <= 16 only, larger M uses 0);
+                 the list in csrc/w4a16_kernel.cuh (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
+                 split-K, pipeline depth and stage-wide shared-memory reads; 8-12 are the direct kernel of
+                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; M <= 16 only,
+                 larger M uses 0);
                  target: automatic split-K aims at target / 2 CTAs per SM (0 = the variant's default)
 
 Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
@@ -131,7 +133,7 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 8
+N_VARIANTS = 13
 
 # Measured defaults (bench/int4_tune.py on the H200): config per M bucket, and per (K, N, M bucket) where one
 # shape's winner differs. A config is variant + 16 * target (see the module docstring); 0 = the run-3 kernel.

@@ -21,8 +21,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert r.returncode == 0, r.stderr[-4000:]
     kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
-    # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52
+    # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5
     assert sum("w4a16_kernel" in ln for ln in kernels) == 76
+    assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)

@@ -38,6 +38,7 @@ struct Cfg {
   static constexpr int WNN = WNN_, KW = KW_, STAGES = STAGES_, PRE = PRE_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
+  static constexpr bool DIRECT = false;
 };
 
 template <typename C, int NT, int KS>
@@ -167,6 +168,69 @@ struct Ops<__nv_bfloat16> {
   __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2bfloat162_rn(x, y); }
   __device__ __forceinline__ static __nv_bfloat16 one(float x) { return __float2bfloat16_rn(x); }
 };
+
+// Epilogue shared by the kernels: acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g].
+// splits == 1: write y. Otherwise write this CTA's fp32 partial; the last CTA of a column tile (counted on a lock
+// that it resets) adds the partials in a fixed order and writes y: deterministic, one launch, no memset.
+// Every thread of the CTA must call it (barriers inside).
+template <typename T, int NT, int WNN, int THREADS>
+__device__ __forceinline__ void store_output(const SdqW4A16Params& p, const float (&acc)[NT][4][4], bool writer,
+                                             int nb, int split, int& s_last) {
+  using O = Ops<T>;
+  const int m = p.m;
+  const int g8 = (threadIdx.x % 32) / 4, t4 = threadIdx.x % 4;
+  const int n = p.n;
+  if (p.splits == 1) {
+    if (writer) {
+      T* out = reinterpret_cast<T*>(p.c);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t4 + (e & 1);
+            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+            if (tok < m) out[static_cast<size_t>(tok) * n + col] = O::one(acc[nt][w][e]);
+          }
+    }
+    return;
+  }
+  float* part = p.partial + static_cast<size_t>(split) * m * n;
+  if (writer) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t4 + (e & 1);
+          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
+        }
+  }
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int col0 = blockIdx.x * WNN * 64;
+  const int ncols = min(WNN * 64, n - col0);
+  const int pairs = ncols / 2;
+  T* out = reinterpret_cast<T*>(p.c);
+  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
+    const int row = i / pairs, col = col0 + 2 * (i % pairs);
+    float2 sum = make_float2(0.f, 0.f);
+    for (int s = 0; s < p.splits; ++s) {  // fixed order: the result does not depend on arrival order
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
+  }
+  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call
+}
 
 // NT = token tiles of 8 (M <= 8 * NT). Warp (wn, kw): 64-feature block blockIdx.x * WNN + wn, K steps kw, kw + KW,
 // ... of every stage. Lane (g, t): feature rows g and g+8 of each 16-row tile w of the block, tokens 2t and
@@ -364,62 +428,10 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
             for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
     }
   }
-  const bool writer = active && kw == 0;
-
-  // ------------------------------------------------------------------------------------------ epilogue
-  // acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g]
-  const int n = p.n;
-  if (p.splits == 1) {
-    if (writer) {
-      T* out = reinterpret_cast<T*>(p.c);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = nt * 8 + 2 * t4 + (e & 1);
-            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
-            if (tok < m) out[static_cast<size_t>(tok) * n + col] = O::one(acc[nt][w][e]);
-          }
-    }
-    return;
-  }
-  float* part = p.partial + static_cast<size_t>(split) * m * n;
-  if (writer) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * t4 + (e & 1);
-          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
-          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
-        }
-  }
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int col0 = blockIdx.x * WNN * 64;
-  const int ncols = min(WNN * 64, n - col0);
-  const int pairs = ncols / 2;
-  T* out = reinterpret_cast<T*>(p.c);
-  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
-    const int row = i / pairs, col = col0 + 2 * (i % pairs);
-    float2 sum = make_float2(0.f, 0.f);
-    for (int s = 0; s < p.splits; ++s) {  // fixed order: the result does not depend on arrival order
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
-      sum.x += v.x;
-      sum.y += v.y;
-    }
-    *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
-  }
-  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call
+  store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
 }
+
+#include "w4a16_direct.cuh"  // the direct (no shared-memory pipeline) kernel, same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -427,6 +439,9 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 //   1: 4 x 1, 5 stages, stage-wide smem reads  2: 4 x 2 warps, 5 stages, PRE     3: 4 x 2, 8 stages, PRE
 //   4: 2 x 2, 8 stages, PRE                    5: 8 x 1, 4 stages, PRE           6: 4 x 1, 8 stages, PRE
 //   7: 2 x 4 (KS = 4 only), 8 stages, PRE
+// direct kernel (w4a16_direct.cuh): blocks x warps per block, 2-step register stages ahead, min CTAs/SM for ptxas:
+//   8: 4 x 2, 4 ahead, 1      9: 4 x 2, 2 ahead, 2      10: 2 x 4, 2 ahead, 2      11: 4 x 1, 4 ahead, 3
+//   12: 8 x 1, 2 ahead, 2
 using V0 = Cfg<4, 1, 5, 0>;
 using V1 = Cfg<4, 1, 5, 1>;
 using V2 = Cfg<4, 2, 5, 1>;
@@ -435,22 +450,33 @@ using V4 = Cfg<2, 2, 8, 1>;
 using V5 = Cfg<8, 1, 4, 1>;
 using V6 = Cfg<4, 1, 8, 1>;
 using V7 = Cfg<2, 4, 8, 1>;
-constexpr int N_VARIANTS = 8;
+using V8 = DCfg<4, 2, 4, 1>;
+using V9 = DCfg<4, 2, 2, 2>;
+using V10 = DCfg<2, 4, 2, 2>;
+using V11 = DCfg<4, 1, 4, 3>;
+using V12 = DCfg<8, 1, 2, 2>;
+constexpr int N_VARIANTS = 13;
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
+  static constexpr int SMEM = [] {
+    if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
+    else return Smem<C, NT, KS>::TOTAL;
+  }();
+  static auto kernel() {
+    if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
+    else return w4a16_kernel<T, C, NT, KS, EVICT>;
+  }
   static int configure() {  // once per instantiation: the attribute is per function, not per call
     static int rc = -100;
-    if (rc == -100)
-      rc = cudaFuncSetAttribute(w4a16_kernel<T, C, NT, KS, EVICT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                Smem<C, NT, KS>::TOTAL);
+    if (rc == -100) rc = cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     return rc;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     const int rc = configure();
     if (rc != cudaSuccess) return rc;
     dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
-    w4a16_kernel<T, C, NT, KS, EVICT><<<grid, C::THREADS, Smem<C, NT, KS>::TOTAL, stream>>>(p);
+    kernel()<<<grid, C::THREADS, SMEM, stream>>>(p);
     return cudaGetLastError();
   }
   static int per_sm() {  // resident CTAs per SM (registers and shared memory), cached per device ordinal 0..7
@@ -461,9 +487,7 @@ struct Kern {
     if (c == 0) {
       if (configure() != cudaSuccess) return 1;
       int v = 1;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, w4a16_kernel<T, C, NT, KS, EVICT>, C::THREADS,
-                                                        Smem<C, NT, KS>::TOTAL) != cudaSuccess || v < 1)
-        v = 1;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel(), C::THREADS, SMEM) != cudaSuccess || v < 1) v = 1;
       c = v;
     }
     return c;
@@ -491,6 +515,11 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 7:
       if constexpr (KS % 4 == 0) return run_op<T, V7, NT, KS>(op, p, stream);
       else return run_op<T, V4, NT, KS>(op, p, stream);  // group 32: two K steps a stage cannot feed 4 warps
+    case 8: return run_op<T, V8, NT, 2>(op, p, stream);  // the direct kernel has its own 2-step stages
+    case 9: return run_op<T, V9, NT, 2>(op, p, stream);
+    case 10: return run_op<T, V10, NT, 2>(op, p, stream);
+    case 11: return run_op<T, V11, NT, 2>(op, p, stream);
+    case 12: return run_op<T, V12, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

@@ -1,0 +1,191 @@
+// sdquant W4A16 "direct" decode kernel (variants 8+): no shared-memory weight pipeline. Included by
+// w4a16_kernel.cuh inside its namespace, after Ops / cp.async helpers.
+//
+// Why: the cp.async kernel reads every fragment twice (global -> shared -> registers), waits on a CTA-wide
+// barrier per stage and keeps its warps in lock step, so at 2.5 warps per scheduler the dequantize -> MMA chains
+// stall with nothing else to issue (ncu, run 3). Here each warp streams its own fragments straight into
+// registers with 16-byte non-allocating loads, DEPTH stages of two K steps (DEPTH * 1 KB per warp) ahead of the
+// MMAs (two steps a stage: divides every group, and keeps the register ring small enough for 2-3 CTAs per SM);
+// activations come through L1 (every warp of the grid reads the same few KB), scales/zeros are fetched a group
+// ahead. Warps are independent until the end: the KW warps of a 64-feature block take contiguous K ranges of the
+// CTA's split and are summed through shared memory; global split-K and its reduction are the cp.async kernel's.
+template <int WNN_, int KW_, int DEPTH_, int MINB_>
+struct DCfg {
+  static constexpr int WNN = WNN_, KW = KW_, DEPTH = DEPTH_, MINB = MINB_;  // MINB: at one token tile only
+  static constexpr int WARPS = WNN * KW;
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int STAGES = 1, PRE = 1;
+  static constexpr bool DIRECT = true;
+};
+
+template <typename C, int NT>
+struct DSmem {
+  static constexpr int RED_BYTES = (C::KW - 1) * C::WNN * NT * 16 * 32 * 4;
+  static constexpr int TOTAL = RED_BYTES;
+};
+
+__device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direct_kernel(const SdqW4A16Params p) {
+  constexpr int WNN = C::WNN, KW = C::KW, D = C::DEPTH, THREADS = C::THREADS;
+  constexpr int KS = 2;  // K steps per register stage
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wn = warp % WNN, kw = warp / WNN;
+  const int g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WNN + wn;
+  const bool active = nb < nblk;
+  const int kb_total = p.k / 16;
+  const int stages_total = kb_total / KS;
+  const int split = blockIdx.y;
+  const int st0 = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
+  const int st1 = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
+  const int a = st0 + ((st1 - st0) * kw) / KW, b = st0 + ((st1 - st0) * (kw + 1)) / KW;  // this warp's stages
+  const int iters = active ? b - a : 0;
+  const int m = p.m;
+  const int gs_st = p.group_k16 / KS;
+
+  const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
+                      (static_cast<size_t>(active ? nb : 0) * kb_total + static_cast<size_t>(a) * KS) * 32 + lane;
+  const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * KS * 16 + 2 * t4;
+
+  uint4 wq[D][KS];
+  uint32_t xq[D][KS][NT][2];
+  auto issue = [&](int s, uint4 (&w)[KS], uint32_t (&xx)[KS][NT][2]) {  // loads of relative stage s
+    const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = nt * 8 + g8;
+        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
+        xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
+        xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
+      }
+  };
+
+  float acc[NT][4][4], accg[NT][4][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
+  float sf[4][2] = {};
+  uint32_t zl[4][2] = {}, zh[4][2] = {};
+  auto flush = [&]() {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+          accg[i][w][e] = 0.f;
+        }
+  };
+  uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;  // scales / zeros of group `grp`, fetched ahead
+  auto load_sz = [&](int g) {
+    const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
+    s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
+    z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
+  };
+
+  int rem = a % gs_st, grp = a / gs_st;
+  bool first = true;
+#pragma unroll
+  for (int j = 0; j < D; ++j)
+    if (j < iters) issue(j, wq[j], xq[j]);
+  if (iters > 0) load_sz(grp);
+
+  for (int base = 0; base < iters; base += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int it = base + j;
+      if (it < iters) {
+        if (rem == 0 || first) {
+          if (!first) flush();
+          const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
+          const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+            sf[w][0] = f.x;
+            sf[w][1] = f.y;
+            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+          }
+          if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
+        }
+        uint4 wc[KS];
+        uint32_t xc[KS][NT][2];
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          wc[kk] = wq[j][kk];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            xc[kk][nt][0] = xq[j][kk][nt][0];
+            xc[kk][nt][1] = xq[j][kk][nt][1];
+          }
+        }
+        if (it + D < iters) issue(it + D, wq[j], xq[j]);
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          const uint32_t q[4] = {wc[kk].x, wc[kk].y, wc[kk].z, wc[kk].w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            uint32_t c[4];
+            O::codes(q[w], zl[w], zh[w], c);
+            const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], af, xc[kk][nt][0], xc[kk][nt][1]);
+          }
+        }
+        first = false;
+        if (++rem == gs_st) {
+          rem = 0;
+          ++grp;
+        }
+      }
+    }
+  }
+  flush();
+
+  if constexpr (KW > 1) {  // fold warps kw > 0 of each block into warp kw = 0
+    float* red = reinterpret_cast<float*>(smem);
+    if (kw > 0) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            red[((((kw - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
+    }
+    __syncthreads();
+    if (kw == 0) {
+#pragma unroll
+      for (int q = 1; q < KW; ++q)
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
+    }
+  }
+  store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
+}
