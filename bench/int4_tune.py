@@ -143,7 +143,7 @@ def child_check(configs) -> None:
     print("ROWS " + json.dumps(rows), flush=True)
 
 
-def run_checks_in_child(configs, timeout=240) -> tuple:
+def run_checks_in_child(configs, timeout=150) -> tuple:
     """(passing configs, check rows, build line, occupancy). Re-runs without a config that killed the child."""
     remaining, rows, build, occ = list(configs), [], "", {}
     for attempt in range(3):
