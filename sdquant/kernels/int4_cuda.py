@@ -135,10 +135,18 @@ def evict_first_works() -> bool:
 
 N_VARIANTS = 13
 
-# Measured defaults (bench/int4_tune.py on the H200): config per M bucket, and per (K, N, M bucket) where one
-# shape's winner differs. A config is variant + 16 * target (see the module docstring); 0 = the run-3 kernel.
-DEFAULT_CONFIGS = {1: 0, 2: 0, 4: 0, 8: 0, 16: 0}
-SHAPE_CONFIGS: dict = {}
+# Measured defaults (bench/int4_tune.py, H200 run 4, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
+# tuning (run 4)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N, M bucket)
+# the shapes whose own winner beat that default by > 3% in the same run. A config is variant + 16 * target (see
+# the module docstring); 0 = the run-3 kernel. M <= 8: variant 10 (direct loads, 2 blocks x 4 K-warps) was
+# fastest or within 3-7% everywhere and never slower than variant 0; M = 9-16: variant 2 (4 blocks x 2 K-warps)
+# had the best mean, but was slower than variant 0 on 8192x28672 and 8192x10240 (overridden below).
+DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
+SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
+    (8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
+    (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
+    (8192, 10240, 16): 1, (4096, 6144, 16): 4,
+}
 
 
 def m_bucket(m: int) -> int:
