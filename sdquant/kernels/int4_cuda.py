@@ -22,7 +22,8 @@ launch, larger M in 32-row launches that each re-read the weights (the dispatche
 or cuBLAS there). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
-Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_sm90.cu and csrc/w4a16_binding.cpp with
+Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_binding.cpp, csrc/w4a16_sm90.cu (the C
+interface) and csrc/w4a16_part_*.cu (the kernel instantiations of w4a16_kernel.cuh / w4a16_direct.cuh) with
 ``-gencode=arch=compute_90a,code=sm_90a`` (one translation unit per dtype and token-tile count, so ninja builds
 them in parallel) into ``$SDQUANT_CACHE_DIR`` (default ~/.cache/sdquant/extensions);
 later processes reuse the build. ``available()`` says whether the kernel can run here; when it cannot (no

@@ -10,8 +10,11 @@
 // * int4 -> fp16/bf16 with lop3 + magic exponent: (q & 0x000f000f) | 0x6400_6400 is the half2 (1024 + c0,
 //   1024 + c1); one sub with (1024 + zero) (one fma for the high nibbles) gives the exact (code - zero).
 //   The group scale multiplies the fp32 group sums once per group (not once per weight).
-// * A multi-stage cp.async pipeline (STAGES deep) per CTA keeps ~(STAGES-1) * 8 KB of weights in flight
-//   without holding registers; activations for the stage go to shared memory once and feed all 4 warps.
+// * A multi-stage cp.async pipeline (STAGES deep) per CTA keeps ~(STAGES-1) * WNN * 2 KB of weights in flight
+//   without holding registers; activations for the stage go to shared memory once and feed all warps. The
+//   direct kernel (w4a16_direct.cuh, variants 8+) instead streams fragments into registers per warp.
+// * Variants (Cfg / DCfg below, ids listed before V0) are chosen per call; bench/int4_tune.py measures them
+//   and int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS hold the winners (H200 run 4).
 // * Split-K over the grid's y dimension so every SM has work at M = 1 on K >> N shapes. Partial sums go to
 //   an fp32 scratch; the last CTA of a column tile (counted on a lock that it resets) adds them in a fixed
 //   order and writes the output: one launch, deterministic, no memset.
