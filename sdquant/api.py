@@ -130,6 +130,14 @@ def _batches(cfg: Config, data, tokenizer, model):
     """Normalise calibration data into a list of batches (LongTensor [b, seq] or dicts of tensors)."""
     import hashlib
     bs = cfg.pipeline.batch_size
+    if data is None and cfg.data.kind == "diffusion":
+        # denoiser inputs: taken from the file, or captured along sampler trajectories when it holds only
+        # conditioning embeddings (timesteps stratified across the schedule)
+        from sdquant.models.seedance_sampler import diffusion_inputs
+        data = diffusion_inputs(model, cfg.data.path, cfg.data.n_samples, cfg.data.seed)
+    if isinstance(data, dict):
+        n = next(iter(data.values())).shape[0]
+        data = [{k: v[i:i + bs] for k, v in data.items()} for i in range(0, n, bs)]
     if data is None:
         from sdquant.data import load_calibration
         data = load_calibration(cfg.data, tokenizer=tokenizer, model=model)
@@ -276,7 +284,10 @@ def _materialize(model: nn.Module, floats: dict, qlayers: dict, dtype: torch.dty
     for name, (_, bias, _) in qlayers.items():
         if bias is not None:
             model.get_submodule(name).bias = bias.to(dtype)
-    floats = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in floats.items()}
+    # each tensor takes the dtype of the parameter it fills: layers a model keeps in fp32 on purpose
+    # (Seedance's Cross-Gate Fusion gate) must not be rounded through the load dtype
+    want = {k: t.dtype for k, t in list(model.named_parameters()) + list(model.named_buffers())}
+    floats = {k: (v.to(want.get(k, dtype)) if v.is_floating_point() else v) for k, v in floats.items()}
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
     if unexpected:
         raise SdquantError(f"package holds tensors the model does not have: {unexpected[:5]}")
