@@ -123,3 +123,24 @@ def test_trained_fixture_denoises_better_than_random():
         err_trained = torch.mean((trained(xt, t, cond) - (eps - x0)) ** 2).item()
         err_random = torch.mean((untrained(xt, t, cond) - (eps - x0)) ** 2).item()
     assert err_trained < 0.2 < err_random
+
+
+def test_calibrate_samples_inputs_from_a_conditioning_file(tiny_setup, tmp_path):
+    """data.kind: diffusion with a file holding only 'cond': the engine captures denoiser inputs along sampler
+    trajectories itself, exactly as diffusion_inputs() does; a bf16 load keeps the FP32 gate's values."""
+    d, model, cond = tiny_setup
+    cfg = load_config(REPO / "templates" / "seedance-w4.yaml",
+                      {"model.path": str(d / "model"), "data.path": str(d / "cond.safetensors"), "data.n_samples": 6,
+                       "device": "cpu", "dtype": "float32", "pipeline.batch_size": 3, "quant.method": "rtn",
+                       "quant.group_size": 32})
+    res = sdquant.calibrate(config=cfg)
+    expect = diffusion_inputs(res.model, d / "cond.safetensors", n_samples=6, seed=0)
+    assert res.data_fingerprint and len(res.weights) == 2 * 5 * 3
+    pkg = sdquant.export(res, tmp_path / "q.sd2")
+    q = sdquant.load(pkg, device="cpu", dtype=torch.bfloat16)
+    gate = dict(res.model.named_parameters())["blocks.0.cgf.gate.weight"]
+    assert q.blocks[0].cgf.gate.weight.dtype == torch.float32
+    assert torch.equal(q.blocks[0].cgf.gate.weight, gate)       # not rounded through bf16
+    # the engine calibrated on exactly the sampler's inputs: same data fingerprint as passing them directly
+    again = sdquant.calibrate(config=cfg, data=expect)
+    assert again.data_fingerprint == res.data_fingerprint
