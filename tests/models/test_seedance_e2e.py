@@ -134,7 +134,7 @@ def test_calibrate_samples_inputs_from_a_conditioning_file(tiny_setup, tmp_path)
                        "device": "cpu", "dtype": "float32", "pipeline.batch_size": 3, "quant.method": "rtn",
                        "quant.group_size": 32})
     res = sdquant.calibrate(config=cfg)
-    expect = diffusion_inputs(res.model, d / "cond.safetensors", n_samples=6, seed=0)
+    expect = diffusion_inputs(load_pretrained(d / "model"), d / "cond.safetensors", n_samples=6, seed=0)
     assert res.data_fingerprint and len(res.weights) == 2 * 5 * 3
     pkg = sdquant.export(res, tmp_path / "q.sd2")
     q = sdquant.load(pkg, device="cpu", dtype=torch.bfloat16)
