@@ -88,9 +88,11 @@ def _with_hidden(args: tuple, kwargs: dict, h: torch.Tensor):
 
 
 def _call_model(model: nn.Module, batch):
+    # no KV cache during capture: a cache object in the blocks' kwargs would carry state between calls
+    extra = {"use_cache": False} if _accepts(model, "use_cache") else {}
     if isinstance(batch, dict):
-        return model(**batch)
-    return model(input_ids=batch, use_cache=False) if _accepts(model, "use_cache") else model(input_ids=batch)
+        return model(**batch, **extra)
+    return model(input_ids=batch, **extra)
 
 
 def _accepts(model, name: str) -> bool:
