@@ -188,6 +188,9 @@ def export(result: CalibrationResult, path: Union[str, Path], format: str = "sd2
     path = Path(path)
     if format == "sd2":
         return _export_sd2(result, path)
+    if format == "onnx" and result.family == "seedance":
+        from sdquant.export.onnx_module import export_seedance_onnx
+        return export_seedance_onnx(result.quantized_model(), path / "model.onnx", **kwargs)
     if format == "onnx":
         from sdquant.export import onnx as onnx_export
         return onnx_export.export_onnx(result.quantized_model(), path, tokenizer=result.tokenizer, **kwargs)

@@ -216,6 +216,9 @@ def _export_package(src: Path, out: Path, args) -> Path:
     if args.format == "sd2":
         raise SdquantError(f"{src} is already a .sd2 package (use --format onnx, gptq or awq)")
     model = sdquant.load(src, device="cpu", kernels="reference")
+    if args.format == "onnx" and getattr(getattr(model, "config", None), "model_type", "") == "seedance":
+        from sdquant.export.onnx_module import export_seedance_onnx
+        return export_seedance_onnx(model, out / "model.onnx", accuracy_level=args.accuracy_level)
     if args.format == "onnx":
         from sdquant.export.onnx import export_onnx
         return export_onnx(model, out, tokenizer=getattr(model, "tokenizer", None),
