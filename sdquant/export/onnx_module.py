@@ -84,17 +84,22 @@ def export_module_onnx(model: torch.nn.Module, args: tuple, path, *, dynamic_sha
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # export into a private folder under the final name (torch may write external data beside it, named
+    # after the model file), check, then move every file into place
+    import shutil
+    import tempfile
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        torch.onnx.export(model, args, str(tmp), dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
+        staged = tmpdir / path.name
+        torch.onnx.export(model, args, str(staged), dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
                           input_names=list(input_names or []) or None,
                           output_names=list(output_names or []) or None,
                           custom_translation_table={torch.ops.sdquant.int_linear.default: int_linear})
-        onnx.checker.check_model(str(tmp))
-        tmp.replace(path)
+        onnx.checker.check_model(str(staged))
+        for f in sorted(tmpdir.iterdir(), key=lambda f: f == staged):  # the model file last
+            f.replace(path.parent / f.name)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(tmpdir, ignore_errors=True)
     return path
 
 
