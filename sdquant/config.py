@@ -55,6 +55,7 @@ class AwqConfig:
     clip_grid: int = 20
     clip_max_shrink: float = 0.5
     max_tokens: int = 8192         # tokens kept per scaling group for the search (memory bound)
+    clip_for_gptq: bool = False    # also hand AWQ's clipping ratios to GPTQ (off: GPTQ fits its own range)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class ActivationScalingConfig:
     init_ratio: float = 1.0
     ratio_range: Tuple[float, float] = RATIO_LIMITS
     granularity: int = 1           # input channels that share one multiplier; must divide quant.group_size
+    method: Literal["ste", "bucket"] = "ste"   # Adam through a straight-through quantizer, or bucketed search
+    steps: int = 8                 # STE steps per scaling group
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class QuantConfig:
     damp: float = 0.01
     damp_max: float = 1.0
     gptq_block_size: int = 128
+    gptq_mse_grid: int = 10        # per-group MSE range search inside GPTQ (0 = plain min/max)
     true_sequential: bool = True
     awq: AwqConfig = AwqConfig()
     activation_scaling: ActivationScalingConfig = ActivationScalingConfig()
@@ -333,6 +337,10 @@ def validate(cfg: Config) -> None:
     if not lo <= s.init_ratio <= hi:
         raise ConfigError("quant.activation_scaling.init_ratio", f"{s.init_ratio} lies outside ratio_range "
                                                                  f"[{lo}, {hi}]")
+    if s.steps < 1:
+        raise ConfigError("quant.activation_scaling.steps", f"{s.steps} must be >= 1")
+    if q.gptq_mse_grid < 0:
+        raise ConfigError("quant.gptq_mse_grid", f"{q.gptq_mse_grid} must be >= 0")
     if s.granularity < 1:
         raise ConfigError("quant.activation_scaling.granularity", f"{s.granularity} must be >= 1")
     if s.granularity > 1 and q.group_size != -1 and q.group_size % s.granularity:
