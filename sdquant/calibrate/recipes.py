@@ -83,7 +83,9 @@ def _stream(ctx, hooks: dict) -> None:
     """ctx.run for statistics only: the block's outputs are dropped batch by batch instead of being
     collected (for a 70B block, 128 × 2048 outputs are 4 GiB we never read)."""
     block, inputs = getattr(ctx, "block", None), getattr(ctx, "inputs", None)
-    if block is None or inputs is None:
+    dist = getattr(ctx, "dist", None)
+    if block is None or inputs is None or (dist is not None and dist.active):
+        # data parallel: ctx.run replays every rank's hook calls in global batch order
         ctx.run(hooks)
         return
     handles = [m.register_forward_hook(fn, with_kwargs=True) for m, fn in hooks.items()]
