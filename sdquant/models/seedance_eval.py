@@ -17,25 +17,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sdquant.eval import psnr, relative_error  # noqa: F401  (re-exported for fidelity reports)
 from sdquant.models.seedance_sampler import flow_schedule, initial_noise, sample, velocity
 
 
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    den = ref.norm().item()
-    num = (x.double().to(ref.device) - ref).norm().item()
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
-
-
-def psnr(x: torch.Tensor, ref: torch.Tensor, data_range: Optional[float] = None) -> float:
-    """10·log10(range² / MSE) in dB; ``range`` defaults to max(ref) − min(ref). Identical inputs -> inf."""
-    ref = ref.double()
-    x = x.double().to(ref.device)
-    rng = float(ref.max() - ref.min()) if data_range is None else float(data_range)
-    mse = float(((x - ref) ** 2).mean())
-    if mse == 0:
-        return math.inf
-    return 10 * math.log10(rng * rng / mse) if rng > 0 else -math.inf
+# relative error and PSNR are the generic helpers of sdquant.eval (one definition for every model kind)
 
 
 def _gauss(win: int, sigma: float, device) -> torch.Tensor:

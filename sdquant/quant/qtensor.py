@@ -18,7 +18,7 @@ These are kernel-neutral: no tile orders, no interleaving. Kernels repack at loa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
