@@ -11,6 +11,7 @@ API is started under torchrun (WORLD_SIZE > 1), never by importing sdquant.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -80,6 +81,45 @@ class Dist:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_tree(self, obj, device: Optional[torch.device] = None) -> list:
+        """Every rank's ``obj`` (nested tuples/lists/dicts holding tensors), in rank order; this rank's entry is
+        ``obj`` itself. Tensors travel as one flat byte buffer per rank through ``broadcast`` (NCCL: GPU to GPU
+        over NVLink, no host copy, no pickling); only the small skeleton (shapes, dtypes, non-tensor leaves)
+        is pickled. Received tensors land on ``device`` (default: the collective's device)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+        comm = self.device()
+        device = device or comm
+        tensors: list = []
+        skeleton = _strip(obj, tensors)
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        metas: list = [None] * self.world
+        dist.all_gather_object(metas, (skeleton, specs))
+        out = []
+        for r in range(self.world):
+            skel, sp = metas[r]
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in sp]
+            total = sum(sizes)
+            if r == self.rank:
+                if total:
+                    buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(comm)
+                                     for t in tensors if t.numel()])
+                    dist.broadcast(buf, src=r)
+                    del buf
+                out.append(obj)
+                continue
+            buf = torch.empty(total, dtype=torch.uint8, device=comm)
+            if total:
+                dist.broadcast(buf, src=r)
+            got, off = [], 0
+            for (shape, dtype), n in zip(sp, sizes):
+                got.append(buf[off:off + n].view(dtype).reshape(shape).to(device, copy=True))
+                off += n
+            del buf
+            out.append(_fill(skel, got))
+        return out
+
     def barrier(self) -> None:
         if self.active:
             import torch.distributed as dist
@@ -93,6 +133,50 @@ class Dist:
 
 
 SINGLE = Dist()
+
+
+class _TensorSlot:
+    """Placeholder for the i-th tensor of a skeleton (see Dist.all_gather_tree)."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _strip(obj, tensors: list):
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1)
+    if isinstance(obj, tuple):
+        return tuple(_strip(o, tensors) for o in obj)
+    if isinstance(obj, list):
+        return [_strip(o, tensors) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _fill(obj, tensors: list):
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.i]
+    if isinstance(obj, tuple):
+        return tuple(_fill(o, tensors) for o in obj)
+    if isinstance(obj, list):
+        return [_fill(o, tensors) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def lpt_assign(costs: Sequence[float], world: int) -> list:
+    """Owner rank of each task: longest task first onto the least-loaded rank (ties: lower task index, lower
+    rank). Deterministic, so every rank computes the same assignment without communicating."""
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda j: (-float(costs[j]), j)):
+        r = min(range(world), key=lambda q: (load[q], q))
+        owner[i] = r
+        load[r] += float(costs[i])
+    return owner
 
 
 def current() -> Dist:

@@ -25,6 +25,11 @@ from sdquant.errors import ConfigError, SdquantError
 from sdquant.quant.qtensor import QuantizedWeight, check_shape, compute_qparams, effective_group_size
 
 ACT_ORDERS = ("none", "static", "group")
+# Rows of W are independent given H. Every operation that mixes rows inside one kernel call (the lazy block
+# update's GEMM, the range-fit reductions) runs on fixed tiles of ROW_TILE rows, so a row's result does not
+# depend on how many rows are solved together: data-parallel calibration hands each rank whole tiles and is
+# bitwise equal to one process.
+ROW_TILE = 1024
 _log = logging.getLogger("sdquant.calibrate.gptq")
 
 
@@ -88,9 +93,16 @@ def rtn_dequant(W: torch.Tensor, bits: int, group_size: int, symmetric: bool,
 
 
 def mse_clip_ratio(w: torch.Tensor, bits: int, symmetric: bool, grid: int = 10, max_shrink: float = 0.5,
-                   norm: float = 2.4) -> torch.Tensor:
+                   norm: float = 2.4, row_chunk: Optional[int] = None) -> torch.Tensor:
     """Per-row range shrink for one group w [N, gs] minimising Σ|w − Q(w)|^norm over a grid of ratios
-    (1, 1 − max_shrink/grid, …). At low bits a full min/max range wastes levels on one outlier."""
+    (1, 1 − max_shrink/grid, …). At low bits a full min/max range wastes levels on one outlier.
+
+    row_chunk: evaluate in chunks of this many rows. The error sums are reductions whose order a kernel may
+    pick by the number of rows, so fixed-size chunks make each row's result independent of which other rows
+    share the call (data-parallel calibration splits rows across ranks and must match one process)."""
+    if row_chunk is not None and w.shape[0] > row_chunk:
+        return torch.cat([mse_clip_ratio(w[r0:r0 + row_chunk], bits, symmetric, grid, max_shrink, norm)
+                          for r0 in range(0, w.shape[0], row_chunk)], 0)
     n = w.shape[0]
     best = torch.ones(n, 1, device=w.device)
     best_err = torch.full((n,), float("inf"), device=w.device)
@@ -271,7 +283,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         # fitted once on the original weights so the contiguous groups need no g_idx
         if cr is None and mse_grid > 0:
             # all groups at once: [N·G, gs] rows
-            cr = mse_clip_ratio(Wf.reshape(n * ngroups, gs), bits, symmetric, mse_grid).reshape(n, ngroups)
+            cr = mse_clip_ratio(Wf.reshape(n * ngroups, gs), bits, symmetric, mse_grid,
+                                row_chunk=ROW_TILE * ngroups).reshape(n, ngroups)
         s_all, z_all = compute_qparams(Wf, bits, group_size, symmetric, 1.0 if cr is None else cr)
         scales.copy_(s_all)
         if zeros is not None:
@@ -318,7 +331,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
                     # (only reached for "none"/"group": a group is the next gs columns in processing order)
                     src = torch.cat([WbT[j:].t(), Wp[:, b1:]], 1)[:, :gs]
                     ratio = cr[:, g:g + 1] if cr is not None else (
-                        mse_clip_ratio(src, bits, symmetric, mse_grid) if mse_grid > 0 else 1.0)
+                        mse_clip_ratio(src, bits, symmetric, mse_grid, row_chunk=ROW_TILE)
+                        if mse_grid > 0 else 1.0)
                     s_g, z_g = compute_qparams(src, bits, -1, symmetric, ratio)
                     scales[:, g] = s_g[:, 0]
                     ST[j:j + gs] = s_g[:, 0].float()
@@ -330,7 +344,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         codes_p[:, b0:b1] = QT.t().to(torch.uint8)
         # lazy update of all later columns with this block's accumulated errors
         if b1 < k:
-            Wp[:, b1:].addmm_(ET.t(), U[b0:b1, b1:], alpha=-1.0)
+            Ub1 = U[b0:b1, b1:]
+            for r0 in range(0, n, ROW_TILE):                    # fixed row tiles: see ROW_TILE
+                r1 = min(r0 + ROW_TILE, n)
+                Wp[r0:r1, b1:].addmm_(ET[:, r0:r1].t().contiguous(), Ub1, alpha=-1.0)
 
     codes = codes_p[:, invperm]
     g_idx = None

@@ -189,7 +189,7 @@ class BlockContext:
             calls: list = []
 
             def rec(mod, args, kwargs, out):
-                calls.append((index[id(mod)], _move(_detach(args), "cpu"), _move(_detach(kwargs), "cpu")))
+                calls.append((index[id(mod)], _detach(args), _detach(kwargs)))
             handles = [m.register_forward_hook(rec, with_kwargs=True) for m in mods]
             try:
                 if j < n_local:
@@ -198,11 +198,11 @@ class BlockContext:
             finally:
                 for h in handles:
                     h.remove()
-            gathered: list = [None] * self.dist.world
-            tdist.all_gather_object(gathered, calls)
-            for rank_calls in gathered:          # rank order == global batch order within a step
+            # the recorded module inputs travel device to device (one buffer per rank), not through pickle
+            for rank_calls in self.dist.all_gather_tree(calls, self.device):   # rank order == batch order
                 for i, a, k in rank_calls:
-                    hooks[mods[i]](mods[i], _move(a, self.device), _move(k, self.device), None)
+                    hooks[mods[i]](mods[i], a, k, None)
+            del calls
         return outputs
 
 
