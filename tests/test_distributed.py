@@ -52,9 +52,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world,method", [(2, "rtn"), (2, "gptq"), (2, "fp8"), (2, "awq+gptq"), (4, "awq+gptq")])
-def test_data_parallel_equals_single_process(method, world, tmp_path):
+@pytest.mark.parametrize("world,method,row_tile", [(2, "rtn", None), (2, "gptq", None), (2, "fp8", None),
+                                                    (2, "awq+gptq", None), (4, "awq+gptq", None),
+                                                    (2, "awq+gptq", 16), (4, "gptq", 16), (3, "awq+gptq", 32)])
+def test_data_parallel_equals_single_process(method, world, row_tile, tmp_path, monkeypatch):
+    """row_tile: GPTQ's row tile shrunk so the tiny model's linears (64-256 rows) split into units that the
+    ranks solve separately (3 ranks: uneven units); the forked workers inherit the patched value."""
     from safetensors.torch import load_file
+    from sdquant.calibrate import gptq
+    if row_tile is not None:
+        monkeypatch.setattr(gptq, "ROW_TILE", row_tile)
     single = _tensors(sdquant.calibrate(config=_cfg(method), data=IDS))
     path = str(tmp_path / "out")
     mp.start_processes(_worker, args=(world, _free_port(), method, path), nprocs=world, join=True,

@@ -111,6 +111,37 @@ def ste_fake_quant(W: torch.Tensor, bits: int, group_size: int, symmetric: bool)
 
 
 # ---------------------------------------------------------------------------------------------- search
+def awq_candidates(x_mean: torch.Tensor, weights: Sequence[torch.Tensor], group_size: int, grid: int = 20,
+                   duo_scaling: bool = True) -> list:
+    """The scales the grid search evaluates, in order: [(α, s [K])], first the unscaled (α = −1, s = 1),
+    then α = 0, 1/grid, …. Each candidate's loss is independent of the others, so they can be evaluated
+    anywhere (data-parallel calibration spreads them over ranks) and combined with ``awq_pick``."""
+    if grid < 1:
+        raise ConfigError("quant.awq.grid", f"must be >= 1, got {grid}")
+    w_mean = weight_absmean(weights, group_size)
+    out = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))]
+    for i in range(grid):
+        alpha = i / grid
+        out.append((alpha, scale_candidate(x_mean, w_mean, alpha, duo_scaling)))
+    return out
+
+
+def candidate_loss(s: torch.Tensor, weights: Sequence[torch.Tensor], loss_fn: LossFn, bits: int,
+                   group_size: int, symmetric: bool) -> float:
+    with torch.no_grad():
+        return float(loss_fn([scaled_fake_quant(w, s, bits, group_size, symmetric) for w in weights]))
+
+
+def awq_pick(candidates: list, losses: Sequence[float]) -> AwqSearchResult:
+    """The first candidate with the strictly lowest loss (the unscaled one unless a scale beats it)."""
+    base = float(losses[0])
+    best = (base, candidates[0][0], candidates[0][1])
+    for (alpha, s), loss in zip(candidates[1:], losses[1:]):
+        if loss < best[0]:
+            best = (float(loss), alpha, s)
+    return AwqSearchResult(scales=best[2], alpha=best[1], loss=best[0], loss_unscaled=base)
+
+
 @torch.no_grad()
 def awq_search_scales(x_mean: torch.Tensor, weights: Sequence[torch.Tensor], loss_fn: LossFn, bits: int,
                       group_size: int, symmetric: bool, grid: int = 20, duo_scaling: bool = True) -> AwqSearchResult:
@@ -120,19 +151,9 @@ def awq_search_scales(x_mean: torch.Tensor, weights: Sequence[torch.Tensor], los
     -> scalar MSE against full precision. The unscaled candidate is always evaluated, so the returned loss is
     never above plain RTN's.
     """
-    if grid < 1:
-        raise ConfigError("quant.awq.grid", f"must be >= 1, got {grid}")
-    w_mean = weight_absmean(weights, group_size)
-    ones = torch.ones_like(x_mean, dtype=torch.float32)
-    base = float(loss_fn([scaled_fake_quant(w, ones, bits, group_size, symmetric) for w in weights]))
-    best = (base, -1.0, ones)
-    for i in range(grid):
-        alpha = i / grid
-        s = scale_candidate(x_mean, w_mean, alpha, duo_scaling)
-        loss = float(loss_fn([scaled_fake_quant(w, s, bits, group_size, symmetric) for w in weights]))
-        if loss < best[0]:
-            best = (loss, alpha, s)
-    return AwqSearchResult(scales=best[2], alpha=best[1], loss=best[0], loss_unscaled=base)
+    cands = awq_candidates(x_mean, weights, group_size, grid, duo_scaling)
+    losses = [candidate_loss(s, weights, loss_fn, bits, group_size, symmetric) for _, s in cands]
+    return awq_pick(cands, losses)
 
 
 def check_ratio_range(init_ratio: float, ratio_range, granularity: int, group_size: int, k: int) -> None:

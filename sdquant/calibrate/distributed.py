@@ -208,3 +208,59 @@ def rank_device(device: torch.device, d: Dist) -> torch.device:
     if d.active and device.type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", d.rank)))
     return device
+
+
+def gptq_quantize_dp(d: Dist, W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int, symmetric: bool,
+                     clip_ratio: Optional[torch.Tensor] = None, unit_shift: int = 0, **kw):
+    """``gptq_quantize`` with W's rows [N, K] solved across the ranks: rows are independent given H, so rank r
+    solves the ROW_TILE-row units u with (u + unit_shift) % world == r, and every rank receives all rows.
+    GPTQ runs its row-mixing operations on the same fixed tiles, so the result is bitwise that of one
+    process. Returns (QuantizedWeight, GptqStats) on every rank; the losses are the row-weighted means."""
+    from sdquant.calibrate.gptq import ROW_TILE, GptqStats, gptq_quantize
+    from sdquant.quant.qtensor import QuantizedWeight, effective_group_size
+    if not d.active:
+        return gptq_quantize(W, H, bits, group_size, symmetric, clip_ratio=clip_ratio, **kw)
+    n, k = W.shape
+    dev = W.device
+    units = [(r0, min(r0 + ROW_TILE, n)) for r0 in range(0, n, ROW_TILE)]
+    owner = [(u + unit_shift) % d.world for u in range(len(units))]
+
+    def rows_of(r):
+        us = [units[u] for u in range(len(units)) if owner[u] == r]
+        return torch.cat([torch.arange(a, b, device=dev) for a, b in us]) if us else None
+
+    mine = rows_of(d.rank)
+    comm = d.device()
+    stats = torch.zeros(5, dtype=torch.float64, device=comm)    # loss·rows, rtn·rows, damp, escalations, dead
+    qw = None
+    if mine is not None:
+        qw, st = gptq_quantize(W[mine], H, bits, group_size, symmetric,
+                               clip_ratio=None if clip_ratio is None else clip_ratio[mine], **kw)
+        stats.copy_(torch.tensor([st.loss * mine.numel(), st.rtn_loss * mine.numel(), st.damp, st.escalations,
+                                  st.dead_columns], dtype=torch.float64))
+    G = k // effective_group_size(k, group_size)
+    qweight = torch.empty(n, k * bits // 8, dtype=torch.uint8, device=dev)
+    scales = torch.empty(n, G, dtype=torch.float16, device=dev)
+    zeros = None if symmetric else torch.empty(n, G, dtype=torch.uint8, device=dev)
+    for r in range(d.world):
+        rows = rows_of(r)
+        if rows is None:
+            continue
+        for full, name in ((qweight, "qweight"), (scales, "scales"), (zeros, "zeros")):
+            if full is None:
+                continue
+            buf = (getattr(qw, name).contiguous().to(comm) if r == d.rank else
+                   torch.empty(rows.numel(), full.shape[1], dtype=full.dtype, device=comm))
+            full[rows] = d.broadcast_(buf, r).to(dev)
+    g_idx = None
+    if str(kw.get("act_order", "none")) == "group":          # a function of H alone: the same on every rank
+        g_idx = qw.g_idx.to(comm) if owner[0] == d.rank else torch.empty(k, dtype=torch.int32, device=comm)
+        g_idx = d.broadcast_(g_idx, owner[0]).to(dev)
+    import torch.distributed as dist
+    sums = stats[:2].clone()
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    maxes = stats[2:].clone()
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    out = QuantizedWeight(qweight, scales, zeros, bits, group_size, k, g_idx)
+    return out, GptqStats(loss=float(sums[0]) / n, rtn_loss=float(sums[1]) / n, damp=float(maxes[0]),
+                          escalations=int(maxes[1]), dead_columns=int(maxes[2]))

@@ -28,7 +28,8 @@ from torch.func import functional_call
 
 from sdquant.calibrate import awq as awq_math
 from sdquant.calibrate import fp8 as fp8_math
-from sdquant.calibrate.gptq import accumulate_hessian, gptq_quantize, layer_loss, rtn_dequant
+from sdquant.calibrate.distributed import SINGLE, gptq_quantize_dp, lpt_assign
+from sdquant.calibrate.gptq import accumulate_hessian, layer_loss, rtn_dequant
 from sdquant.calibrate.joint import scale_hessian
 from sdquant.errors import ConfigError
 from sdquant.quant.qtensor import (Fp8Weight, QuantizedWeight, compute_qparams, quantize_codes)
@@ -171,6 +172,117 @@ def _fold(g, lins, s: torch.Tensor) -> None:
         awq_math.fold_into_norm(g.prev.weight.data, b, s.to(g.prev.weight.device))
 
 
+@dataclass
+class _AwqJob:
+    gi: int
+    g: Any
+    names: list
+    lins: list
+    spec: Any
+    refine: bool
+    result: Any = None
+    seconds: float = 0.0
+
+    def reads(self) -> set:
+        mods = [self.g.inspect] if self.g.inspect is not None else []
+        return {id(p) for m in mods for p in m.parameters()} | {id(l.weight) for l in self.lins}
+
+    def writes(self) -> set:
+        prev = [self.g.prev] if isinstance(self.g.prev, nn.Module) else []
+        return {id(p) for m in prev for p in m.parameters()} | {id(l.weight) for l in self.lins}
+
+    def eval_cost(self) -> float:
+        m = self.g.inspect
+        return float(sum(p.numel() for p in m.parameters()) if m is not None else
+                     sum(l.weight.numel() for l in self.lins))
+
+
+def _awq_waves(jobs: list) -> list:
+    """Consecutive groups whose searches read nothing that an earlier group of the same wave folds into:
+    searching a whole wave before folding any of it gives exactly the sequential result (for the usual
+    decoder block — norm→qkv, v→o, norm→gate/up, up→down — the whole block is one wave)."""
+    waves: list = []
+    for job in jobs:
+        if waves and not any(prev.writes() & job.reads() for prev in waves[-1]):
+            waves[-1].append(job)
+        else:
+            waves.append([job])
+    return waves
+
+
+def _awq_search_wave(ctx, wave: list, xsum: dict, samplers: dict, dtype, ascfg, d) -> None:
+    """Grid search, then per-channel ratio refinement, for every group of a wave. Under data parallelism
+    the grid candidates are spread over the ranks (losses summed exactly: each is computed once) and each
+    group's refinement runs on one rank (longest first) and is broadcast, so every rank ends with the
+    same scales as one process."""
+    q = ctx.qcfg
+    grid, duo = int(cfg(q, "awq.grid", 20)), bool(cfg(q, "awq.duo_scaling", True))
+    for job in wave:
+        s_sum, cnt = xsum[job.gi]
+        job.x_mean = s_sum / max(cnt, 1)
+        job.ws = [l.weight.detach().float() for l in job.lins]
+        job.cands = awq_math.awq_candidates(job.x_mean, job.ws, job.spec.group_size, grid, duo)
+        job._loss_fn = None
+
+    def loss_fn(job):
+        if job._loss_fn is None:                 # full-precision targets, built only where they are used
+            g = job.g
+            pn = {m: n for n, m in g.inspect.named_modules()}
+            pnames = [(pn[l] + ".weight").lstrip(".") for l in job.lins]
+            calls = samplers[job.gi].calls
+            with torch.no_grad():
+                refs = [_out_tensor(g.inspect(*a, **kw)).float() for a, kw in calls]
+            job._loss_fn = _make_loss_fn(g.inspect, pnames, calls, refs, dtype)
+        return job._loss_fn
+
+    tasks = [(job, c) for job in wave for c in range(len(job.cands))]
+    owner = lpt_assign([job.eval_cost() for job, _ in tasks], d.world) if d.active else [0] * len(tasks)
+    losses = torch.zeros(len(tasks), dtype=torch.float64)
+    for t, ((job, c), o) in enumerate(zip(tasks, owner)):
+        if o == d.rank:
+            t1 = time.perf_counter()
+            sp = job.spec
+            losses[t] = awq_math.candidate_loss(job.cands[c][1], job.ws, loss_fn(job), sp.bits, sp.group_size,
+                                                sp.symmetric)
+            job.seconds += time.perf_counter() - t1
+    if d.active:                                 # every loss was computed on exactly one rank: the sum is exact
+        losses = d.sum_(losses.to(d.device())).cpu()
+    t = 0
+    for job in wave:
+        n = len(job.cands)
+        job.result = awq_math.awq_pick(job.cands, losses[t:t + n].tolist())
+        t += n
+    refiners = [job for job in wave if job.refine]
+    r_owner = lpt_assign([job.eval_cost() for job in refiners], d.world) if d.active else [0] * len(refiners)
+    for job, o in zip(refiners, r_owner):
+        r = job.result
+        if o == d.rank:
+            t1 = time.perf_counter()
+            sp = job.spec
+            req = [p.requires_grad for p in ctx.block.parameters()]
+            for p in ctx.block.parameters():
+                p.requires_grad_(False)
+            try:
+                s, loss, _ = awq_math.refine_channel_ratio(
+                    r.scales, job.x_mean, job.ws, loss_fn(job), sp.bits, sp.group_size, sp.symmetric, r.loss,
+                    init_ratio=float(cfg(ascfg, "init_ratio", 1.0)),
+                    ratio_range=tuple(cfg(ascfg, "ratio_range", (0.8, 1.2))),
+                    granularity=int(cfg(ascfg, "granularity", 1)),
+                    method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)))
+            finally:
+                for p, rq in zip(ctx.block.parameters(), req):
+                    p.requires_grad_(rq)
+            job.seconds += time.perf_counter() - t1
+        else:
+            s, loss = torch.empty_like(r.scales), 0.0
+        if d.active:
+            s = d.broadcast_(s.contiguous(), o)
+            loss = float(d.broadcast_(torch.tensor([loss], dtype=torch.float64, device=d.device()), o).item())
+        r.scales, r.ratio_loss = s, loss        # r.loss stays the plain AWQ loss (reported beside it)
+    for job in wave:
+        job._loss_fn = job.ws = job.cands = None
+
+
 # --------------------------------------------------------------------------------------------- recipes
 def quantize_block(ctx) -> BlockResult:
     """Quantize every target linear of ctx.block according to its LayerSpec; see the module docstring."""
@@ -275,82 +387,77 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
     t_pass1 = time.perf_counter() - t0
     rank = {n: i for i, n in enumerate(order)}
 
-    # ---- AWQ: search, refine, fold
+    # ---- AWQ: search and refine (spread over ranks), fold in order
+    d = getattr(ctx, "dist", None) or SINGLE
     scale_of: dict[str, torch.Tensor] = {}     # key -> s applied to the group's inputs
     folded_keys: set = set()                   # keys whose producer now emits x / s
     clip_of: dict[str, torch.Tensor] = {}
     awq_rows = {}
     ascfg = cfg(q, "activation_scaling", None)
+    clip_for_gptq = bool(cfg(q, "awq.clip_for_gptq", False))
+
+    def needs_clip(n):                         # the clip search result is read by RTN, or by GPTQ on request
+        return clip_on and (specs[n].method not in GPTQ_METHODS or clip_for_gptq)
+
+    jobs = []
     for gi, g, names, _ in awq_groups:
-        t1 = time.perf_counter()
+        lins = [targets[n] for n in names]
+        if g.prev is None and g.inspect is None:
+            continue
+        if isinstance(g.prev, nn.Linear) and g.prev.out_features != lins[0].in_features:
+            log.info("%s: cannot fold into %s (out %d != in %d); group left unscaled", names[0], g.prev_name,
+                     g.prev.out_features, lins[0].in_features)
+            continue
         spec = specs[names[0]]
         mixed = any((specs[n].bits, specs[n].group_size, specs[n].symmetric) !=
                     (spec.bits, spec.group_size, spec.symmetric) for n in names)
-        lins = [targets[n] for n in names]
-        k = lins[0].in_features
-        if g.prev is None and g.inspect is None:
-            continue
-        if isinstance(g.prev, nn.Linear) and g.prev.out_features != k:
-            log.info("%s: cannot fold into %s (out %d != in %d); group left unscaled", names[0], g.prev_name,
-                     g.prev.out_features, k)
-            continue
-        s_sum, cnt = xsum[gi]
-        x_mean = s_sum / max(cnt, 1)
-        pn = {m: n for n, m in g.inspect.named_modules()}
-        pnames = [(pn[l] + ".weight").lstrip(".") for l in lins]
-        calls = samplers[gi].calls
-        with torch.no_grad():
-            refs = [_out_tensor(g.inspect(*a, **kw)).float() for a, kw in calls]
-        loss_fn = _make_loss_fn(g.inspect, pnames, calls, refs, dtype)
-        ws = [l.weight.detach().float() for l in lins]
-        r = awq_math.awq_search_scales(x_mean, ws, loss_fn, spec.bits, spec.group_size, spec.symmetric,
-                                       grid=int(cfg(q, "awq.grid", 20)),
-                                       duo_scaling=bool(cfg(q, "awq.duo_scaling", True)))
-        s, loss = r.scales, r.loss
-        if ascfg is not None and bool(cfg(ascfg, "per_channel", True)) and not mixed:
-            req = [p.requires_grad for p in ctx.block.parameters()]
-            for p in ctx.block.parameters():
-                p.requires_grad_(False)
-            try:
-                s, loss, _ = awq_math.refine_channel_ratio(
-                    s, x_mean, ws, loss_fn, spec.bits, spec.group_size, spec.symmetric, r.loss,
-                    init_ratio=float(cfg(ascfg, "init_ratio", 1.0)),
-                    ratio_range=tuple(cfg(ascfg, "ratio_range", (0.8, 1.2))),
-                    granularity=int(cfg(ascfg, "granularity", 1)),
-                    method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)))
-            finally:
-                for p, rq in zip(ctx.block.parameters(), req):
-                    p.requires_grad_(rq)
-            r.ratio_loss = loss
-        key = f"group{gi}"
-        # fold: the producer emits x / s, the consumers hold W · s (exact in full precision)
-        if g.prev is None:
-            for l in lins:
-                awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+        refine = ascfg is not None and bool(cfg(ascfg, "per_channel", True)) and not mixed
+        jobs.append(_AwqJob(gi, g, names, lins, spec, refine))
+    for wave in _awq_waves(jobs):
+        _awq_search_wave(ctx, wave, xsum, samplers, dtype, ascfg, d)
+        clip_jobs = [n for j in wave for n in j.names if needs_clip(n)]
+        clip_owner = dict(zip(clip_jobs, lpt_assign([targets[n].weight.numel() for n in clip_jobs], d.world)))
+        for job in wave:
+            g, names, lins, r, s = job.g, job.names, job.lins, job.result, job.result.scales
+            key = f"group{job.gi}"
+            # fold: the producer emits x / s, the consumers hold W · s (exact in full precision)
+            if g.prev is None:
+                for l in lins:
+                    awq_math.scale_linear_inputs(l.weight.data, s.to(l.weight.device))
+                for n in names:
+                    res.smooth[n] = s.detach().clone()
+            else:
+                _fold(g, lins, s)
+                folded_keys.add(key)
+            scale_of[key] = s
+            # the clip search sees this group's folded weights before any later fold, as a sequential run does
+            todo = [(n, l) for n, l in zip(names, lins) if n in clip_owner and clip_owner[n] == d.rank]
+            if todo:
+                xs = torch.cat([c[0][0] for c in xsample[job.gi].calls], 0).float() / s[None, :]
+                for n, l in todo:
+                    sp = specs[n]
+                    clip_of[n] = awq_math.clip_search(l.weight.detach().float(), xs, sp.bits, sp.group_size,
+                                                      sp.symmetric, grid=int(cfg(q, "awq.clip_grid", 20)),
+                                                      max_shrink=float(cfg(q, "awq.clip_max_shrink", 0.5)))
+            res.scales.setdefault(ctx.prefix + "awq", []).append({
+                "prev": g.prev_name, "linears": names, "inspect": g.inspect_name, "alpha": r.alpha,
+                "folded": g.prev is not None, "scales": s.detach().float().cpu().tolist()})
             for n in names:
-                res.smooth[n] = s.detach().clone()
-        else:
-            _fold(g, lins, s)
-            folded_keys.add(key)
-        scale_of[key] = s
-        if clip_on:
-            xs = torch.cat([c[0][0] for c in xsample[gi].calls], 0).float() / s[None, :]
-            for n, l in zip(names, lins):
-                sp = specs[n]
-                clip_of[n] = awq_math.clip_search(l.weight.detach().float(), xs, sp.bits, sp.group_size,
-                                                  sp.symmetric, grid=int(cfg(q, "awq.clip_grid", 20)),
-                                                  max_shrink=float(cfg(q, "awq.clip_max_shrink", 0.5)))
-        res.scales.setdefault(ctx.prefix + "awq", []).append({
-            "prev": g.prev_name, "linears": names, "inspect": g.inspect_name, "alpha": r.alpha,
-            "folded": g.prev is not None, "scales": s.detach().float().cpu().tolist()})
-        dt = time.perf_counter() - t1
-        for n in names:
-            awq_rows[n] = dict(awq_loss_unscaled=r.loss_unscaled, awq_loss=r.loss, awq_ratio_loss=r.ratio_loss,
-                               alpha=r.alpha, awq_seconds=dt / len(names))
-        log.debug("%s: AWQ alpha=%.2f loss %.4g -> %.4g (ratio %s)", g.inspect_name, r.alpha, r.loss_unscaled,
-                  r.loss, r.ratio_loss)
+                awq_rows[n] = dict(awq_loss_unscaled=r.loss_unscaled, awq_loss=r.loss, awq_ratio_loss=r.ratio_loss,
+                                   alpha=r.alpha, awq_seconds=job.seconds / len(names))
+            log.debug("%s: AWQ alpha=%.2f loss %.4g -> %.4g (ratio %s)", g.inspect_name, r.alpha, r.loss_unscaled,
+                      r.loss, r.ratio_loss)
+        if d.active:
+            for n in clip_jobs:
+                w = targets[n].weight
+                gs_n = specs[n].group_size if specs[n].group_size > 0 else w.shape[1]
+                buf = clip_of.get(n)
+                if buf is None:
+                    buf = torch.empty(w.shape[0], w.shape[1] // gs_n, dtype=torch.float32, device=w.device)
+                clip_of[n] = d.broadcast_(buf, clip_owner[n])
 
     # ---- quantize, stage by stage in execution order
+    unit_shift = 0
     keys_in_order = sorted({key_of[n] for n in targets}, key=lambda kk: min(rank.get(n, 1 << 30)
                                                                             for n in targets if key_of[n] == kk))
     for key in keys_in_order:
@@ -393,8 +500,9 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
             box = [Hk]
             if own:
                 Hk = None
-            qw, st = gptq_quantize(torch.cat(Ws, 0), box.pop(), bits, gs, sym,
-                                   act_order=str(cfg(q, "act_order", "static")),
+            unit_shift += 1                                 # rotate leftover row units over the ranks
+            qw, st = gptq_quantize_dp(d, torch.cat(Ws, 0), box.pop(), bits=bits, group_size=gs, symmetric=sym,
+                                   unit_shift=unit_shift, act_order=str(cfg(q, "act_order", "static")),
                                    damp=float(cfg(q, "damp", 0.01)),
                                    block_size=int(cfg(q, "gptq_block_size", 128)),
                                    damp_max=float(cfg(q, "damp_max", 1.0)), clip_ratio=clip,
