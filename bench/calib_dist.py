@@ -4,6 +4,7 @@ weights; hidden 4096, 32/8 heads, MLP 14336) with 1, 2, ... GPUs.
     torchrun --nproc-per-node 1 bench/calib_dist.py --layers 4 --out $OUT/dist1.json
     torchrun --nproc-per-node 2 bench/calib_dist.py --layers 4 --out $OUT/dist2.json
     python bench/calib_dist.py --tiny            # CPU smoke test (gloo when launched by torchrun)
+    python bench/calib_dist.py --compare $OUT/dist1.json $OUT/dist2.json   # the scaling table
 
 Only the decoder blocks are calibrated; fewer layers than 32 keep the device time small, and the per-block
 time is what scales (the report extrapolates to 32 blocks and says so). Every rank must reach the same
@@ -37,7 +38,22 @@ def build(args):
     return model.eval()
 
 
+def compare(paths):
+    """Scaling table from the JSON reports of runs with 1, 2, ... GPUs (same model and data)."""
+    reps = sorted((json.load(open(p)) for p in paths), key=lambda r: r["world"])
+    base = reps[0]
+    print("| GPUs | wall s | s / block | speed-up | scaling efficiency | same weights as 1 GPU |")
+    print("|---|---|---|---|---|---|")
+    for r in reps:
+        sp = base["wall_s"] / r["wall_s"]
+        print(f"| {r['world']} | {r['wall_s']:.1f} | {r['s_per_block']:.2f} | {sp:.2f}x | "
+              f"{100 * sp * base['world'] / r['world']:.0f}% | {r['digest'] == base['digest']} |")
+
+
 def main():
+    import sys
+    if len(sys.argv) > 2 and sys.argv[1] == "--compare":
+        return compare(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=128)
@@ -82,7 +98,14 @@ def main():
     else:
         digests = [h.hexdigest()]
     n_blocks = model.config.num_hidden_layers
-    rep = {"world": d.world, "layers": n_blocks, "samples": args.samples, "seq": args.seq, "method": args.method,
+    phase = {"forward_s": 0.0, "awq_s": 0.0, "gptq_s": 0.0}
+    for k, v in res.scales.items():
+        if k.endswith("forward_seconds"):
+            phase["forward_s"] += float(v)
+    for row in res.rows:
+        phase["awq_s"] += float(row.get("awq_seconds", 0.0))
+        phase["gptq_s"] += float(row.get("gptq_seconds", 0.0))
+    rep = {"world": d.world, "digest": h.hexdigest(), "phases_rank0": phase, "layers": n_blocks, "samples": args.samples, "seq": args.seq, "method": args.method,
            "wall_s": wall, "s_per_block": wall / n_blocks, "extrapolated_32_blocks_s": wall / n_blocks * 32,
            "ranks_identical": len(set(digests)) == 1,
            "peak_gpu_gb": (res.peak_device_bytes / 2**30) if torch.cuda.is_available() else None,

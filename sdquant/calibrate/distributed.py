@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 # NVLink SHARP / multicast stays off: the lent machines' fabric does not support it reliably
-NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
