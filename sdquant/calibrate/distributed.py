@@ -49,7 +49,7 @@ class Dist:
         if not self.active:
             return t
         import torch.distributed as dist
-        buf = t.to(torch.float64)
+        buf = t.to(self.device(), torch.float64)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         t.copy_(buf.to(t.dtype))
         return t
@@ -58,7 +58,10 @@ class Dist:
         if not self.active:
             return t
         import torch.distributed as dist
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        buf = t.to(self.device())
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def sum_float(self, x: float, device=None) -> float:
@@ -71,7 +74,10 @@ class Dist:
         if not self.active:
             return t
         import torch.distributed as dist
-        dist.broadcast(t, src=src)
+        buf = t.to(self.device())                   # gloo with GPU tensors: through the host
+        dist.broadcast(buf, src=src)
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def broadcast_object(self, obj, src: int = 0):
@@ -196,18 +202,26 @@ def init_from_env(device: Optional[str] = None) -> Dist:
     import torch.distributed as dist
     if not dist.is_initialized():
         use_cuda = torch.cuda.is_available() and (device is None or str(device).startswith(("cuda", "auto")))
+        # SDQUANT_DIST_BACKEND=gloo: collectives through the host even with GPUs (e.g. several ranks sharing
+        # one GPU to check results where NCCL, which wants a GPU per rank, cannot run)
+        backend = os.environ.get("SDQUANT_DIST_BACKEND") or ("nccl" if use_cuda else "gloo")
         if use_cuda:
             for k, v in NCCL_DEFAULTS.items():
                 os.environ.setdefault(k, v)
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            torch.cuda.set_device(_local_gpu())
+        dist.init_process_group(backend=backend)
     return current()
+
+
+def _local_gpu() -> int:
+    # more ranks than GPUs (only sensible with the gloo backend) share them round-robin
+    return int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
 
 
 def rank_device(device: torch.device, d: Dist) -> torch.device:
     """Each rank uses its own GPU (LOCAL_RANK) when the configured device is CUDA."""
     if d.active and device.type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", d.rank)))
+        return torch.device("cuda", _local_gpu())
     return device
 
 
