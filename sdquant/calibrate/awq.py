@@ -23,6 +23,7 @@ move 1/s into the op that produces x, so the exported model needs no extra multi
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -171,13 +172,16 @@ def check_ratio_range(init_ratio: float, ratio_range, granularity: int, group_si
 def refine_channel_ratio(scales: torch.Tensor, x_mean: torch.Tensor, weights: Sequence[torch.Tensor],
                          loss_fn: LossFn, bits: int, group_size: int, symmetric: bool, base_loss: float,
                          init_ratio: float = 1.0, ratio_range=(0.8, 1.2), granularity: int = 1,
-                         method: str = "ste", steps: int = 8, lr: float = 0.02, buckets: int = 8):
+                         method: str = "ste", steps: int = 8, lr: float = 0.02, buckets: int = 8,
+                         grad_context: Optional[Callable] = None):
     """Per-channel activation scaling: a multiplier r (one per ``granularity`` channels) on the AWQ scale.
 
     Returns (scales · r [K], loss, r [K]). ``method``: "ste" — Adam on r through a straight-through fake
     quantizer, r clamped to ratio_range after each step; "bucket" — channels are bucketed by activation size
     and one ratio per bucket is coordinate-searched over 5 values in the range. The result is kept only when
     its exact (non-STE) loss is below ``base_loss``; otherwise the plain scale comes back unchanged.
+    ``grad_context``: a context-manager factory entered around each STE forward/backward only (e.g. a
+    deterministic attention backend); exact evaluations run outside it, like the grid search's.
     """
     k = scales.numel()
     check_ratio_range(init_ratio, ratio_range, granularity, group_size, k)
@@ -198,7 +202,7 @@ def refine_channel_ratio(scales: torch.Tensor, x_mean: torch.Tensor, weights: Se
             opt.zero_grad(set_to_none=True)
             r_full = r.repeat_interleave(granularity)
             s = scales * r_full
-            with torch.enable_grad():
+            with (grad_context() if grad_context is not None else contextlib.nullcontext()), torch.enable_grad():
                 # recompute each fake-quantized weight in the backward pass instead of keeping its ~6
                 # weight-sized intermediates alive (70B MLP: 2 × 28672 × 8192 fp32 weights)
                 eff = [checkpoint(_ste_effective, w, s, bits, group_size, symmetric, use_reentrant=False)

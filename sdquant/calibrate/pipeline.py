@@ -262,6 +262,7 @@ def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantC
             break
         prefix = f"{adapter.blocks}.{i}."
         inputs = [_with_hidden(a, k, h) for (a, k), h in zip(per_block[i], hidden)]
+        home = next(block.parameters()).device        # the block goes back where it came from
         block.to(device)
         targets = block_targets(block, prefix, qcfg, keep)
         saved = Path(work_dir) / f"block_{i:04d}.safetensors" if work_dir is not None else None
@@ -280,7 +281,7 @@ def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantC
         res.scales.update(getattr(br, "scales", {}) or {})
         with torch.no_grad():
             hidden = [_hidden(block(*a, **k)) for a, k in inputs]
-        block.to("cpu")
+        block.to(home)
         if progress:
             progress("blocks", i + 1, len(blocks))
     if device.type == "cuda":

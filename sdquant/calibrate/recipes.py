@@ -18,6 +18,7 @@ For ``awq+gptq`` (the product's default):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -197,6 +198,13 @@ class _AwqJob:
                      sum(l.weight.numel() for l in self.lins))
 
 
+def _deterministic_attention(device):
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def _awq_waves(jobs: list) -> list:
     """Consecutive groups whose searches read nothing that an earlier group of the same wave folds into:
     searching a whole wave before folding any of it gives exactly the sequential result (for the usual
@@ -262,13 +270,17 @@ def _awq_search_wave(ctx, wave: list, xsum: dict, samplers: dict, dtype, ascfg, 
             req = [p.requires_grad for p in ctx.block.parameters()]
             for p in ctx.block.parameters():
                 p.requires_grad_(False)
+            fn = loss_fn(job)                    # targets built like the grid search's (default attention)
             try:
+                # gradients through attention use the math SDPA backend, whose backward has no atomics, so a
+                # run is reproducible (and a data-parallel run equals one process)
                 s, loss, _ = awq_math.refine_channel_ratio(
-                    r.scales, job.x_mean, job.ws, loss_fn(job), sp.bits, sp.group_size, sp.symmetric, r.loss,
+                    r.scales, job.x_mean, job.ws, fn, sp.bits, sp.group_size, sp.symmetric, r.loss,
                     init_ratio=float(cfg(ascfg, "init_ratio", 1.0)),
                     ratio_range=tuple(cfg(ascfg, "ratio_range", (0.8, 1.2))),
                     granularity=int(cfg(ascfg, "granularity", 1)),
-                    method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)))
+                    method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)),
+                    grad_context=lambda: _deterministic_attention(ctx.device))
             finally:
                 for p, rq in zip(ctx.block.parameters(), req):
                     p.requires_grad_(rq)
