@@ -5,8 +5,9 @@ Variants (same harness, same process): bf16 eager; bf16 eager ops replayed as on
 bf16 / INT4 / FP8 compiled (torch.compile fullgraph, one compiled block shared by the 32 layers, the whole
 decode step captured as one CUDA graph); INT4 with embedding and lm_head in INT4 too ("int4all").
 Per variant: decode tokens/s at each batch size (greedy argmax inside the step, the sampled token fed back),
-prefill latency of one prompt, GPU memory of the weights (canonical tensors, and everything allocated including
-kernel layouts) and the peak.
+prefill latency of one prompt, GPU memory of the weights (canonical tensors; what the model holds on the device
+by its layers' own accounting, ``QuantLinear.device_bytes``; and torch.cuda.memory_allocated after the build)
+and the peak.
 
     python bench/e2e.py --out results.json                      # the H200 run (see docs/BENCHMARKS.md)
     python bench/e2e.py --tiny                                  # seconds on a CPU: checks the harness
@@ -156,11 +157,29 @@ def check_layers(rt, dev, dtype):
             with torch.no_grad():
                 y = m(x).float()
                 if isinstance(m, QuantLinear):
-                    ref = x.float() @ m.weight_q.dequantize(torch.float32).t()
+                    ref = x.float() @ m.weight_q.to(dev).dequantize(torch.float32).t()  # canonical may be host-kept
                 else:
                     ref = fp8_linear(x.float(), m.weight, m.weight_scale, m.input_scale, None)
             out[f"{name}/M{mm}"] = float((y - ref).norm() / ref.norm())
     return out
+
+
+def held_bytes(rt, dev):
+    """(quantized layers, whole model) bytes held on ``dev``: each QuantLinear/Fp8Linear reports its own
+    (``device_bytes``: kernel layouts, canonical tensors only where a bucket reads them); every other module
+    its own parameters and buffers on the device. Storages counted once."""
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    layers, rest, seen = 0, 0, set()
+    for m in rt.modules():
+        if isinstance(m, (QuantLinear, Fp8Linear)):
+            layers += m.device_bytes()
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            st = t.untyped_storage()
+            if t.device.type == dev.type and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                rest += st.nbytes()
+    return layers, layers + rest
 
 
 _LAST_BLOCK = {"linears": None}
@@ -185,8 +204,13 @@ def run_variant(name, args, dev, dtype, dims):
     sync(dev)
     res = {"variant": name, "build_s": time.perf_counter() - t0, "weights_gb": weight_bytes(rt) / 1e9,
            "kernels": kernel_labels(rt)}
+    layers_b, held_b = held_bytes(rt, dev)
+    res["quant_layers_device_gb"], res["weights_held_gb"] = layers_b / 1e9, held_b / 1e9
     if dev.type == "cuda":
         res["weights_allocated_gb"] = (torch.cuda.memory_allocated(dev) - base) / 1e9
+    print(f"  {name} weights: canonical {res['weights_gb']:.2f} GB, held on device {res['weights_held_gb']:.2f} GB "
+          f"(quantized layers {res['quant_layers_device_gb']:.2f}), allocated "
+          f"{res.get('weights_allocated_gb', float('nan')):.2f} GB", flush=True)
     try:
         res["kernel_check_rel_err"] = check_layers(rt, dev, dtype)
     except Exception as e:
@@ -232,14 +256,15 @@ def run_variant(name, args, dev, dtype, dims):
 
 def table(results, batches):
     head = "| variant | " + " | ".join(f"decode B={b} tok/s" for b in batches) + \
-        " | prefill ms | weights GB (canonical / allocated) | peak GB |"
+        " | prefill ms | weights GB (canonical / held / allocated) | peak GB |"
     lines = [head, "|" + "---|" * (len(batches) + 4)]
     for r in results:
         cells = [f"{r['decode'][str(b)]['tokens_per_s']:.1f}" if "tokens_per_s" in r["decode"].get(str(b), {})
                  else "err" for b in batches]
         p = r.get("prefill", {})
         cells.append(f"{p['ms']:.1f}" if "ms" in p else "err" if p else "–")
-        cells.append(f"{r['weights_gb']:.2f} / {r.get('weights_allocated_gb', float('nan')):.2f}")
+        cells.append(f"{r['weights_gb']:.2f} / {r.get('weights_held_gb', float('nan')):.2f} / "
+                     f"{r.get('weights_allocated_gb', float('nan')):.2f}")
         cells.append(f"{r.get('peak_gb', float('nan')):.1f}")
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

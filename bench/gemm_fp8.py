@@ -77,7 +77,7 @@ def check_correctness(dev, log, small: bool = False) -> list:
         layer = crossover.random_int4_layer(n, k, "cpu", gs, sym).to(dev)
         for m in (1, 33, 1024):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.double() @ layer.weight_q.dequantize(torch.float64).t()
+            ref = x.double() @ layer.weight_q.to(dev).dequantize(torch.float64).t()  # prepare may host-keep them
             names = ["dequant", *[nm for nm in ("triton", "cuda") if nm in layer.available_kernels(dev, x.dtype)]]
             for name in names:
                 try:

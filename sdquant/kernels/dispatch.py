@@ -17,7 +17,9 @@ Table format (version 1)::
                   "us": {"<kernel>": [median µs per bucket or null], "bf16": [...]},
                   "triton_config": [[block_n, block_m, block_k, split_k, warps, stages] or null, ...]}]}
 
-A layer whose exact (N, K) is not in the table uses the entry of its kind nearest in log-shape.
+A layer whose exact (N, K) is not in the table uses the entry of its kind nearest in log-shape. Optional
+int4 columns "dequant_cuda" / "dequant_triton" time dequantize+cuBLAS reading that kernel's layout (what a
+layer prepared with one layout runs at large M); where absent, the "dequant" column stands in.
 """
 import json
 import math
@@ -163,12 +165,15 @@ def _col(kernel: str) -> str:
 
 
 def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optional[dict] = None,
-               dtype: str = "bfloat16", mode: str = "auto") -> Plan:
+               dtype: str = "bfloat16", mode: str = "auto", columns: Optional[Dict[str, str]] = None) -> Plan:
     """Choose the kernel per M bucket for one layer.
 
     ``available``: kernel names that can run for this layer on this device (see linear.py). ``mode`` other
     than "auto" forces one family: "reference" (the CPU reference op), "triton", "cuda" (the CUDA C++ int4
     kernel, or cuBLASLt ``_scaled_mm`` for fp8), "torch" (dequantize + cuBLAS at every M).
+    ``columns``: kernel name -> the table column to time it by when the entry has that column (else its own):
+    e.g. {"dequant": "dequant_cuda"} for dequantize+cuBLAS reading the CUDA layout instead of the canonical
+    tensors (QuantLinear.prepare with one layout per layer).
     """
     if mode not in MODES:
         raise ConfigError("kernels", f"unknown kernel mode {mode!r} (choose from {', '.join(MODES)})")
@@ -187,10 +192,11 @@ def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optio
     buckets = table["buckets"]
     us: Dict[str, list] = entry["us"]
     cfgs = entry.get("triton_config") or [None] * len(buckets)
+    col = {name: (columns or {}).get(name) if (columns or {}).get(name) in us else _col(name) for name in av}
     kernels, configs = [], []
     for i, b in enumerate(buckets):
         # "dense" (a cached x.dtype copy of W, opt-in) runs exactly the bf16 baseline's F.linear
-        timed = [(us[_col(name)][i], name) for name in av if _col(name) in us and us[_col(name)][i] is not None]
+        timed = [(us[col[name]][i], name) for name in av if col[name] in us and us[col[name]][i] is not None]
         name = min(timed)[1] if timed else default_choice(kind, b, av)
         kernels.append(name)
         configs.append(tuple(cfgs[i]) if name == "triton" and cfgs[i] else ())

@@ -8,6 +8,22 @@ reference op, so an unprepared model is always correct.
     layer.plan.describe()  ->  "M1-16:cuda M17-64:triton M65+:dequant"
 
 Kernel layouts built by ``prepare`` are non-persistent buffers: ``state_dict`` keeps the canonical tensors.
+
+Memory (what a prepared INT4 layer keeps on its device). ``prepare`` builds a kernel's layout only if some M
+bucket of the plan calls it, and by default (``layouts="one"``) at most ONE int4 layout per layer: the layout
+of the kernel the plan runs at the smallest M (decode; the CUDA C++ kernel on the H200). Buckets the table gave
+to the other int4 kernel are re-planned among the kept kernel and dequantize+cuBLAS, and dequantize+cuBLAS
+reads the kept layout (``layout_dequant``: a Triton kernel writes W from the layout, then one GEMM), so the
+canonical tensors are not needed on the device. They then stay on the host (CPU memory, the package's exact
+values) for ``state_dict``, ``weight_q`` and export; ``Module.to``/``cuda`` leave them there, and ``prepare``
+copies them to the device only while it repacks. The canonical tensors stay on the device only when a bucket
+reads them: the reference op, ``kernels="torch"``, bits != 4, or ``layouts="all"``. ``device_bytes()`` says what
+a layer holds on its device. On the H200 table a Llama-3-8B-shaped layer plans cuda (M <= 4..32), triton
+(up to M = 32..64) and dequant: ``layouts="one"`` keeps the CUDA layout (1.03x the canonical bytes) and moves the
+triton buckets to cuda or dequant (the table says how much slower each bucket gets); ``layouts="all"`` keeps
+both layouts and the canonical tensors (the fastest kernel at every M, about 3x the int4 bytes).
+Re-run ``prepare`` after loading a state dict into a prepared layer: layouts are built from the canonical
+tensors once.
 """
 from __future__ import annotations
 
@@ -23,6 +39,9 @@ from sdquant.kernels import ops  # noqa: F401  (registers torch.ops.sdquant.*)
 from sdquant.quant.qtensor import Fp8Weight, QuantizedWeight
 
 _INT4_KINDS = {"triton": ("w4a16_triton", "repack_triton"), "cuda": ("w4a16_cuda", "repack_cuda")}
+_LAYOUT_DEQUANT = {"triton": "w4a16_dequant_triton", "cuda": "w4a16_dequant_cuda"}  # dequant from a layout
+_CANONICAL = ("qweight", "scales", "zeros", "g_idx")
+LAYOUT_MODES = ("one", "all")
 
 
 def _resolve(device, dtype, like: torch.Tensor):
@@ -36,6 +55,15 @@ def _resolve(device, dtype, like: torch.Tensor):
     return dev, dtype
 
 
+def _cuda_kernel_runs(device: torch.device) -> bool:
+    """Whether the CUDA C++ int4 kernel can run on ``device`` (the CPU tests substitute this function to build
+    its real layout on the host, where the op evaluates the layout with PyTorch)."""
+    if device.type != "cuda":
+        return False
+    from sdquant.kernels import int4_cuda
+    return int4_cuda.available()
+
+
 def _interpreting() -> bool:
     try:
         import triton
@@ -45,8 +73,8 @@ def _interpreting() -> bool:
 
 
 def _table_for(device: torch.device, mode: str, table):
-    """The crossover table to plan from: only for kernels="auto" on a GPU."""
-    if mode != "auto" or device.type != "cuda":
+    """The crossover table to plan from: for kernels="auto" on a GPU, or anywhere when one is passed."""
+    if mode != "auto" or (device.type != "cuda" and table is None):
         return None
     if isinstance(table, dict):
         dispatch.validate_table(table)
@@ -62,6 +90,34 @@ class _Prepared(nn.Module):
     def _init_dispatch(self):
         self.plan: Optional[dispatch.Plan] = None
         self.kernel = "reference"
+        self._device: Optional[torch.device] = None  # set by prepare
+        self._host_keys: tuple = ()  # buffers prepare keeps on the host (for state_dict/export only)
+
+    def device_bytes(self) -> int:
+        """Bytes of the tensors this layer keeps on its compute device: kernel layouts, the canonical tensors
+        when a bucket reads them, bias, smooth, the dense copy (storages counted once). Canonical tensors that
+        ``prepare`` left on the host are not counted, even when the device is the CPU itself."""
+        seen, total = set(), 0
+        host = getattr(self, "_host_keys", ())
+        for key, t in list(self._parameters.items()) + list(self._buffers.items()):
+            if t is None or key in host:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return total
+
+    def _apply(self, fn, recurse=True):
+        # Module.to / cuda / half leave host-kept canonical tensors where prepare put them (exact package values)
+        held = {k: self._buffers[k] for k in getattr(self, "_host_keys", ())}
+        for k in held:
+            self._buffers[k] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(held)
 
     def _set_plan(self, plan: dispatch.Plan):
         self.plan = plan
@@ -114,6 +170,8 @@ class QuantLinear(_Prepared):
         self.register_buffer("smooth", smooth)
         self._int4_ops: dict = {}      # kernel name -> (op, argument names), filled by prepare
         self._layout_keys: dict = {}   # kernel name -> layout keys registered as buffers
+        self._dequant_from: Optional[str] = None  # layout the "dequant" buckets read (None: canonical tensors)
+        self._dequant_op = None        # (op, argument names) of that layout's dequant+cuBLAS op
         self._init_dispatch()
 
     @property
@@ -137,8 +195,8 @@ class QuantLinear(_Prepared):
         try:
             from sdquant.kernels import int4_layout
             if name == "cuda":
-                from sdquant.kernels import int4_cuda
-                if device.type != "cuda" or not int4_cuda.available():
+                from sdquant.kernels import int4_cuda  # noqa: F401  (registers its op)
+                if not _cuda_kernel_runs(device):
                     return None
             else:
                 from sdquant.kernels import int4_triton  # noqa: F401  (registers its op)
@@ -155,37 +213,107 @@ class QuantLinear(_Prepared):
         return op, layout
 
     def prepare(self, device=None, dtype=None, kernels: str = "auto", table=None,
-                dense: bool = False) -> "QuantLinear":
+                dense: bool = False, layouts: str = "one") -> "QuantLinear":
         """Move to ``device``, build the kernel layouts once and choose a kernel per M bucket.
 
-        kernels: "auto" (measured table on a GPU, the reference op on a CPU), "reference", "triton", "cuda",
-        "torch" (dequantize + cuBLAS at every M). ``table``: a path or dict overriding the shipped table.
-        ``dtype`` is the activation dtype the layer will see (default bf16 on a GPU, fp32 on a CPU).
-        ``dense``: also keep a dequantized copy of W for the buckets where bf16 F.linear is fastest (see
-        ``_set_dense``): the only way an int4 layer matches bf16 at large M, at the cost of W's bf16 memory.
+        kernels: "auto" (measured table on a GPU, the reference op on a CPU unless ``table`` is given),
+        "reference", "triton", "cuda", "torch" (dequantize + cuBLAS at every M). ``table``: a path or dict
+        overriding the shipped table. ``dtype`` is the activation dtype the layer will see (default bf16 on a
+        GPU, fp32 on a CPU). ``dense``: also keep a dequantized copy of W for the buckets where bf16 F.linear is
+        fastest (see ``_set_dense``): the only way an int4 layer matches bf16 at large M, at the cost of W's
+        bf16 memory. ``layouts``: "one" (default) keeps at most one int4 kernel layout, that of the plan's smallest-M
+        kernel, and dequantizes from it at large M, so the canonical tensors go back to the host; "all" keeps
+        every layout the plan calls plus the canonical tensors for dequantize+cuBLAS (fastest at every M, about
+        3x the memory). See the module docstring.
         """
-        device, dtype = _resolve(device, dtype, self.qweight)
-        self.to(device)
-        for name, keys in self._layout_keys.items():  # drop layouts of an earlier prepare
-            for key in keys:
-                delattr(self, key)
-        self._layout_keys, self._int4_ops = {}, {}
+        if layouts not in LAYOUT_MODES:
+            raise ConfigError("layouts", f"unknown layouts mode {layouts!r} (choose from {', '.join(LAYOUT_MODES)})")
+        device, dtype = _resolve(device, dtype, self._device_tensor())
+        self._release()
+        canon = {k: self._buffers[k] for k in _CANONICAL}
+        # the repacks (and a dense copy) read the canonical tensors on the device; moved back below if unused
+        for key in (*_CANONICAL, "bias", "smooth"):
+            if self._buffers[key] is not None:
+                self._buffers[key] = self._buffers[key].to(device)
+        self._device = device
         available = self.available_kernels(device, dtype) + (("dense",) if dense else ())
-        if kernels == "auto" and device.type != "cuda":
-            plan = dispatch.uniform("reference", "cpu")
-        else:
-            plan = dispatch.plan_layer("int4" if self.bits == 4 else f"int{self.bits}", self.out_features,
-                                       self.in_features, available, _table_for(device, kernels, table),
-                                       str(dtype).replace("torch.", ""), kernels)
-        for name in set(plan.kernels) & {"triton", "cuda"}:
-            if not self.attach_int4(name, device, dtype):  # the repack refused: those buckets fall back
-                warnings.warn(f"QuantLinear: int4 {name} kernel unavailable for [{self.out_features}x"
+        plan, failed = None, set()
+        while True:
+            av = tuple(k for k in available if k not in failed)
+            plan = self._plan(av, device, dtype, kernels, table)
+            used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
+            if layouts == "one" and used:
+                # one layout per layer: keep the decode (smallest-M) kernel, re-plan the other's buckets
+                # among it and dequantize+cuBLAS, timed by the table's column for dequantize+cuBLAS from
+                # that layout where measured ("dequant_cuda"), else by the canonical "dequant" column
+                plan = self._plan(tuple(k for k in av if k not in used[1:]), device, dtype, kernels, table,
+                                  {"dequant": f"dequant_{used[0]}"})
+                used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
+            bad = next((k for k in used if k not in self._layout_keys and not self.attach_int4(k, device, dtype)),
+                       None)
+            if bad is None:
+                break
+            if kernels != "auto":  # a forced kernel whose repack refused this shape
+                warnings.warn(f"QuantLinear: int4 {bad} kernel unavailable for [{self.out_features}x"
                               f"{self.in_features}]; using dequantize+cuBLAS instead")
-                plan = dispatch.Plan(plan.bounds, tuple("dequant" if k == name else k for k in plan.kernels),
+                plan = dispatch.Plan(plan.bounds, tuple("dequant" if k == bad else k for k in plan.kernels),
                                      plan.configs, plan.source)
+                break
+            warnings.warn(f"QuantLinear: int4 {bad} kernel unavailable for [{self.out_features}x"
+                          f"{self.in_features}]; planning without it")
+            failed.add(bad)
+        for name in [k for k in self._layout_keys if k not in plan.kernels]:  # built, then planned away
+            self._drop_layout(name)
+        self._dequant_from = None
+        if "dequant" in plan.kernels and layouts == "one" and self._layout_keys:
+            self._dequant_from = next(iter(self._layout_keys))
+            self._attach_layout_dequant(self._dequant_from)
         self._set_dense(dense and "dense" in plan.kernels, dtype)
+        needs_canonical = "reference" in plan.kernels or ("dequant" in plan.kernels and self._dequant_from is None)
+        if not needs_canonical:  # exact package values stay on the host for state_dict / export
+            for key, t in canon.items():
+                self._buffers[key] = None if t is None else t.to("cpu")
+            self._host_keys = _CANONICAL
         self._set_plan(plan)
+        if self._dequant_from is not None:
+            self.kernel += f" (dequant from the {self._dequant_from} layout)"
         return self
+
+    def _plan(self, available: tuple, device, dtype, kernels: str, table, columns=None) -> dispatch.Plan:
+        if kernels == "auto" and device.type != "cuda" and table is None:  # a given table plans anywhere
+            return dispatch.uniform("reference", "cpu")
+        return dispatch.plan_layer("int4" if self.bits == 4 else f"int{self.bits}", self.out_features,
+                                   self.in_features, available, _table_for(device, kernels, table),
+                                   str(dtype).replace("torch.", ""), kernels, columns)
+
+    def _device_tensor(self) -> torch.Tensor:
+        """A tensor on the device the layer computes on (the canonical tensors may be kept on the host)."""
+        if self._device is not None:
+            return torch.empty(0, device=self._device)
+        return self.qweight
+
+    @property
+    def canonical_on_device(self) -> bool:
+        """Whether the canonical tensors are held on the compute device (False: host-kept, see prepare)."""
+        return "qweight" not in self._host_keys
+
+    def _release(self):
+        """Forget an earlier prepare: drop its layouts and dense copy (canonical tensors stay where they are)."""
+        for name in list(self._layout_keys):
+            self._drop_layout(name)
+        self._int4_ops, self._layout_keys, self._dequant_op, self._dequant_from = {}, {}, None, None
+        self._host_keys = ()
+        self._set_dense(False, torch.float32)
+
+    def _drop_layout(self, name: str):
+        for key in self._layout_keys.pop(name, ()):
+            delattr(self, key)
+        self._int4_ops.pop(name, None)
+
+    def _attach_layout_dequant(self, name: str):
+        from sdquant.kernels import layout_dequant  # noqa: F401  (registers the ops)
+        op = getattr(torch.ops.sdquant, _LAYOUT_DEQUANT[name])
+        self._dequant_op = (op, [a.name for a in op.default._schema.arguments])
 
     def attach_int4(self, name: str, device, dtype) -> bool:
         """Build the int4 helper's layout for kernel ``name`` ("triton"|"cuda") as non-persistent buffers."""
@@ -215,9 +343,15 @@ class QuantLinear(_Prepared):
             return torch.nn.functional.linear(x, self._dense_weight, None if self.bias is None else
                                               self.bias.to(x.dtype))
         if name == "dequant":
+            if self._dequant_from is not None:
+                return self._call_layout(self._dequant_op, self._dequant_from, x)
             return torch.ops.sdquant.int_linear_dequant(x, self.qweight, self.scales, self.zeros, self.g_idx,
                                                         self.bias, self.bits, self.group_size, self.in_features)
-        op, arg_names = self._int4_ops[name]
+        return self._call_layout(self._int4_ops[name], name, x)
+
+    def _call_layout(self, op_args, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Call ``op`` with the buffers of layout ``name`` matched to its schema's argument names."""
+        op, arg_names = op_args
         values = {"x": x, "bias": self.bias, "group_size": self.group_size, "bits": self.bits,
                   "in_features": self.in_features, "out_features": self.out_features}
         for attr in self._layout_keys[name]:
