@@ -264,10 +264,8 @@ class QuantLinear(_Prepared):
             failed.add(bad)
         for name in [k for k in self._layout_keys if k not in plan.kernels]:  # built, then planned away
             self._drop_layout(name)
-        self._dequant_from = None
-        if "dequant" in plan.kernels and layouts == "one" and self._layout_keys:
-            self._dequant_from = next(iter(self._layout_keys))
-            self._attach_layout_dequant(self._dequant_from)
+        self.use_layout_dequant(next(iter(self._layout_keys)) if "dequant" in plan.kernels and layouts == "one"
+                                and self._layout_keys else None)
         self._set_dense(dense and "dense" in plan.kernels, dtype)
         needs_canonical = "reference" in plan.kernels or ("dequant" in plan.kernels and self._dequant_from is None)
         if not needs_canonical:  # exact package values stay on the host for state_dict / export
@@ -314,6 +312,16 @@ class QuantLinear(_Prepared):
         from sdquant.kernels import layout_dequant  # noqa: F401  (registers the ops)
         op = getattr(torch.ops.sdquant, _LAYOUT_DEQUANT[name])
         self._dequant_op = (op, [a.name for a in op.default._schema.arguments])
+
+    def use_layout_dequant(self, name: Optional[str]) -> None:
+        """Route the "dequant" path through the attached layout ``name`` ("cuda"|"triton"), or back to the
+        canonical tensors (None). ``prepare`` decides this itself; bench/layout_dequant.py times each source."""
+        if name is not None and name not in self._layout_keys:
+            raise ConfigError("layouts", f"no {name} layout is attached to this layer (attached: "
+                                         f"{', '.join(self._layout_keys) or 'none'})")
+        self._dequant_from, self._dequant_op = name, None
+        if name is not None:
+            self._attach_layout_dequant(name)
 
     def attach_int4(self, name: str, device, dtype) -> bool:
         """Build the int4 helper's layout for kernel ``name`` ("triton"|"cuda") as non-persistent buffers."""
