@@ -113,6 +113,34 @@ def run_block(shape, device, dtype, n_seqs, seq_len, batch, quant: dict):
         fwd["s"] += time.perf_counter() - t
         fwd["n"] += 1
     recipes._stream = timed_stream
+    # peak device memory per phase: each tracked call starts a fresh peak window
+    from sdquant.calibrate import awq as awq_mod
+    from sdquant.calibrate import gptq as gptq_mod
+    peaks: dict = {}
+    top = [0]
+    patched = []
+
+    def track(mod, name, label):
+        f = getattr(mod, name)
+
+        def wrapped(*a, **k):
+            if device.type != "cuda":
+                return f(*a, **k)
+            top[0] = max(top[0], torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                return f(*a, **k)
+            finally:
+                pk = torch.cuda.max_memory_allocated(device)
+                peaks[label] = max(peaks.get(label, 0), pk)
+                top[0] = max(top[0], pk)
+        setattr(mod, name, wrapped)
+        patched.append((mod, name, f))
+    track(recipes, "_stream", "forward passes")
+    track(gptq_mod, "gptq_quantize", "GPTQ solve")
+    track(awq_mod, "candidate_loss", "AWQ grid")
+    track(awq_mod, "refine_channel_ratio", "AWQ ratio")
+    track(awq_mod, "clip_search", "AWQ clip")
     sync(device)
     t0 = time.perf_counter()
     res = recipes.quantize_block(ctx)
@@ -123,12 +151,15 @@ def run_block(shape, device, dtype, n_seqs, seq_len, batch, quant: dict):
     total = time.perf_counter() - t0
     awq_s = sum(r.get("awq_seconds", 0.0) for r in res.rows)
     gptq_s = sum(r.get("gptq_seconds", 0.0) for r in res.rows)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak = max(top[0], torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+    for mod, name, f in patched:
+        setattr(mod, name, f)
     out = {"shape": shape, "tokens": n_seqs * seq_len, "seconds_total": round(total, 3),
            "seconds_recipe": round(t_recipe, 3), "seconds_forward": round(fwd["s"], 3), "forward_passes": fwd["n"],
            "seconds_awq_search": round(awq_s, 3), "seconds_gptq_solve": round(gptq_s, 3),
            "seconds_other": round(total - fwd["s"] - awq_s - gptq_s, 3),
-           "peak_gib": round(peak / 2 ** 30, 2), "escalations": sum(r.get("escalations", 0) for r in res.rows),
+           "peak_gib": round(peak / 2 ** 30, 2),
+           "peak_gib_by_phase": {k: round(v / 2 ** 30, 2) for k, v in peaks.items()}, "escalations": sum(r.get("escalations", 0) for r in res.rows),
            "layers": len(res.weights)}
     recipes._stream = plain_stream
     del block, inputs, ctx, res

@@ -30,6 +30,7 @@ ACT_ORDERS = ("none", "static", "group")
 # depend on how many rows are solved together: data-parallel calibration hands each rank whole tiles and is
 # bitwise equal to one process.
 ROW_TILE = 1024
+HOST_HESSIAN_BYTES = 1 << 30      # Hessians at least this large wait in host memory during the solve
 _log = logging.getLogger("sdquant.calibrate.gptq")
 
 
@@ -54,7 +55,7 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
     mean (rather than a sum) keeps the magnitude independent of the number of calibration tokens.
     """
     x = x.reshape(-1, x.shape[-1])  # [T, K]
-    t = x.shape[0]
+    t, k = x.shape
     if H is None:
         H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     if t == 0:
@@ -65,7 +66,11 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
         # half inputs, fp32 accumulation and output on the tensor cores (products of half values are exact
         # in fp32); avoids a [T, K] fp32 copy and fp32 SIMT matmuls
         try:
-            H.add_(torch.mm(x.t(), x, out_dtype=torch.float32), alpha=2.0 / total)
+            # the fp32 product is a temporary as large as H: for a large K it is made in column blocks
+            step = k if k * k * 4 < HOST_HESSIAN_BYTES else 4096
+            for c0 in range(0, k, step):
+                H[:, c0:c0 + step].add_(torch.mm(x.t(), x[:, c0:c0 + step], out_dtype=torch.float32),
+                                        alpha=2.0 / total)
             return H, total
         except (RuntimeError, TypeError):
             pass
@@ -116,20 +121,29 @@ def mse_clip_ratio(w: torch.Tensor, bits: int, symmetric: bool, grid: int = 10, 
     return best
 
 
-def _damped_inverse_cholesky(H: torch.Tensor, damp: float, damp_max: float, log: logging.Logger, name: str):
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise damp ×10 (capped at damp_max)
-    each time the factorisation fails, logging every escalation. H's diagonal is damped in place and
-    restored before returning (a 28672² Hessian is 3.3 GB: no extra copies)."""
-    diag = H.diagonal()
-    mean_diag = float(diag.mean())
+def _damped_inverse_cholesky(box: list, damp: float, damp_max: float, log: logging.Logger, name: str,
+                             rebuild=None):
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H), H = box[0]; raise damp ×10 (capped
+    at damp_max) each time a factorisation fails, logging every escalation. H's diagonal is damped in place
+    and restored (a 28672² Hessian is 3.3 GB: no extra copies). With ``rebuild`` (a callable returning H
+    again), H is dropped from the device (box[0] = None) as soon as its factor exists, so the peak is two
+    K² matrices instead of three; it is rebuilt only if damping has to escalate after that point."""
+    H = box[0]
+    mean_diag = float(H.diagonal().mean())
     cur, escalations, history = damp, 0, []
     while True:
         history.append(cur)
+        if H is None:
+            H = box[0] = rebuild()
         lam = cur * mean_diag
+        diag = H.diagonal()
         diag.add_(lam)
         L, info = torch.linalg.cholesky_ex(H)
         diag.sub_(lam)
+        del diag
         if int(info) == 0:
+            if rebuild is not None:
+                H = box[0] = None
             Hinv = torch.cholesky_inverse(L)
             del L
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
@@ -292,6 +306,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         fitted[:] = True
 
     Wp = Wf[:, perm].contiguous()                                # [N, K] in processing order
+    del Wf
     if act_order == "none":
         Hp = H
     else:                                                        # two steps: one K² temporary, not two
@@ -299,7 +314,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         del H
         Hp = Hp.index_select(1, perm)
     H = None                                                     # losses are computed in processing order
-    U, used_damp, escalations, history = _damped_inverse_cholesky(Hp, damp, damp_max, log, name)
+    # a large Hessian waits in host memory while the factorisation and the sweep run (70B down_proj: 3.3 GB
+    # of the device peak); it comes back for the final losses and for a damping escalation
+    H_host = Hp.to("cpu") if Hp.is_cuda and Hp.numel() * 4 >= HOST_HESSIAN_BYTES else None
+    box = [Hp]
+    del Hp
+    U, used_damp, escalations, history = _damped_inverse_cholesky(
+        box, damp, damp_max, log, name, rebuild=None if H_host is None else (lambda: H_host.to(dev)))
+    Hp = box.pop()
     codes_p = torch.empty(n, k, dtype=torch.uint8, device=dev)
     gpos_cpu = gpos.cpu()
 
@@ -356,6 +378,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         g_idx[perm] = (torch.arange(k, device=dev) // gs).to(torch.int32)
     qw = QuantizedWeight.from_codes(codes, scales, zeros, bits, group_size, g_idx)
     del U
+    if Hp is None:
+        Hp = H_host.to(dev)
     deq = qw.dequantize(torch.float32)
     W0p = W0[:, perm]
     loss = layer_loss(W0p, deq[:, perm], Hp)

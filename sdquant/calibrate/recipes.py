@@ -513,7 +513,7 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
             if own:
                 Hk = None
             unit_shift += 1                                 # rotate leftover row units over the ranks
-            qw, st = gptq_quantize_dp(d, torch.cat(Ws, 0), box.pop(), bits=bits, group_size=gs, symmetric=sym,
+            qw, st = gptq_quantize_dp(d, Ws[0] if len(Ws) == 1 else torch.cat(Ws, 0), box.pop(), bits=bits, group_size=gs, symmetric=sym,
                                    unit_shift=unit_shift, act_order=str(cfg(q, "act_order", "static")),
                                    damp=float(cfg(q, "damp", 0.01)),
                                    block_size=int(cfg(q, "gptq_block_size", 128)),
