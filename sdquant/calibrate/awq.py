@@ -202,14 +202,26 @@ def refine_channel_ratio(scales: torch.Tensor, x_mean: torch.Tensor, weights: Se
             opt.zero_grad(set_to_none=True)
             r_full = r.repeat_interleave(granularity)
             s = scales * r_full
-            with (grad_context() if grad_context is not None else contextlib.nullcontext()), torch.enable_grad():
-                # recompute each fake-quantized weight in the backward pass instead of keeping its ~6
-                # weight-sized intermediates alive (70B MLP: 2 × 28672 × 8192 fp32 weights)
-                eff = [checkpoint(_ste_effective, w, s, bits, group_size, symmetric, use_reentrant=False)
-                       for w in ws]
-                loss = loss_fn(eff)
-                del eff
-                loss.backward()
+            # recompute each fake-quantized weight in the backward pass instead of keeping its ~6
+            # weight-sized intermediates alive (70B MLP: 2 × 28672 × 8192 fp32 weights)
+            if grad_context is not None and getattr(loss_fn, "parts", None):
+                # one backward per sequence: the deterministic attention backend materialises the score
+                # matrices, so the whole sample at once would hold tens of GB; gradients add up in order
+                for part in loss_fn.parts:
+                    with grad_context(), torch.enable_grad():
+                        s = scales * r.repeat_interleave(granularity)     # a fresh graph per backward
+                        eff = [checkpoint(_ste_effective, w, s, bits, group_size, symmetric, use_reentrant=False)
+                               for w in ws]
+                        (part(eff) / loss_fn.count).backward()
+                        del eff
+            else:
+                with (grad_context() if grad_context is not None else contextlib.nullcontext()), \
+                        torch.enable_grad():
+                    eff = [checkpoint(_ste_effective, w, s, bits, group_size, symmetric, use_reentrant=False)
+                           for w in ws]
+                    loss = loss_fn(eff)
+                    del eff
+                    loss.backward()
             opt.step()
             with torch.no_grad():
                 r.clamp_(lo, hi)

@@ -79,10 +79,17 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
     return H, total
 
 
-def layer_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
-    """tr((W − Q) H (W − Q)ᵀ) / N: the expected squared output error per output row."""
-    d = (W.float() - Q.float())
-    return float(((d @ H) * d).sum() / W.shape[0])
+def layer_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, perm: Optional[torch.Tensor] = None) -> float:
+    """tr((W − Q) H (W − Q)ᵀ) / N: the expected squared output error per output row. ``perm``: H is in this
+    column order (the columns of W − Q are permuted to match). Rows go in ROW_TILE chunks, so the
+    temporaries stay small next to a 57k-row fused weight."""
+    tot = 0.0
+    for r0 in range(0, W.shape[0], ROW_TILE):
+        d = W[r0:r0 + ROW_TILE].float() - Q[r0:r0 + ROW_TILE].float()
+        if perm is not None:
+            d = d[:, perm]
+        tot += float(((d @ H) * d).sum())
+    return tot / W.shape[0]
 
 
 def rtn_dequant(W: torch.Tensor, bits: int, group_size: int, symmetric: bool,
@@ -381,9 +388,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     if Hp is None:
         Hp = H_host.to(dev)
     deq = qw.dequantize(torch.float32)
-    W0p = W0[:, perm]
-    loss = layer_loss(W0p, deq[:, perm], Hp)
-    rtn_loss = layer_loss(W0p, rtn_dequant(W0, bits, group_size, symmetric)[:, perm], Hp)
+    loss = rtn_loss = 0.0
+    for r0 in range(0, n, ROW_TILE):                            # row chunks: small temporaries
+        w = W0[r0:r0 + ROW_TILE]
+        loss += layer_loss(w, deq[r0:r0 + ROW_TILE], Hp, perm) * w.shape[0] / n
+        rtn_loss += layer_loss(w, rtn_dequant(w, bits, group_size, symmetric), Hp, perm) * w.shape[0] / n
+    del deq
     stats = GptqStats(loss=loss, rtn_loss=rtn_loss, damp=used_damp, escalations=escalations,
                       dead_columns=n_dead, damp_history=history)
     return qw, stats

@@ -144,16 +144,46 @@ class _Sampler:
             self.tokens += t
 
 
+def _slice_batch(obj, b: int, i: int):
+    """Sequence i of a call's arguments: tensors of two or more dims whose first dim is the batch b."""
+    if isinstance(obj, torch.Tensor):
+        return obj[i:i + 1] if obj.dim() >= 2 and obj.shape[0] == b else obj
+    if isinstance(obj, tuple):
+        return tuple(_slice_batch(o, b, i) for o in obj)
+    if isinstance(obj, list):
+        return [_slice_batch(o, b, i) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _slice_batch(v, b, i) for k, v in obj.items()}
+    return obj
+
+
 def _make_loss_fn(inspect: nn.Module, pnames, calls, refs, dtype):
-    """loss(weights) = mean squared error of inspect's output with the group's weights replaced."""
-    def loss_fn(ws):
+    """loss(weights) = mean squared error of inspect's output with the group's weights replaced.
+
+    For an attention inspect module the function also carries ``parts``: per-sequence closures returning
+    the summed squared error of one sequence, and ``count``: the number of output elements, so a gradient
+    step can be taken one sequence at a time (what the math attention backend needs to stay small)."""
+    def sse(ws, a, kw, ref):
         params = {pn: w.to(dtype) for pn, w in zip(pnames, ws)}
+        out = _out_tensor(functional_call(inspect, params, a, kw)).float()
+        return (out - ref).pow(2).sum()
+
+    def loss_fn(ws):
         tot, cnt = 0.0, 0
         for (a, kw), ref in zip(calls, refs):
-            out = _out_tensor(functional_call(inspect, params, a, kw)).float()
-            tot = tot + (out - ref).pow(2).sum()
+            tot = tot + sse(ws, a, kw, ref)
             cnt += ref.numel()
         return tot / max(cnt, 1)
+
+    loss_fn.count = max(sum(r.numel() for r in refs), 1)
+    if calls and any(k in calls[0][1] for k in ("position_embeddings", "attention_mask")):
+        parts = []
+        for (a, kw), ref in zip(calls, refs):
+            b = ref.shape[0]
+            for i in range(b):
+                parts.append(lambda ws, a=_slice_batch(a, b, i), kw=_slice_batch(kw, b, i), ref=ref[i:i + 1]:
+                             sse(ws, a, kw, ref))
+        loss_fn.parts = parts
     return loss_fn
 
 
