@@ -1,4 +1,6 @@
-"""ONNX lowering of quantized Llama-family decoders (llama, mistral, qwen2, qwen3), driven token by token.
+"""ONNX lowering of quantized decoders, driven token by token: Llama-family (llama, mistral, qwen2, qwen3) here,
+Gemma 1/2/3-text, Phi-3, GPT-2, OPT and GPT-NeoX through ``onnx_families`` + ``onnx_family_graph`` (same
+interface and linear lowering).
 
 The graph is built directly with onnx.helper from ``sdquant.runtime.spec.decoder_spec`` (not traced): every
 node is known, INT4/INT2/INT8 linears become ``com.microsoft::MatMulNBits`` (see ``onnx_ops``), FP8 linears
@@ -32,6 +34,7 @@ import torch
 
 from sdquant.errors import ConfigError
 from sdquant.export.onnx_ops import GraphBuilder, OnnxExportError, linear_nodes
+from sdquant.runtime.spec import SUPPORTED_FAMILIES as LLAMA_FAMILIES
 from sdquant.runtime.spec import DecoderSpec, decoder_spec
 
 MODEL_FILE = "model.onnx"
@@ -69,7 +72,8 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
         logits by up to 9% of the max logit, see docs/ONNX.md). 0 matches the PyTorch model to ~1e-6.
     opset: default-domain opset (>= 18; FP8 linears need >= 19).
     dtype: float32 (CPU) or float16 (CUDA provider) for activations, float weights, scales and KV cache.
-    max_positions: size of the RoPE tables (default: config.max_position_embeddings, capped at 32768).
+    max_positions: size of the RoPE tables (default: config.max_position_embeddings, capped at 32768); GPT-2/OPT
+        keep their learned position table.
     external_data: True, False or "auto" (weights go to model.onnx.data when the model is over 2 GB).
     tokenizer: a HF tokenizer saved next to the model (default: ``model.tokenizer`` when the model has one).
     fuse: one MatMulNBits for q/k/v and one for gate/up per layer where the weights allow (exact).
@@ -83,17 +87,27 @@ def export_onnx(model_or_package, out_dir: Union[str, os.PathLike], *, accuracy_
     if external_data not in (True, False, "auto"):
         raise ConfigError("external_data", f"must be true, false or 'auto', got {external_data!r}")
     model = _load(model_or_package)
-    spec = decoder_spec(model)
-    n_pos = max_positions or min(spec.dims.max_position_embeddings, 32768)
+    if getattr(getattr(model, "config", None), "model_type", None) in LLAMA_FAMILIES:
+        spec = decoder_spec(model)
+        d = spec.dims
+        family, n_layers, n_kv, head_dim, vocab = d.family, d.n_layers, d.n_kv_heads, d.head_dim, d.vocab_size
+        max_pos, build = d.max_position_embeddings, build_decoder_graph
+    else:   # Gemma, Phi-3, GPT-2, OPT, GPT-NeoX (raises UnsupportedFamilyError for any other model_type)
+        from sdquant.export.onnx_families import family_spec
+        from sdquant.export.onnx_family_graph import build_family_graph
+        spec = family_spec(model)
+        family, n_layers, n_kv, head_dim, vocab = (spec.family, len(spec.layers), spec.n_kv_heads, spec.head_dim,
+                                                   spec.vocab_size)
+        max_pos, build = spec.max_position_embeddings, build_family_graph
+    n_pos = max_positions or min(max_pos, 32768)
     if not isinstance(n_pos, int) or n_pos < 1:
         raise ConfigError("max_positions", f"must be a positive integer, got {max_positions!r}")
-    gb, counts = build_decoder_graph(spec, dtype=dtype, opset=opset, accuracy_level=accuracy_level,
-                                     max_positions=n_pos, fuse=fuse)
-    meta = {"format": "sdquant-onnx-decoder", "version": 1, "family": spec.dims.family,
-            "n_layers": spec.dims.n_layers, "n_kv_heads": spec.dims.n_kv_heads, "head_dim": spec.dims.head_dim,
-            "vocab_size": spec.dims.vocab_size, "dtype": dtype, "opset": opset, "accuracy_level": accuracy_level,
-            "max_positions": n_pos, "matmulnbits": counts[0], "fp8_qdq": counts[1], "float_linear": counts[2]}
-    onnx_model = gb.make_model(f"sdquant_{spec.dims.family}_decoder", opset,
+    gb, counts = build(spec, dtype=dtype, opset=opset, accuracy_level=accuracy_level, max_positions=n_pos, fuse=fuse)
+    meta = {"format": "sdquant-onnx-decoder", "version": 1, "family": family, "n_layers": n_layers,
+            "n_kv_heads": n_kv, "head_dim": head_dim, "vocab_size": vocab, "dtype": dtype, "opset": opset,
+            "accuracy_level": accuracy_level, "max_positions": n_pos, "matmulnbits": counts[0],
+            "fp8_qdq": counts[1], "float_linear": counts[2]}
+    onnx_model = gb.make_model(f"sdquant_{family}_decoder", opset,
                                {k: json.dumps(v) if not isinstance(v, str) else v for k, v in meta.items()})
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is not None:
