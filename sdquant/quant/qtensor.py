@@ -48,20 +48,30 @@ def check_shape(name: str, in_features: int, bits: int, group_size: int) -> None
 
 
 # ----------------------------------------------------------------------------------------------- packing
+_PACK_ROWS = 4096     # rows per chunk for the 3-bit bit-matrix path (its temporaries are 8·bits bytes a code)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N, K] integer codes in [0, 2**bits) -> uint8 [N, K*bits/8] little-endian bit stream per row."""
+    """[N, K] integer codes in [0, 2**bits) -> uint8 [N, K*bits/8] little-endian bit stream per row.
+
+    2/4/8 bits work in uint8 (a code never straddles a byte), so packing a 57k × 8k fused weight needs no
+    int64 temporaries (those were 8 bytes a code, ~10 GB at that size); 3 bits go through a bit matrix in
+    row chunks."""
     n, k = codes.shape
     if (k * bits) % 8:
         raise ShapeError(f"cannot pack K={k} codes of {bits} bits into whole bytes")
-    c = codes.to(torch.int64)
     if bits == 8:
-        return c.to(torch.uint8)
-    if 8 % bits == 0:  # 2 or 4 bits: codes never straddle a byte
+        return codes.to(torch.uint8)
+    if 8 % bits == 0:
         per = 8 // bits
-        c = c.view(n, k // per, per)
-        shifts = torch.arange(per, device=c.device, dtype=torch.int64) * bits
-        return (c << shifts).sum(-1).to(torch.uint8)
-    # general case (3 bits): expand to a bit matrix and regroup by 8
+        c = codes.to(torch.uint8).reshape(n, k // per, per)
+        out = c[..., 0].clone()
+        for j in range(1, per):
+            out |= c[..., j] << (j * bits)
+        return out
+    if n > _PACK_ROWS:
+        return torch.cat([pack_codes(codes[r0:r0 + _PACK_ROWS], bits) for r0 in range(0, n, _PACK_ROWS)], 0)
+    c = codes.to(torch.int64)
     bit_idx = torch.arange(bits, device=c.device, dtype=torch.int64)
     bitsm = ((c.unsqueeze(-1) >> bit_idx) & 1).reshape(n, k * bits // 8, 8)
     weights = torch.arange(8, device=c.device, dtype=torch.int64)
@@ -71,14 +81,18 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """Inverse of pack_codes: uint8 [N, K*bits/8] -> uint8 [N, K]."""
     n = packed.shape[0]
-    p = packed.to(torch.int64)
     mask = (1 << bits) - 1
     if bits == 8:
         return packed.to(torch.uint8)
     if 8 % bits == 0:
+        p = packed.to(torch.uint8)
         per = 8 // bits
-        shifts = torch.arange(per, device=p.device, dtype=torch.int64) * bits
-        return ((p.unsqueeze(-1) >> shifts) & mask).reshape(n, -1)[:, :in_features].to(torch.uint8)
+        parts = [(p >> (j * bits)) & mask for j in range(per)]
+        return torch.stack(parts, -1).reshape(n, -1)[:, :in_features]
+    if n > _PACK_ROWS:
+        return torch.cat([unpack_codes(packed[r0:r0 + _PACK_ROWS], bits, in_features)
+                          for r0 in range(0, n, _PACK_ROWS)], 0)
+    p = packed.to(torch.int64)
     b = torch.arange(8, device=p.device, dtype=torch.int64)
     bitsm = ((p.unsqueeze(-1) >> b) & 1).reshape(n, -1, bits)
     weights = torch.arange(bits, device=p.device, dtype=torch.int64)
