@@ -80,7 +80,7 @@ ADAPTERS = {
     "gpt_neox": Adapter("gpt_neox", "gpt_neox.layers", (
         Group("input_layernorm", ("attention.query_key_value",), "attention"),
         Group("post_attention_layernorm", ("mlp.dense_h_to_4h",), "mlp"),
-    ), keep=(r"embed_out$", r"embed_in"), final_norm="gpt_neox.final_layer_norm"),
+    ), keep=(r"embed_out$", r"(^|\.)lm_head$", r"embed_in"), final_norm="gpt_neox.final_layer_norm"),
     "opt": Adapter("opt", "model.decoder.layers", (
         Group("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
         Group("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj", "linear"),

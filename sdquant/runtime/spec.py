@@ -5,7 +5,8 @@ built from this one description, so they agree on the architecture by constructi
 Supported families (``config.model_type``): llama, mistral, qwen2, qwen3. They differ only in data:
 q/k/v biases (qwen2), per-head q/k RMSNorm before RoPE (qwen3), sliding-window attention (mistral, qwen2
 with use_sliding_window). RoPE tables come from the model's own rotary module, so every rope_type the HF
-model supports (default, llama3, linear, yarn, ...) is reproduced exactly.
+model supports with a position-only table (default, llama3, linear, yarn, ...) is reproduced exactly;
+length-dependent ones (dynamic, longrope) are refused.
 """
 from __future__ import annotations
 
@@ -102,6 +103,11 @@ def decoder_spec(model: nn.Module) -> DecoderSpec:
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"config.hidden_act: {act!r} is not supported (the runtime implements SiLU MLPs)")
     base = model.model
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        # these recompute the table from the current sequence length; one fixed table would silently differ
+        raise UnsupportedModelError(f"config.rope_parameters: rope_type {rope_type!r} changes the RoPE table with "
+                                    f"the sequence length; the runtime and ONNX graph use one fixed table")
     n_heads = cfg.num_attention_heads
     head_dim = _get(cfg, "head_dim", default=cfg.hidden_size // n_heads)
     n_layers = cfg.num_hidden_layers
