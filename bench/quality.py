@@ -157,6 +157,7 @@ BUILTIN = {
     "joint_actgroup": ("awq+gptq", {"act_order": "group"}),
     "joint_noduo": ("awq+gptq", {"awq.duo_scaling": False}),
     "joint_noseq": ("awq+gptq", {"true_sequential": False}),
+    "autoawq": ("autoawq", {}),             # the peer (bench/peers.py), not an sdquant method
 }
 # preset sweep: W4 g64 asym (the protocol) then W3; ordered by priority so a --time-budget cut keeps the
 # required comparison (FP, RTN, AWQ, GPTQ, AWQ+GPTQ at both widths) and drops the diagnostic variants last
@@ -164,6 +165,7 @@ PRESETS = {
     "sweep": [Variant("fp", "fp")]
     + [Variant(m if m != "awq+gptq" else "joint", m, {}, 4) for m in ("rtn", "awq+gptq", "gptq", "awq")]
     + [Variant(m if m != "awq+gptq" else "joint", m, {}, 3) for m in ("rtn", "awq+gptq", "gptq", "awq")]
+    + [Variant("autoawq", "autoawq", {}, 4), Variant("autoawq", "autoawq", {}, 3)]
     + [Variant(n, *BUILTIN[n], 4) for n in ("joint_nomse", "gptq_nomse", "joint_clip", "joint_noratio",
                                            "joint_actgroup", "joint_noduo", "joint_noseq")],
 }
@@ -250,7 +252,7 @@ def check_configs(jobs, group_size, extra, device) -> None:
     from sdquant.config import from_dict
     from sdquant.errors import SdquantError
     for v, bits in jobs:
-        if v.method == "fp":
+        if v.method in ("fp", "autoawq"):
             continue
         try:
             from_dict(quant_config(v.method, bits, group_size, {**extra, **v.overrides}, device))
@@ -295,13 +297,21 @@ def run_jobs(model0, calib, ev, jobs, *, group_size=64, extra=None, device="cpu"
         model0.load_state_dict(state0)
         t0 = time.perf_counter()
         calib_s, res = 0.0, None
-        if v.method != "fp":
+        if v.method == "autoawq":                  # the peer: AutoAWQ's own search + pseudo-quantizer
+            from peers import autoawq_available, autoawq_fake_quant
+            if not autoawq_available():
+                log(f"# skipped {v.name} W{bits}: autoawq is not importable here")
+                continue
+            model = autoawq_fake_quant(model0, calib, bits, group_size)
+            _sync(device)
+            calib_s = time.perf_counter() - t0
+        elif v.method != "fp":
             cfg = quant_config(v.method, bits, group_size, {**extra, **v.overrides}, device, model_path, calib_batch)
             res = sdquant.calibrate(model0, cfg, calib, tokenizer=tokenizer)
             _sync(device)
             calib_s = time.perf_counter() - t0
             model = res.model
-        else:
+        elif v.method == "fp":
             model = model0
         t1 = time.perf_counter()
         p = ppl_of(model, ev, seq_len, windows, device, eval_batch)
@@ -428,7 +438,11 @@ def smoke_model(seed=0):
     from sdquant.models.hf import tiny_config
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).eval()
+        cfg = tiny_config("llama")
+        # widths that are multiples of 64 so the AutoAWQ peer (whose clip search batches 64 rows) runs too
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = 128, 256, 4, 2
+        cfg.head_dim = 32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     return model, torch.randint(0, vocab, (8, 64), generator=g), torch.randint(0, vocab, (4 * 128,), generator=g)

@@ -13,6 +13,10 @@
 #                                               the warm machine): reassembles + verifies the GGUF, runs
 #                                               quality.py --device cuda --preset sweep, rows to $OUT/quality.json
 #
+# A later call's carry replaces the whole .qdata folder on the device (seen 2026-11-29), so `check` stashes
+# what arrived in /tmp/sdq_qdata (outside the repo copy) and `run` restores the missing pieces from there.
+# The second call must come within the machine's 30 s warm window, carrying .qdata/gguf.b + manifest.env.
+#
 # ARGS replace the default selection (--preset sweep), e.g. `run --variants rtn joint --bits 4`.
 # QUALITY_BUDGET (seconds, default 420) stops starting new jobs past it, so the call ends inside its 600 s.
 # QUALITY_DEVICE (default cuda) lets `run` be rehearsed on a CPU machine.
@@ -48,7 +52,21 @@ prepare() {
     rm -f $Q/whl/*.whl
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $Q/whl "gguf==$gver"
-    # gguf's Requires-Dist (numpy, pyyaml, requests, tqdm) are all in the GPU image (KINDS.md): only gguf travels
+    # the AutoAWQ peer (bench/peers.py) and what it imports that the GPU image lacks: datasets, dill, multiprocess
+    local pkg
+    for pkg in autoawq datasets dill multiprocess; do
+        local ver
+        ver=$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null) || continue
+        if [[ $pkg == autoawq ]]; then    # 0.2.9 is an sdist on PyPI: build its (pure-Python) wheel here
+            "$py" -m pip wheel -q --no-deps --no-build-isolation -w $Q/whl "$pkg==$ver" ||
+                echo "could not build $pkg==$ver: the autoawq variant will be skipped there"
+            continue
+        fi
+        "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $Q/whl "$pkg==$ver" ||
+            echo "could not fetch $pkg==$ver: the autoawq variant will be skipped there"
+    done
+    # gguf's Requires-Dist (numpy, pyyaml, requests, tqdm) are all in the GPU image (KINDS.md)
     unzip -p $Q/whl/gguf-*.whl '*/METADATA' | grep '^Requires-Dist' | grep -v extra || true
     nice -n 10 "$py" bench/quality.py --write-ids $Q/ids.safetensors
     local state
@@ -107,6 +125,22 @@ install_wheel() {
     python3 -c 'import gguf, importlib.metadata as m; print("gguf", m.version("gguf"))'
 }
 
+STASH=/tmp/sdq_qdata
+
+stash() {  # keep what arrived outside the repo copy: the next call's carry replaces .qdata
+    mkdir -p $STASH
+    cp -a $Q/. $STASH/
+    echo "stashed in $STASH: $(ls $STASH | tr '\n' ' ')"
+}
+
+restore() {
+    [[ -d $STASH ]] || return 0
+    local f
+    for f in $STASH/*; do
+        [[ -e $Q/$(basename "$f") ]] || cp -a "$f" $Q/
+    done
+}
+
 assemble() {
     # shellcheck disable=SC1091
     source $Q/manifest.env
@@ -140,14 +174,16 @@ prepare)
 check)
     env_there
     check_parts
+    stash
     install_wheel
     # the whole driver on the GPU with a 2-block random Llama: a CUDA-only failure shows here, not in `run`
-    python3 bench/quality.py --smoke --device "${QUALITY_DEVICE:-cuda}" --variants fp rtn joint joint_actgroup --bits 4 \
+    python3 bench/quality.py --smoke --device "${QUALITY_DEVICE:-cuda}" --variants fp rtn joint joint_actgroup autoawq --bits 4 \
         --seq-len 128 --windows 4 --n-samples 8 2>&1 | tee "$OUTDIR/smoke.log"
     ;;
 run)
     shift
     env_there
+    restore
     install_wheel
     assemble
     # shellcheck disable=SC1091
