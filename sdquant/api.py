@@ -214,7 +214,7 @@ def _arch_config(model: nn.Module) -> dict:
 
 
 def _export_sd2(result: CalibrationResult, path: Path) -> Path:
-    from sdquant.export.sd2 import write_sd2
+    from sdquant.export.sd2 import declared_ties, write_sd2
     from sdquant.models.hf import tokenizer_files
 
     model = result.model
@@ -238,7 +238,7 @@ def _export_sd2(result: CalibrationResult, path: Path) -> Path:
     return write_sd2(path, family=result.family, arch_config=_arch_config(model),
                      float_tensors=float_tensors(), quant_layers=quant_layers(),
                      extra_files=tokenizer_files(result.tokenizer), calibration=result.report(),
-                     high_precision=high)
+                     high_precision=high, tied=declared_ties(model))
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -253,13 +253,13 @@ def load(path: Union[str, Path], device: Union[str, torch.device] = "cpu", dtype
         family = pkg.family
         arch = dict(pkg.arch_config)
         qlayers = pkg.quant_layers()
-        floats = pkg.float_tensors()
+        floats, aliases = pkg.float_tensors(), pkg.aliases  # an alias is its target's tensor object
         files = {n: pkg.file(n) for n in pkg.manifest.get("files", {}) if str(n).startswith("tokenizer/")} \
             if hasattr(pkg, "file") else {}
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = _build_model(family, arch, dtype)
-        _materialize(model, floats, qlayers, dtype)
+        _materialize(model, floats, qlayers, dtype, aliases)
     model.to(device)
     _prepare_kernels(model, device, dtype, kernels)
     model.eval()
@@ -278,7 +278,8 @@ def _build_model(family: str, arch: dict, dtype: torch.dtype) -> nn.Module:
     return convert_conv1d(model)
 
 
-def _materialize(model: nn.Module, floats: dict, qlayers: dict, dtype: torch.dtype) -> None:
+def _materialize(model: nn.Module, floats: dict, qlayers: dict, dtype: torch.dtype,
+                 aliases: Optional[dict] = None) -> None:
     """Swap in quantized modules, then load the float tensors in place of the meta parameters."""
     from sdquant.models.hf import replace_linears
     weights = {n: v[0] for n, v in qlayers.items()}
@@ -290,10 +291,15 @@ def _materialize(model: nn.Module, floats: dict, qlayers: dict, dtype: torch.dty
     # each tensor takes the dtype of the parameter it fills: layers a model keeps in fp32 on purpose
     # (Seedance's Cross-Gate Fusion gate) must not be rounded through the load dtype
     want = {k: t.dtype for k, t in list(model.named_parameters()) + list(model.named_buffers())}
-    floats = {k: (v.to(want.get(k, dtype)) if v.is_floating_point() else v) for k, v in floats.items()}
+    aliases = aliases or {}
+    floats = {k: (v.to(want.get(k, dtype)) if v.is_floating_point() else v) for k, v in floats.items()
+              if k not in aliases}
+    floats.update({a: floats[t] for a, t in aliases.items()})  # a tied pair is converted once
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
     if unexpected:
         raise SdquantError(f"package holds tensors the model does not have: {unexpected[:5]}")
+    from sdquant.export.sd2 import tie_aliases
+    tie_aliases(model, aliases)  # the alias parameter IS its target's Parameter, as when it was written
     tied = _tie_if_needed(model)
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
                   if p.device.type == "meta"]

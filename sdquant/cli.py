@@ -235,13 +235,15 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from sdquant.export.sd2 import verify_sd2
+    from sdquant.export.sd2 import package_aliases, verify_sd2
     problems = verify_sd2(args.package)
     if problems:
         for p in problems:
             print(f"FAIL {p}")
         return EXIT_BAD_INPUT
     print(f"OK {args.package}: every member hash, tensor shape and dtype checks out")
+    for alias, target in package_aliases(args.package).items():
+        print(f"  tied: {alias} -> {target} (stored once)")
     return EXIT_OK
 
 

@@ -228,7 +228,11 @@ def export_hf_checkpoint(folder, *, fmt: str, config: dict, float_tensors: Itera
             nb = t.numel() * t.element_size()
             if cur and cur_bytes + nb > max_shard_bytes:
                 flush()
-            cur[key] = t.detach().cpu().contiguous()
+            t = t.detach().cpu().contiguous()
+            if t.numel() and any(u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                 for u in cur.values()):
+                t = t.clone()  # tied (lm_head = embedding): both keys are written, safetensors refuses shared memory
+            cur[key] = t
             cur_bytes += nb
             total += nb
             weight_map[key] = None

@@ -1,19 +1,23 @@
 """The .sd2 deployable package: public API (spec: docs/FORMAT.md).
 
     write_sd2(path, *, family, arch_config, float_tensors, quant_layers, extra_files=None, calibration=None,
-              high_precision=()) -> Path
+              high_precision=(), tied=None) -> Path
         float_tensors: Iterable[(name, Tensor)]; quant_layers: Iterable[(module name, QuantizedWeight |
-        Fp8Weight, bias | None, smooth | None)]; extra_files: {name: bytes | path}. Streams: iterators are
-        consumed one item at a time and written straight to a temporary file that is renamed at the end.
+        Fp8Weight, bias | None, smooth | None)]; extra_files: {name: bytes | path}; tied: {name: name} declared
+        ties (``declared_ties(model)``). Streams: iterators are consumed one item at a time and written straight
+        to a temporary file that is renamed at the end. Tied tensors (shared memory, or declared and equal)
+        are stored once and recorded as aliases.
     open_sd2(path, verify="full" | "lazy" | "none") -> Package
-        .manifest .family .arch_config .calibration .high_precision
-        .float_tensors(device=None) -> {name: Tensor}          zero-copy mmap views on the CPU
+        .manifest .family .arch_config .calibration .high_precision .aliases ({alias: stored name})
+        .float_tensors(device=None) -> {name: Tensor}          zero-copy mmap views on the CPU; an alias
+                                                                 is the same tensor object as its target
         .quant_layers(device=None) -> {name: (weight, bias, smooth)}
         .tensor(name) / .layer(name)                            one item (lazy verification per member)
         .files() / .file(name) -> bytes
         .verify() -> [problem, ...]   .close()   context manager
     inspect_sd2(path) -> dict          format_inspect(info) -> str (the table `sdquant inspect` prints)
     verify_sd2(path) -> [problem, ...] (empty list = every hash, header and shape checks out)
+    package_aliases(path) -> {alias: target}    tie_aliases(model, aliases): re-tie a loaded model
 
 Every malformed, corrupt, hostile or unsupported file raises ``sdquant.errors.PackageError`` with one line
 naming the member, layer or tensor.
@@ -23,12 +27,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
+
 from sdquant.errors import PackageError
 from sdquant.export.sd2_format import FORMAT_VERSION
 from sdquant.export.sd2_reader import Package, open_sd2
-from sdquant.export.sd2_writer import write_sd2
+from sdquant.export.sd2_writer import declared_ties, write_sd2
 
-__all__ = ["write_sd2", "open_sd2", "Package", "inspect_sd2", "verify_sd2", "format_inspect", "FORMAT_VERSION"]
+__all__ = ["write_sd2", "open_sd2", "Package", "inspect_sd2", "verify_sd2", "format_inspect", "FORMAT_VERSION",
+           "declared_ties", "package_aliases", "tie_aliases"]
 
 
 def _scheme_str(s: dict) -> str:
@@ -85,7 +92,7 @@ def inspect_sd2(path) -> dict:
             "sdquant_version": man["sdquant_version"], "family": man["family"],
             "n_layers": len(layers), "schemes": schemes, "layers": layers,
             "n_float_tensors": len(man["float_tensors"]), "float_bytes": fbytes, "quant_bytes": qbytes,
-            "high_precision": man["high_precision"], "files": man["files"],
+            "high_precision": man["high_precision"], "files": man["files"], "aliases": pkg.aliases,
             "bf16_bytes": orig, "compression_ratio": orig / size if size else float("nan"),
             "calibration": {"method": cal.get("method"), "metrics": cal.get("metrics", {})},
         }
@@ -136,6 +143,37 @@ def format_inspect(info: dict, max_layers: int = 40) -> str:
         metrics = cal.get("metrics") if isinstance(cal.get("metrics"), dict) else {}
         for k, v in metrics.items():
             lines.append(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
+    if info.get("aliases"):
+        lines.append("")
+        n = len(info["aliases"])
+        lines.append(f"tied tensors stored once ({n} alias{'es' if n != 1 else ''}):")
+        for a, t in info["aliases"].items():
+            lines.append(f"  {a} -> {t}")
     if info["files"]:
         lines.append("files: " + ", ".join(info["files"]))
     return "\n".join(lines)
+
+
+def package_aliases(path) -> dict[str, str]:
+    """{alias: stored float tensor} of a package (validated; hashes are not computed)."""
+    with open_sd2(path, verify="none") as pkg:
+        return pkg.aliases
+
+
+def tie_aliases(model: torch.nn.Module, aliases: dict[str, str]) -> None:
+    """Make each alias parameter (or buffer) of a loaded model the very object of its target, as when the
+    package was written: a tied lm_head becomes the embedding's Parameter again, not an equal copy, so it
+    stays tied through ``.to()`` and training."""
+    for alias, target in aliases.items():
+        mod_name, _, leaf = alias.rpartition(".")
+        tmod_name, _, tleaf = target.rpartition(".")
+        try:
+            mod, src = model.get_submodule(mod_name), getattr(model.get_submodule(tmod_name), tleaf)
+        except AttributeError:
+            raise PackageError(f"alias {alias!r}: the model has no {alias!r} or {target!r} to tie") from None
+        if leaf in mod._parameters and isinstance(src, torch.nn.Parameter):
+            setattr(mod, leaf, src)
+        elif leaf in mod._buffers and isinstance(src, torch.Tensor) and not isinstance(src, torch.nn.Parameter):
+            mod._buffers[leaf] = src
+        else:
+            raise PackageError(f"alias {alias!r}: not a parameter or buffer of the same kind as {target!r}")

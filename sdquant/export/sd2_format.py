@@ -17,8 +17,8 @@ import torch
 from sdquant.errors import PackageError
 
 FORMAT = "sd2"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2            # the newest version this sdquant writes (version 2 added `aliases`: tied tensors)
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 WEIGHTS_DIR = "weights/"
 FILES_DIR = "files/"
@@ -26,6 +26,7 @@ ALIGN = 64  # member data and tensor data start on 64-byte boundaries (cache lin
 
 # ---------------------------------------------------------------------------------------------- caps
 MAX_MEMBERS = 100_000
+MAX_ALIASES = 100_000
 MAX_NAME_BYTES = 1024
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ST_HEADER_BYTES = 16 << 20         # safetensors itself allows 100 MB; an sd2 member holds one layer

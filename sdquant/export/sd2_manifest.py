@@ -79,6 +79,54 @@ def _dtype(v, where) -> str:
 
 TOP_KEYS = {"format", "format_version", "sdquant_version", "family", "arch_config", "high_precision",
             "calibration", "float_tensors", "layers", "files", "members"}
+V2_KEYS = TOP_KEYS | {"aliases"}  # format_version 2 adds the alias table (tied tensors stored once)
+
+
+def check_aliases(aliases, float_tensors: dict, layers: dict) -> dict[str, str]:
+    """Validate the ``aliases`` table (docs/FORMAT.md §5.3.1): every alias names a stored float tensor of the
+    same dtype and shape, never itself, another alias (so no chains or cycles) or a name that a stored tensor
+    or quantized layer already owns. Returns {alias: target}. ``float_tensors``/``layers`` are the (already
+    validated) manifest tables; the writer runs the same check on what it is about to write."""
+    if not isinstance(aliases, dict):
+        raise PackageError(f"{F.MANIFEST}.aliases: expected dict, got {type(aliases).__name__}")
+    if len(aliases) > F.MAX_ALIASES:
+        raise PackageError(f"{F.MANIFEST}.aliases: {len(aliases)} aliases exceed the cap of {F.MAX_ALIASES}")
+    out = {}
+    for name, e in aliases.items():
+        w = f"alias {name[:80]!r}"
+        if not name:
+            raise PackageError(f"{w}: name must be non-empty")
+        if not isinstance(e, dict):
+            raise PackageError(f"{w}: entry is not an object")
+        _exact_keys(e, {"target", "dtype", "shape"}, w)
+        target = _need(e, "target", str, w)
+        dt, sh = _dtype(e["dtype"], w), _shape(e["shape"], w)
+        if target == name:
+            raise PackageError(f"{w}: points to itself")
+        if name in float_tensors:
+            raise PackageError(f"{w}: shadows the stored float tensor of the same name")
+        module = name.rpartition(".")[0]
+        if module in layers:
+            raise PackageError(f"{w}: shadows quantized layer {module[:80]!r}, whose tensors the layer entry owns")
+        if target in aliases:
+            chain, seen, cur = [name], {name}, target
+            while cur in aliases and cur not in seen:  # ends: every step adds a new alias to `seen`
+                chain.append(cur)
+                seen.add(cur)
+                t = aliases[cur]
+                cur = t.get("target") if isinstance(t, dict) and isinstance(t.get("target"), str) else None
+            if cur in seen:
+                cyc = " -> ".join(c[:40] for c in chain[chain.index(cur):] + [cur])
+                raise PackageError(f"{w}: aliases form a cycle ({cyc[:200]})")
+            raise PackageError(f"{w}: points to alias {target[:80]!r}; an alias must name a stored float tensor")
+        if target not in float_tensors:
+            raise PackageError(f"{w}: points to missing float tensor {target[:80]!r}")
+        te = float_tensors[target]
+        if (te["dtype"], list(te["shape"])) != (dt, list(sh)):
+            raise PackageError(f"{w}: {dt} {list(sh)} does not match its target {target[:80]!r} "
+                               f"({te['dtype']} {list(te['shape'])})")
+        out[name] = target
+    return out
 
 
 def expected_layer_tensors(name: str, e: dict) -> dict[str, tuple]:
@@ -149,7 +197,7 @@ def check_manifest(man, members: dict) -> dict[str, dict[str, tuple]]:
     if not _is_int(ver) or ver not in F.SUPPORTED_VERSIONS:
         raise PackageError(f"{F.MANIFEST}: unsupported format_version {str(ver)[:20]} "
                            f"(this sdquant reads {', '.join(map(str, F.SUPPORTED_VERSIONS))}); upgrade sdquant")
-    _exact_keys(man, TOP_KEYS, F.MANIFEST)
+    _exact_keys(man, TOP_KEYS if ver == 1 else V2_KEYS, F.MANIFEST)
     for key, typ in (("sdquant_version", str), ("family", str), ("arch_config", dict), ("calibration", dict),
                      ("high_precision", list), ("files", list), ("members", dict), ("float_tensors", dict),
                      ("layers", dict)):
@@ -207,4 +255,6 @@ def check_manifest(man, members: dict) -> dict[str, dict[str, tuple]]:
     for name in listed:
         if name not in used:
             raise PackageError(f"member {name!r} is not referenced by any tensor, layer or file")
+    if ver >= 2:
+        check_aliases(man["aliases"], man["float_tensors"], man["layers"])
     return promised

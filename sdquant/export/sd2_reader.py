@@ -316,15 +316,28 @@ class Package:
     def high_precision(self) -> list:
         return self.manifest["high_precision"]
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """{alias: stored float tensor} of tied tensors stored once (format_version 2; {} for version 1)."""
+        return {a: e["target"] for a, e in self.manifest.get("aliases", {}).items()}
+
     def tensor(self, name: str, device=None) -> torch.Tensor:
+        """One float tensor by name; an alias gives its target's tensor (a tied pair is one set of bytes)."""
         e = self.manifest["float_tensors"].get(name)
+        if e is None and name in self.manifest.get("aliases", {}):
+            name = self.manifest["aliases"][name]["target"]
+            e = self.manifest["float_tensors"][name]
         if e is None:
             raise PackageError(f"no float tensor {name!r} in {self.path.name}")
         t = self._use(e["member"])[name]
         return t if device is None else t.to(device)
 
     def float_tensors(self, device=None) -> dict[str, torch.Tensor]:
-        return {name: self.tensor(name, device) for name in self.manifest["float_tensors"]}
+        """Every float tensor by name, aliases included: an alias maps to the *same* tensor object as its
+        target, so a loader that assigns these tensors gets tied parameters (also after a device move)."""
+        out = {name: self.tensor(name, device) for name in self.manifest["float_tensors"]}
+        out.update({a: out[t] for a, t in self.aliases.items()})
+        return out
 
     def layer(self, name: str, device=None):
         """-> (QuantizedWeight | Fp8Weight, bias | None, smooth | None) of one quantized module."""

@@ -5,6 +5,11 @@ written straight from the tensor's memory into a temporary file in the target fo
 CRC-32 are computed; the caller's iterators are consumed lazily, so a model streamed from disk or from a
 calibration loop is never held twice. The manifest (which needs every member's hash) is written last, then
 the central directory, then the temporary file is renamed over the target (atomic on POSIX and Windows).
+
+Tied tensors (an lm_head sharing the embedding matrix) are stored once: a float tensor that is a view of the
+same memory as one already written (same storage and data pointer, shape, stride, dtype), or that the caller
+declares tied (``tied=``, e.g. from a Hugging Face model's ``tie_word_embeddings``) and whose bytes equal its
+partner's, becomes an entry of the manifest's ``aliases`` table instead of a second member.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 
 from sdquant.errors import PackageError
 from sdquant.export import sd2_format as F
+from sdquant.export.sd2_manifest import check_aliases
 from sdquant.quant.qtensor import Fp8Weight, QuantizedWeight
 
 Tensor = torch.Tensor
@@ -200,16 +206,96 @@ def _layer_tensors(name: str, w, bias: Optional[Tensor], smooth: Optional[Tensor
     return scheme, [(key, t) for key, t in ts if t is not None]
 
 
+# ------------------------------------------------------------------------------------------- ties
+class _TieTracker:
+    """Finds the float tensors to store as aliases of one already written.
+
+    Shared memory: each written tensor is remembered by (device, data pointer, shape, stride, dtype) with a
+    *weak* reference to its storage, so the writer keeps nothing alive. A later tensor with the same key is
+    the same view of the same bytes only while that storage lives (once it is freed, the allocator may hand
+    the address to an unrelated tensor), which the weak reference tells.
+    Declared ties (``tied``: alias -> target, in either arrival order): the first of a pair to arrive is
+    stored and its bytes hashed; the second becomes an alias if dtype, shape and bytes are equal, and is
+    refused otherwise (the loader ties them, so storing both would not round-trip)."""
+
+    def __init__(self, tied: Optional[Mapping[str, str]]):
+        self.partner: dict[str, str] = {}
+        for a, b in (tied or {}).items():
+            if not isinstance(a, str) or not isinstance(b, str) or not a or not b or a == b:
+                raise PackageError(f"tied {a!r} -> {b!r}: names must be two different non-empty strings")
+            for x, y in ((a, b), (b, a)):
+                if self.partner.get(x, y) != y:
+                    raise PackageError(f"tied {x!r}: declared tied to both {self.partner[x]!r} and {y!r}")
+                self.partner[x] = y
+        self._seen: dict[tuple, tuple] = {}      # memory key -> (StorageWeakRef, stored name)
+        self._digest: dict[str, tuple] = {}     # stored name of a declared pair -> (dtype, shape, sha256)
+
+    @staticmethod
+    def _key(t: Tensor):
+        if t.numel() == 0 or t.is_sparse or t.device.type == "meta":
+            return None
+        return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    @staticmethod
+    def _sha(t: Tensor) -> str:
+        return hashlib.sha256(_as_bytes(t)).hexdigest()
+
+    def target_of(self, name: str, t: Tensor) -> Optional[str]:
+        """The stored tensor ``name`` is tied to, or None (then it must be stored and ``stored`` called)."""
+        key = self._key(t)
+        hit = self._seen.get(key) if key is not None else None
+        if hit is not None and not hit[0].expired():
+            return hit[1]
+        other = self.partner.get(name)
+        if other is not None and other in self._digest:
+            if self._digest[other] != (t.dtype, tuple(t.shape), self._sha(t)):
+                raise PackageError(f"float tensor {name!r}: declared tied to {other!r}, but dtype, shape or "
+                                   "values differ (re-tie the model or drop the tie from its config)")
+            return other
+        return None
+
+    def stored(self, name: str, t: Tensor) -> None:
+        key = self._key(t)
+        if key is not None:
+            from torch.multiprocessing.reductions import StorageWeakRef  # weak: keeps no tensor alive
+            try:
+                self._seen[key] = (StorageWeakRef(t.untyped_storage()), name)
+            except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a storage
+                pass
+        if name in self.partner:
+            self._digest[name] = (t.dtype, tuple(t.shape), self._sha(t))
+
+
+def declared_ties(model) -> dict[str, str]:
+    """alias -> target of the parameters a Hugging Face model declares tied (``tie_word_embeddings``):
+    transformers 5's ``all_tied_weights_keys``, else the output and input embeddings' weights."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(keys, Mapping):
+        return {str(k): str(v) for k, v in keys.items() if isinstance(v, str)}
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
+        return {}
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if out is None or inp is None or id(out) not in names or id(inp) not in names:
+        return {}
+    return {f"{names[id(out)]}.weight": f"{names[id(inp)]}.weight"}
+
+
 # ------------------------------------------------------------------------------------------- public
 def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[tuple[str, Tensor]],
               quant_layers: Iterable[QuantItem], extra_files: Optional[Mapping[str, object]] = None,
-              calibration: Optional[dict] = None, high_precision: Iterable[str] = ()) -> Path:
+              calibration: Optional[dict] = None, high_precision: Iterable[str] = (),
+              tied: Optional[Mapping[str, str]] = None) -> Path:
     """Write an .sd2 package; returns its path. See the module docstring for the memory behaviour.
 
     float_tensors: (name, tensor) pairs kept in high precision (embeddings, norms, lm_head, biases of
     unquantized modules ...). quant_layers: (module name, QuantizedWeight | Fp8Weight, bias | None,
     smooth | None). extra_files: name -> bytes or a path to stream from (tokenizer files, model.onnx);
     stored under ``files/<name>``. calibration: JSON-able report. high_precision: module names left unquantized.
+    tied: float tensor name -> name it is declared tied to (``declared_ties(model)``); tensors sharing memory
+    are found without it. Tied tensors are stored once and recorded in ``aliases`` (format_version 2; a
+    package without aliases is written as version 1, which older readers also read).
     """
     path = Path(path)
     if path.is_dir():
@@ -217,12 +303,14 @@ def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[t
     if not isinstance(family, str) or not family:
         raise PackageError("family: must be a non-empty string")
     manifest = {
-        "format": F.FORMAT, "format_version": F.FORMAT_VERSION, "sdquant_version": _sdquant_version(),
+        "format": F.FORMAT, "format_version": 1, "sdquant_version": _sdquant_version(),
         "family": family, "arch_config": _jsonable(arch_config or {}, "arch_config"),
         "high_precision": [str(x) for x in high_precision],
         "calibration": _jsonable(calibration or {}, "calibration"),
         "float_tensors": {}, "layers": {}, "files": [], "members": {},
     }
+    aliases: dict[str, dict] = {}
+    ties = _TieTracker(tied)
     if not isinstance(manifest["arch_config"], dict) or not isinstance(manifest["calibration"], dict):
         raise PackageError("arch_config and calibration must be dicts")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,15 +318,21 @@ def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[t
     try:
         with os.fdopen(fd, "wb") as f:
             z = _ZipStream(f)
-            for i, (name, t) in enumerate(float_tensors):
-                if not isinstance(name, str) or not name or name in manifest["float_tensors"]:
+            for name, t in float_tensors:
+                if not isinstance(name, str) or not name or name in manifest["float_tensors"] or name in aliases:
                     raise PackageError(f"float tensor {name!r}: empty or duplicate name")
                 if not isinstance(t, torch.Tensor):
                     raise PackageError(f"float tensor {name!r}: expected a Tensor, got {type(t).__name__}")
-                member = f"{F.WEIGHTS_DIR}f{i:06d}.safetensors"
+                entry = {"dtype": F.st_dtype(t, name), "shape": list(t.shape)}
+                target = ties.target_of(name, t)
+                if target is not None:
+                    aliases[name] = {"target": target, **entry}
+                    del t
+                    continue
+                member = f"{F.WEIGHTS_DIR}f{len(manifest['float_tensors']):06d}.safetensors"
                 z.add_tensors(member, [(name, t)])
-                manifest["float_tensors"][name] = {"member": member, "dtype": F.st_dtype(t, name),
-                                                   "shape": list(t.shape)}
+                manifest["float_tensors"][name] = {"member": member, **entry}
+                ties.stored(name, t)
                 del t  # drop our reference before the next tensor is produced
             for i, item in enumerate(quant_layers):
                 if not isinstance(item, tuple) or len(item) != 4:
@@ -262,6 +356,10 @@ def write_sd2(path, *, family: str, arch_config: dict, float_tensors: Iterable[t
                 z.add(F.FILES_DIR + name, size, chunks)
                 manifest["files"].append(name)
             manifest["members"] = z.members
+            if aliases:  # version 2 only when needed: a package without ties stays readable by v1 readers
+                check_aliases(aliases, manifest["float_tensors"], manifest["layers"])
+                manifest["format_version"] = 2
+                manifest["aliases"] = aliases
             raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
             if len(raw) > F.MAX_MANIFEST_BYTES:
                 raise PackageError(f"{F.MANIFEST}: {len(raw)} bytes exceed the cap of {F.MAX_MANIFEST_BYTES}")
