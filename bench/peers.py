@@ -16,8 +16,8 @@ from torch import nn
 
 def autoawq_available() -> bool:
     try:
-        import awq  # noqa: F401
-        from awq.quantize.quantizer import AwqQuantizer  # noqa: F401
+        import importlib
+        importlib.import_module("awq.quantize.quantizer")
         return True
     except Exception:  # noqa: BLE001 - any import problem means: not available
         return False

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from sdquant.calibrate import awq, recipes
+from sdquant.calibrate import awq, awq_search
 
 
 def _attention_loss():
@@ -22,7 +22,7 @@ def _attention_loss():
     refs = [att(*a, **k)[0].float() for a, k in calls]
     lins = [att.q_proj, att.k_proj, att.v_proj]
     names = {m: n for n, m in att.named_modules()}
-    f = recipes._make_loss_fn(att, [names[m] + ".weight" for m in lins], calls, refs, torch.float32)
+    f = awq_search.make_loss_fn(att, [names[m] + ".weight" for m in lins], calls, refs, torch.float32)
     return f, [m.weight.float() for m in lins], x.abs().mean((0, 1))
 
 
@@ -54,5 +54,5 @@ def test_per_sequence_gradient_equals_whole_sample_gradient():
 
 def test_mlp_inspect_has_no_parts():
     lin = torch.nn.Linear(8, 8)
-    f = recipes._make_loss_fn(lin, ["weight"], [((torch.randn(4, 8),), {})], [torch.randn(4, 8)], torch.float32)
+    f = awq_search.make_loss_fn(lin, ["weight"], [((torch.randn(4, 8),), {})], [torch.randn(4, 8)], torch.float32)
     assert not hasattr(f, "parts")

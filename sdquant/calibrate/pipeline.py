@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -202,7 +202,6 @@ class BlockContext:
             for rank_calls in self.dist.all_gather_tree(calls, self.device):   # rank order == batch order
                 for i, a, k in rank_calls:
                     hooks[mods[i]](mods[i], a, k, None)
-            del calls
         return outputs
 
 
