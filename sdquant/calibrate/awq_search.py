@@ -168,7 +168,8 @@ def search_wave(ctx, wave: list, xsum: dict, samplers: dict, dtype, ascfg, d) ->
                     ratio_range=tuple(cfg(ascfg, "ratio_range", (0.8, 1.2))),
                     granularity=int(cfg(ascfg, "granularity", 1)),
                     method=str(cfg(ascfg, "method", "ste")), steps=int(cfg(ascfg, "steps", 8)),
-                    grad_context=lambda: _deterministic_attention(ctx.device))
+                    grad_context=(lambda: _deterministic_attention(ctx.device))
+                    if torch.device(ctx.device).type == "cuda" else None)
             finally:
                 for p, rq in zip(ctx.block.parameters(), req):
                     p.requires_grad_(rq)
