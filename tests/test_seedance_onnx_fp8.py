@@ -66,6 +66,39 @@ def test_fp8_onnx_matches_pytorch_with_dynamic_batch_and_time(exported):
         assert ((want - full).norm() / full.norm()).item() > 100 * TOL
 
 
+def test_each_lowered_layer_equals_fp8linear_on_the_same_input(exported, tmp_path):
+    """Layer by layer, on the PyTorch layer's own input, the lowered QDQ nodes give Fp8Linear's output (end to
+    end, a per-token e4m3 code flipped by an fp32 rounding difference upstream can cascade in deep models)."""
+    _, m, ws, smoothed, path = exported
+    from sdquant.kernels.linear import Fp8Linear
+    caps = {}
+    hooks = [mod.register_forward_hook(lambda mod, i, o, n=n: caps.__setitem__(n, (i[0], o)))
+             for n, mod in m.named_modules() if isinstance(mod, Fp8Linear)]
+    with torch.no_grad():
+        m(*_inputs(2, 4, 5))
+    for h in hooks:
+        h.remove()
+    g = onnx.load(str(path)).graph
+    node = {n.name: n for n in g.node}
+    x_of = {n: node[f"sdq_fp8/{n}/flatten"].input[0] for n in ws}     # the layer's input value in the graph
+    y_of = {n: node[f"sdq_fp8/{n}/unflatten"].output[0] for n in ws}
+    feeds = {}
+    for n in ws:
+        x = caps[n][0]
+        if n == smoothed:   # the smooth Div is traced before the layer's nodes
+            x = x.float() / m.get_submodule(n).smooth.float()
+        feeds[x_of[n]] = x.numpy()
+    sub = tmp_path / "layers.onnx"
+    onnx.utils.extract_model(str(path), str(sub), sorted(feeds), [y_of[n] for n in ws])
+    sess = ort.InferenceSession(str(sub), providers=["CPUExecutionProvider"])
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    for n in ws:
+        want = caps[n][1]
+        got = torch.from_numpy(outs[y_of[n]])
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), n
+
+
 def test_fp8_graph_is_float8_qdq_with_fp32_cgf_gate(exported):
     ref, m, ws, smoothed, path = exported
     model = onnx.load(str(path))
