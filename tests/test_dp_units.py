@@ -54,3 +54,22 @@ def test_a_group_reading_an_earlier_fold_starts_a_new_wave():
     assert [len(w) for w in awq_waves(jobs)] == [1, 1]
     # ...but not when the order is reversed (a later fold never changes an earlier search)
     assert [len(w) for w in awq_waves(jobs[::-1])] == [2]
+
+
+def test_wave_search_equals_group_by_group_search(monkeypatch):
+    """Searching every group of a wave before folding any gives bitwise the weights of searching and folding
+    one group at a time (the sequential algorithm)."""
+    import sdquant
+    from sdquant.calibrate import recipes
+    from sdquant.config import load_config
+    cfg = load_config(None, {"model.kind": "builtin", "model.name": "tiny-llama", "quant.method": "awq+gptq",
+                             "quant.group_size": 32, "device": "cpu", "pipeline.batch_size": 2,
+                             "quant.awq.grid": 4})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    waves = sdquant.calibrate(config=cfg, data=ids)
+    monkeypatch.setattr(recipes, "_awq_waves", lambda jobs: [[j] for j in jobs])
+    one_by_one = sdquant.calibrate(config=cfg, data=ids)
+    assert set(waves.weights) == set(one_by_one.weights)
+    for n, w in waves.weights.items():
+        assert torch.equal(w.qweight, one_by_one.weights[n].qweight), n
+        assert torch.equal(w.scales, one_by_one.weights[n].scales), n
