@@ -71,3 +71,45 @@ def test_data_parallel_equals_single_process(method, world, row_tile, tmp_path, 
         assert set(got) == set(single)
         for k, v in single.items():
             assert torch.equal(got[k], v), f"rank {r} of {world}: {k} differs from the single-process run"
+
+
+def _resume_worker(rank, world, port, work, stage, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if stage == "part":                   # "killed" after block 0
+            sdquant.calibrate(config=_cfg("awq+gptq"), data=IDS, work_dir=work, stop_after=1)
+        else:
+            res = sdquant.calibrate(config=_cfg("awq+gptq"), data=IDS, work_dir=work, resume=True)
+            assert res.resumed_blocks == 1
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in _tensors(res).items()}, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_resume_equals_single_process(tmp_path):
+    """Only rank 0 writes the work folder; a 2-rank resume after an interruption, and a one-process resume
+    of a 2-rank work folder, both give the uninterrupted one-process result."""
+    from safetensors.torch import load_file
+    single = _tensors(sdquant.calibrate(config=_cfg("awq+gptq"), data=IDS))
+    work = tmp_path / "work"
+    mp.start_processes(_resume_worker, args=(2, _free_port(), str(work), "part", None), nprocs=2, join=True,
+                       start_method="fork")
+    assert len(list(work.glob("block_*.safetensors"))) == 1
+    path = str(tmp_path / "out")
+    mp.start_processes(_resume_worker, args=(2, _free_port(), str(work), "resume", path), nprocs=2,
+                       join=True, start_method="fork")
+    for r in range(2):
+        got = load_file(f"{path}.rank{r}")
+        for k, v in single.items():
+            assert torch.equal(got[k], v), f"rank {r}: {k} differs after a data-parallel resume"
+    # the same partial folder resumed by one process
+    work2 = tmp_path / "work2"
+    mp.start_processes(_resume_worker, args=(2, _free_port(), str(work2), "part", None), nprocs=2, join=True,
+                       start_method="fork")
+    res = sdquant.calibrate(config=_cfg("awq+gptq"), data=IDS, work_dir=work2, resume=True)
+    assert res.resumed_blocks == 1
+    for k, v in _tensors(res).items():
+        assert torch.equal(v, single[k]), k
