@@ -217,7 +217,8 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     ext = extension() if x.is_cuda else None
     if ext is None:
         layout = {"qweight": qweight, "scales": scales, "zeros": zeros, "perm": None}
-        y = torch.nn.functional.linear(x2, int4_layout.dequantize_cuda(layout).to(x.dtype), bias)
+        y = torch.nn.functional.linear(x2, int4_layout.dequantize_cuda(layout).to(x.dtype),
+                                       None if bias is None else bias.to(x.dtype))
         return y.reshape(*lead, n)
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:
