@@ -166,8 +166,25 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _print_layers(rows) -> None:
+    """The per-layer table: layer, method, layer loss RTN -> final, damping (escalations), seconds, peak."""
+    if not rows:
+        return
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    w = max(len(str(r.get("layer", ""))) for r in rows)
+    print(f"\n{'layer':<{w}}  {'method':<9} {'W/g':>7}  {'loss rtn -> final':>21}  {'damp':>7}  {'s':>6}  {'peak MiB':>9}")
+    for r in rows:
+        wg = f"{r.get('bits', '')}/{r.get('group_size', '')}" if r.get("method") != "fp8" else "8/fp8"
+        loss = f"{f(r.get('rtn_loss'), '.3e')} -> {f(r.get('loss'), '.3e')}"
+        damp = f(r.get("damp"), ".3g") + (f"(+{r['escalations']})" if r.get("escalations") else "")
+        print(f"{str(r.get('layer', '')):<{w}}  {str(r.get('method', '')):<9} {wg:>7}  {loss:>21}  {damp:>7}  "
+              f"{f(r.get('seconds'), '.2f'):>6}  {f(r.get('peak_mb'), '.0f'):>9}")
+
+
 def _print_summary(res, path, seconds, before, after, ppl_fp, ppl_q) -> None:
     rows = res.rows
+    _print_layers(rows)
     losses = [r.get("loss_after", r.get("loss")) for r in rows if r.get("loss_after", r.get("loss")) is not None]
     lines = [
         ("model family", res.family),

@@ -60,3 +60,16 @@ def test_progress_callback_and_silence(capsys):
     assert seen == [(1, 2), (2, 2)]
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""  # library use prints nothing unless asked
+
+
+def test_rows_carry_peak_memory_and_the_cli_prints_the_layer_table(tmp_path, capsys):
+    res = sdquant.calibrate(config=_cfg("awq+gptq"), data=IDS)
+    assert res.rows and all(r["peak_mb"] > 0 for r in res.rows)
+    assert all(r["loss"] <= r["rtn_loss"] for r in res.rows if r.get("rtn_loss") is not None)
+    from pathlib import Path
+    from sdquant.cli import main
+    tpl = Path(__file__).resolve().parents[1] / "templates" / "tiny-rtn.yaml"
+    assert main(["calibrate", "--config", str(tpl), "--set", f"output={tmp_path}/m.sd2",
+                 "--no-progress", "--set", "report.max_new_tokens=0"]) == 0
+    out = capsys.readouterr().out
+    assert "loss rtn -> final" in out and "model.layers.1.mlp.down_proj" in out

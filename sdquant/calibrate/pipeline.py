@@ -256,9 +256,13 @@ def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantC
     per_block = capture_block_inputs(model, adapter, batches, device)
     res = PipelineResult()
     hidden = [_hidden(a[0] if a else k["hidden_states"]) for a, k in per_block[0]]
+    peak_all = 0
     for i, block in enumerate(blocks):
         if stop_after is not None and i >= stop_after:
             break
+        if device.type == "cuda":                       # a peak window per block, for the per-layer table
+            peak_all = max(peak_all, torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
         prefix = f"{adapter.blocks}.{i}."
         inputs = [_with_hidden(a, k, h) for (a, k), h in zip(per_block[i], hidden)]
         home = next(block.parameters()).device        # the block goes back where it came from
@@ -280,13 +284,28 @@ def run_pipeline(model: nn.Module, adapter: Adapter, batches: list, qcfg: QuantC
         res.scales.update(getattr(br, "scales", {}) or {})
         with torch.no_grad():
             hidden = [_hidden(block(*a, **k)) for a, k in inputs]
+        peak = _block_peak_bytes(device)
+        for row in getattr(br, "rows", []) or []:
+            row.setdefault("peak_mb", round(peak / 2**20, 1))
         block.to(home)
         if progress:
             progress("blocks", i + 1, len(blocks))
     if device.type == "cuda":
-        res.peak_device_bytes = torch.cuda.max_memory_allocated(device)
+        res.peak_device_bytes = max(peak_all, torch.cuda.max_memory_allocated(device))
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _block_peak_bytes(device: torch.device) -> int:
+    """Peak device memory since the block started (CUDA), or the process's peak resident memory so far (CPU,
+    where no per-block window exists)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024     # Linux: KiB
+    except (ImportError, OSError):
+        return 0
 
 
 # ------------------------------------------------------------------------------------------ resume
