@@ -164,28 +164,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   }
   flush();
 
-  if constexpr (KW > 1) {  // fold warps kw > 0 of each block into warp kw = 0
-    float* red = reinterpret_cast<float*>(smem);
-    if (kw > 0) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            red[((((kw - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
-    }
-    __syncthreads();
-    if (kw == 0) {
-#pragma unroll
-      for (int q = 1; q < KW; ++q)
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int w = 0; w < 4; ++w)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
-    }
-  }
+  if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
   store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
 }

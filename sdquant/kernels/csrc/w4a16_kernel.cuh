@@ -176,6 +176,33 @@ struct Ops<__nv_bfloat16> {
 // splits == 1: write y. Otherwise write this CTA's fp32 partial; the last CTA of a column tile (counted on a lock
 // that it resets) adds the partials in a fixed order and writes y: deterministic, one launch, no memset.
 // Every thread of the CTA must call it (barriers inside).
+// Sum the accumulators of the KW warps that split one block's K steps into warp kw = 0, through shared memory
+// (smem must hold (KW - 1) * WNN * NT * 16 * 32 floats and be free to overwrite). Both kernels end with it.
+template <int NT, int WNN, int KW>
+__device__ __forceinline__ void reduce_k_warps(float (&acc)[NT][4][4], void* smem, int kw, int wn, int lane) {
+  float* red = reinterpret_cast<float*>(smem);
+  if (kw > 0) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          red[((((kw - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
+  }
+  __syncthreads();
+  if (kw == 0) {
+#pragma unroll
+    for (int q = 1; q < KW; ++q)
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
+  }
+}
+
 template <typename T, int NT, int WNN, int THREADS>
 __device__ __forceinline__ void store_output(const SdqW4A16Params& p, const float (&acc)[NT][4][4], bool writer,
                                              int nb, int split, int& s_last) {
@@ -409,27 +436,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 
   if constexpr (KW > 1) {  // fold the K-split warps of each block into warp kw = 0 through shared memory
     __syncthreads();       // every warp is done reading the pipeline's shared memory
-    float* red = reinterpret_cast<float*>(smem);
-    if (kw > 0) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            red[((((kw - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
-    }
-    __syncthreads();
-    if (kw == 0) {
-#pragma unroll
-      for (int q = 1; q < KW; ++q)
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int w = 0; w < 4; ++w)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][w][e] += red[((((q - 1) * WNN + wn) * NT + i) * 16 + w * 4 + e) * 32 + lane];
-    }
+    reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);
   }
   store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
 }
