@@ -211,6 +211,14 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         k = self.in_features
+        if self.g_idx is None:
+            # contiguous groups: broadcast the [N, G] parameters over [N, G, gs] views in place, so the only
+            # weight-sized temporary is the result (a 57k x 8k fused weight: 1.9 GB, not four times that)
+            n, g = self.scales.shape
+            out = self.codes().view(n, g, k // g).to(torch.float32)
+            out.sub_(zero_points(self.zeros, self.scales, self.bits)[..., None])
+            out.mul_(self.scales.float()[..., None])
+            return out.view(n, k).to(dtype)
         s = expand_groups(self.scales.float(), k, self.group_size, self.g_idx)
         z = expand_groups(zero_points(self.zeros, self.scales, self.bits), k, self.group_size, self.g_idx)
         return ((self.codes().float() - z) * s).to(dtype)
