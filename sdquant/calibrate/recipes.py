@@ -356,7 +356,11 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                 fused.setdefault((sp.bits, sp.group_size, sp.symmetric), []).append(n)
         for (bits, gs, sym), fnames in fused.items():
             t1 = time.perf_counter()
-            Ws = [targets[n].weight.detach().float() for n in fnames]   # already W · s when scaled
+            # already W · s when scaled; one fp32 matrix for the fused problem, the per-linear rows are views
+            W = torch.cat([targets[n].weight.detach().float() for n in fnames], 0) if len(fnames) > 1 else \
+                targets[fnames[0]].weight.detach().float()
+            sizes = [targets[n].weight.shape[0] for n in fnames]
+            Ws = list(torch.split(W, sizes, 0))
             clip = None
             if bool(cfg(q, "awq.clip_for_gptq", False)) and all(n in clip_of for n in fnames):
                 clip = torch.cat([clip_of[n] for n in fnames], 0)
@@ -366,14 +370,14 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
             if own:
                 Hk = None
             unit_shift += 1                                 # rotate leftover row units over the ranks
-            qw, st = gptq_quantize_dp(d, Ws[0] if len(Ws) == 1 else torch.cat(Ws, 0), box.pop(), bits=bits, group_size=gs, symmetric=sym,
+            qw, st = gptq_quantize_dp(d, W, box.pop(), bits=bits, group_size=gs, symmetric=sym,
                                    unit_shift=unit_shift, act_order=str(cfg(q, "act_order", "static")),
                                    damp=float(cfg(q, "damp", 0.01)),
                                    block_size=int(cfg(q, "gptq_block_size", 128)),
                                    damp_max=float(cfg(q, "damp_max", 1.0)), clip_ratio=clip,
                                    mse_grid=0 if clip is not None else int(cfg(q, "gptq_mse_grid", 10)),
                                    name="+".join(fnames), log=log, overwrite_h=own)
-            parts = _split_rows(qw, [w.shape[0] for w in Ws])
+            parts = _split_rows(qw, sizes)
             dt = (time.perf_counter() - t1) / len(fnames)
             for n, w, part in zip(fnames, Ws, parts):
                 row = dict(damp=st.damp, escalations=st.escalations, gptq_seconds=dt)
