@@ -1,5 +1,10 @@
 """bench: peak RSS of one GPTQ solve of the 70B fused gate/up shape (57344 x 8192, g128, static act-order, MSE grid)
-on CPU, with the current uint8 pack/unpack or the previous int64 one (argv[1] = new|old)."""
+on CPU, with the current uint8 pack/unpack or the previous int64 one (argv[1] = new|old; "old" swaps only
+pack/unpack). Recorded in bench/results/gptq_solve_mem_cpu_70b_gateup.log: the first two lines were run with
+the earlier QuantizedWeight.dequantize, the third after it broadcast its parameters in place.
+
+    python bench/gptq_solve_mem.py new        # ~5 min and ~7 GB RSS on 2 cores
+"""
 import resource, sys, time, torch
 from sdquant.quant import qtensor
 from sdquant.calibrate import gptq
