@@ -30,7 +30,10 @@ ACT_ORDERS = ("none", "static", "group")
 # depend on how many rows are solved together: data-parallel calibration hands each rank whole tiles and is
 # bitwise equal to one process.
 ROW_TILE = 1024
-HOST_HESSIAN_BYTES = 1 << 30      # Hessians at least this large wait in host memory during the solve
+# Hessians at least this large wait in host memory during the solve (2 K² on the device at the Cholesky instead
+# of 3 K²). The round trip through pageable host memory cost ~2.4 s per 70B block on the H200 (3.3 GB down_proj
+# Hessian) while that solve was not the block's peak, so it starts above the 70B size (K ≥ ~32k, e.g. 405B).
+HOST_HESSIAN_BYTES = 4 << 30
 _log = logging.getLogger("sdquant.calibrate.gptq")
 
 
@@ -67,7 +70,7 @@ def accumulate_hessian(H: Optional[torch.Tensor], x: torch.Tensor, n_seen: int):
         # in fp32); avoids a [T, K] fp32 copy and fp32 SIMT matmuls
         try:
             # the fp32 product is a temporary as large as H: for a large K it is made in column blocks
-            step = k if k * k * 4 < HOST_HESSIAN_BYTES else 4096
+            step = k if k * k * 4 < (1 << 30) else 4096
             for c0 in range(0, k, step):
                 H[:, c0:c0 + step].add_(torch.mm(x.t(), x[:, c0:c0 + step], out_dtype=torch.float32),
                                         alpha=2.0 / total)
