@@ -14,3 +14,15 @@ def cfg(obj, path: str, default=None):
 
 def out_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def map_leaves(fn, obj):
+    """fn applied to every leaf of nested tuples / lists / dicts (module call arguments), the containers
+    rebuilt as plain tuples, lists and dicts; fn sees every non-container value, tensors or not."""
+    if isinstance(obj, tuple):
+        return tuple(map_leaves(fn, o) for o in obj)
+    if isinstance(obj, list):
+        return [map_leaves(fn, o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_leaves(fn, v) for k, v in obj.items()}
+    return fn(obj)

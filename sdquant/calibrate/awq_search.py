@@ -14,21 +14,14 @@ from torch import nn
 from torch.func import functional_call
 
 from sdquant.calibrate import awq as awq_math
-from sdquant.calibrate._util import cfg, out_tensor
+from sdquant.calibrate._util import cfg, map_leaves, out_tensor
 from sdquant.calibrate.distributed import lpt_assign
 
 
 def _slice_batch(obj, b: int, i: int):
     """Sequence i of a call's arguments: tensors of two or more dims whose first dim is the batch b."""
-    if isinstance(obj, torch.Tensor):
-        return obj[i:i + 1] if obj.dim() >= 2 and obj.shape[0] == b else obj
-    if isinstance(obj, tuple):
-        return tuple(_slice_batch(o, b, i) for o in obj)
-    if isinstance(obj, list):
-        return [_slice_batch(o, b, i) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _slice_batch(v, b, i) for k, v in obj.items()}
-    return obj
+    return map_leaves(lambda t: t[i:i + 1] if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == b
+                      else t, obj)
 
 
 def make_loss_fn(inspect: nn.Module, pnames, calls, refs, dtype):

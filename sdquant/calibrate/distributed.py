@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from sdquant.calibrate._util import map_leaves
+
 # NVLink SHARP / multicast stays off: the lent machines' fabric does not support it reliably
 NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -150,28 +152,17 @@ class _TensorSlot:
 
 
 def _strip(obj, tensors: list):
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
+    """obj with every tensor replaced by a _TensorSlot; the tensors are appended to ``tensors`` in order."""
+    def slot(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        tensors.append(t)
         return _TensorSlot(len(tensors) - 1)
-    if isinstance(obj, tuple):
-        return tuple(_strip(o, tensors) for o in obj)
-    if isinstance(obj, list):
-        return [_strip(o, tensors) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    return obj
+    return map_leaves(slot, obj)
 
 
 def _fill(obj, tensors: list):
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.i]
-    if isinstance(obj, tuple):
-        return tuple(_fill(o, tensors) for o in obj)
-    if isinstance(obj, list):
-        return [_fill(o, tensors) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    return obj
+    return map_leaves(lambda x: tensors[x.i] if isinstance(x, _TensorSlot) else x, obj)
 
 
 def lpt_assign(costs: Sequence[float], world: int) -> list:

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from sdquant.calibrate._util import map_leaves
 from sdquant.calibrate.distributed import SINGLE, Dist
 from sdquant.config import LayerSpec, QuantConfig, layer_spec
 from sdquant.errors import SdquantError
@@ -54,27 +55,11 @@ class _Recorder(nn.Module):
 
 
 def _move(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_move(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_move(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
-    return obj
+    return map_leaves(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
 
 
 def _detach(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, tuple):
-        return tuple(_detach(o) for o in obj)
-    if isinstance(obj, list):
-        return [_detach(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    return obj
+    return map_leaves(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
 
 
 def _hidden(out):
