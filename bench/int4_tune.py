@@ -16,7 +16,12 @@ Steps (each guarded: a failure is reported and skipped, never aborts the run):
    --budget-s seconds have passed since the start.
 3. print the per-(shape, M) winners and the proposed int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS; write
    $OUT/int4_tune.json and $OUT/int4_tune.log.
-A config is variant + 16 * target (int4_cuda's docstring; target = CTAs per SM x 2 for automatic split-K).
+A config is variant + 64 * target (int4_cuda's docstring; target = CTAs per SM x 2 for automatic split-K; run 4
+wrote variant + 16 * target).
+Run 5 adds the stream-K variants 13-18 and, at M = 1 and 16, the read-bandwidth probes (not GEMMs): "lin" reads
+the whole qweight buffer in order with a grid-stride kernel (the plain read ceiling for this many bytes), "P1@v13"
+/ "P2@v15" issue exactly the loads of variants 13 / 15 on their grids without the arithmetic, "P3" the same
+pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
 """
 from __future__ import annotations
 
@@ -46,10 +51,18 @@ RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (28672, 
 MS = [1, 2, 4, 8, 16, 32]
 # variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
-CONFIGS = [0, 0 + 16 * 8, 1, 2, 2 + 16 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 16 * 2]
+CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
+           13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
-         11: "direct 4x1 d4", 12: "direct 8x1 d2"}
+         11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
+         16: "sk 2 d2 ts", 17: "sk 8 d2 ws", 18: "sk 2 d3 ws ts"}
+# run 4's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit 3691899): the "old default" of this run's table
+RUN4_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
+RUN4_SHAPE = {(8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
+              (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
+              (8192, 10240, 16): 1, (4096, 6144, 16): 4}
+PROBE_MS = (1, 16)
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (4096, 4096, 128, True, False, torch.bfloat16, (1, 3, 8, 16, 32)),
     (4096, 4096, 128, False, False, torch.float16, (1, 5, 16)),
@@ -61,8 +74,14 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
 ]
 
 
+def run4_config(k: int, n: int, m: int) -> int:
+    from sdquant.kernels.int4_cuda import m_bucket
+    b = m_bucket(m)
+    return 0 if b > 16 else RUN4_SHAPE.get((k, n, b), RUN4_DEFAULTS.get(b, 0))
+
+
 def cfg_name(c: int) -> str:
-    v, t = c % 16, c // 16
+    v, t = c % 64, c // 64
     return f"v{v}[{NAMES.get(v, '?')}]" + (f"@{t / 2:g}/SM" if t else "")
 
 
@@ -202,8 +221,14 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
     return statistics.median(ts)
 
 
+# (name, kind, variant whose resident-slot grid the probe uses: None = the probe kernel's own)
+PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None)]
+
+
 def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list:
     rows = []
+    from sdquant.kernels import int4_cuda as ic
+    sms = 0 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
     timer = (lambda call, n: time_cpu(call, n)) if dry else \
         (lambda call, n: gemm.time_rotating(call, n, trials=5, target_ms=2.0, max_calls=60))
     for (k, n) in shapes:
@@ -214,6 +239,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         w_ref = qw.dequantize(dtype)
         int4_bytes = n * k // 2 + n * (k // gemm.GS) * 2 * 2
+        qbytes = n * k // 2
         n_int4 = 2 if dry else gemm.n_copies(int4_bytes)
         base = int4_layout.repack_cuda(qw, dtype)
         lays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
@@ -242,7 +268,16 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
                     res[name] = (us, err, p[3])
                 except Exception as ex:  # noqa: BLE001
                     log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
-            for c in (configs if m <= 16 else [cc for cc in configs if cc % 16 == 0]):
+            if not dry and m in PROBE_MS:
+                for pname, kind, grid_of in PROBES:
+                    try:
+                        ctas = 0 if grid_of is None else sms * ic.occupancy(m, gemm.GS, grid_of, dtype)
+                        us = timer(lambda i, kind=kind, ctas=ctas: ic.read_probe(x, lays[i % len(lays)], kind, ctas),
+                                   len(lays))
+                        res["probe_" + pname] = (us, float("nan"), qbytes if kind == 0 else int4_bytes)
+                    except Exception as ex:  # noqa: BLE001
+                        log(f"  probe {pname} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+            for c in (configs if m <= 16 else [cc for cc in configs if cc % 64 == 0]):
                 def call(i, c=c):
                     lay = lays[i % len(lays)]
                     return torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None,
@@ -253,7 +288,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
                 except Exception as ex:  # noqa: BLE001
                     log(f"  {cfg_name(c)} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
             for key, (us, err, wbytes) in res.items():
-                nbytes = wbytes + m * k * 2 + m * n * 2
+                nbytes = wbytes if str(key).startswith("probe_") else wbytes + m * k * 2 + m * n * 2
                 tbs = nbytes / (us * 1e-6) / 1e12
                 rows.append({"K": k, "N": n, "M": m, "kernel": key if isinstance(key, str) else f"cfg{key}",
                              "config": None if isinstance(key, str) else key, "us": round(us, 3),
@@ -261,9 +296,15 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
             sd = {kk: v[0] for kk, v in res.items() if not isinstance(kk, str)}
             if sd:
                 best = min(sd, key=sd.get)
+                sk = {c: v for c, v in sd.items() if c % 64 >= 13}
+                skb = min(sk, key=sk.get) if sk else None
+                prb = " ".join(f"{kk[6:]} {v[0]:.1f}" for kk, v in res.items() if str(kk).startswith("probe_"))
                 log(f"  {k}x{n} M={m}: bf16 {res.get('bf16', (float('nan'),))[0]:.1f} tinygemm "
-                    f"{res.get('tinygemm', (float('nan'),))[0]:.1f} old {sd.get(0, float('nan')):.1f} "
-                    f"best {cfg_name(best)} {sd[best]:.1f} us  [{elapsed():.0f} s]")
+                    f"{res.get('tinygemm', (float('nan'),))[0]:.1f} v0 {sd.get(0, float('nan')):.1f} "
+                    f"run4-default {sd.get(run4_config(k, n, m), float('nan')):.1f} "
+                    f"best {cfg_name(best)} {sd[best]:.1f}"
+                    + (f" best-sk {cfg_name(skb)} {sk[skb]:.1f}" if skb is not None else "")
+                    + (f" | probes {prb}" if prb else "") + f" us  [{elapsed():.0f} s]")
         log(f"shape {k}x{n} done in {time.time() - t_shape:.1f} s")
         del lays, ctx, provs, w_ref
         if not dry:
@@ -274,8 +315,9 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
 # ------------------------------------------------------------------------------------------------ choose
 def choose(rows, tol: float = 0.03) -> dict:
     """Per M bucket: the config with the best geometric-mean time ratio to each point's fastest config, over
-    the shapes measured (ties to the old kernel within tol); per (K, N, M): overrides where the shape's winner
-    beats that default by more than tol."""
+    the shapes measured (ties to run 4's default within tol); per (K, N, M): overrides where the shape's winner
+    beats that default by more than tol. Last, no measured point may get slower than run 4's default measured in
+    the same run: where the choice is, the point's fastest config overrides it."""
     from sdquant.kernels.int4_cuda import m_bucket
     pts = {}
     for r in rows:
@@ -293,15 +335,27 @@ def choose(rows, tol: float = 0.03) -> dict:
         if not scores:
             continue
         best = min(scores, key=scores.get)
-        if 0 in scores and scores[0] <= scores[best] * (1 + tol):
-            best = 0
+        old = RUN4_DEFAULTS.get(b, 0)
+        if old in scores and scores[old] <= scores[best] * (1 + tol):
+            best = old
         defaults[b] = best
         score_log[b] = {cfg_name(c): round(s, 4) for c, s in sorted(scores.items(), key=lambda t: t[1])}
         for (k, n, m), d in items:
             w = min(d, key=d.get)
             if w != best and best in d and d[w] * (1 + tol) < d[best]:
                 overrides[(k, n, b)] = w
-    return {"DEFAULT_CONFIGS": defaults, "SHAPE_CONFIGS": overrides, "scores": score_log}
+    guarded = []
+    for (k, n, m), d in pts.items():
+        b = m_bucket(m)
+        if b > 16:
+            continue
+        c = overrides.get((k, n, b), defaults.get(b, 0))
+        old = run4_config(k, n, m)
+        if old in d and (c not in d or d[c] > d[old]):
+            w = min(d, key=d.get)
+            overrides[(k, n, b)] = w
+            guarded.append(f"{k}x{n}:M{m} {cfg_name(c)} -> {cfg_name(w)}")
+    return {"DEFAULT_CONFIGS": defaults, "SHAPE_CONFIGS": overrides, "scores": score_log, "guarded": guarded}
 
 
 def table(rows, chosen) -> str:
@@ -311,8 +365,10 @@ def table(rows, chosen) -> str:
     keys = sorted({(r["K"], r["N"], r["M"]) for r in rows},
                   key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
     from sdquant.kernels.int4_cuda import m_bucket
-    out = ["| K×N | M | bf16 | tinygemm | old (v0) | new default | best config | best µs | ×bf16 | ×old | TB/s (% copy) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| K×N | M | bf16 | tinygemm | run-4 default | new default | best of sweep | ×bf16 | ×tinygemm | ×run-4 | "
+           "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 µs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     for (k, n, m) in keys:
         def us(name):
             r = cells.get((k, n, m, name))
@@ -323,13 +379,17 @@ def table(rows, chosen) -> str:
         best = min(sdq, key=lambda c: sdq[c]["us"])
         b = m_bucket(m)
         dflt = chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0)) if b <= 16 else 0
-        d_us = sdq.get(dflt, sdq[best])["us"]
-        bf, old = us("bf16"), us("cfg0")
-        f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
-        out.append(f"| {k}×{n} | {m} | {f(bf)} | {f(us('tinygemm'))} | {f(old)} | {f(d_us)} | {cfg_name(best)} | "
-                   f"{sdq[best]['us']:.1f} | {'–' if not bf else f'{bf / d_us:.2f}'} | "
-                   f"{'–' if not old else f'{old / d_us:.2f}'} | {sdq.get(dflt, sdq[best])['TBps']:.2f} "
-                   f"({sdq.get(dflt, sdq[best])['pct_copy']:.0f}%) |")
+        dflt = dflt if dflt in sdq else best
+        old = run4_config(k, n, m)
+        d_us, o_us = sdq[dflt]["us"], (sdq[old]["us"] if old in sdq else None)
+        bf, tg = us("bf16"), us("tinygemm")
+        floor = (n * k // 2 + n * (k // gemm.GS) * 4 + m * k * 2 + m * n * 2) / 4.3e12 * 1e6
+        probes = [us("probe_" + p[0]) for p in PROBES]
+        ratio = lambda a, bb: "–" if not a or not bb else f"{a / bb:.2f}"  # noqa: E731
+        out.append(f"| {k}×{n} | {m} | {f(bf)} | {f(tg)} | {f(o_us)} (v{old % 64}) | **{d_us:.1f}** ({cfg_name(dflt)}) | "
+                   f"{sdq[best]['us']:.1f} ({cfg_name(best)}) | {ratio(bf, d_us)} | {ratio(tg, d_us)} | "
+                   f"{ratio(o_us, d_us)} | {sdq[dflt]['TBps']:.2f} ({100 * sdq[dflt]['TBps'] / 4.3:.0f}%) | "
+                   f"{floor:.1f} | {' / '.join(f(p) for p in probes) if any(probes) else '–'} |")
     return "\n".join(out)
 
 
@@ -386,12 +446,13 @@ def main(argv=None):
     except Exception as ex:  # noqa: BLE001 - keep what was measured
         log(f"sweep aborted: {type(ex).__name__}: {str(ex)[:300]}")
     chosen = choose(rows)
-    save(rows, {"DEFAULT_CONFIGS": chosen["DEFAULT_CONFIGS"], "scores": chosen["scores"],
+    save(rows, {"DEFAULT_CONFIGS": chosen["DEFAULT_CONFIGS"], "scores": chosen["scores"], "guarded": chosen["guarded"],
                 "SHAPE_CONFIGS": {f"{k}x{n}:M{b}": c for (k, n, b), c in chosen["SHAPE_CONFIGS"].items()}})
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
     log(f"scores (geo-mean time / best, per M bucket): {json.dumps(chosen['scores'])}")
     log(f"proposed DEFAULT_CONFIGS = {chosen['DEFAULT_CONFIGS']}")
     log(f"proposed SHAPE_CONFIGS = {chosen['SHAPE_CONFIGS']}")
+    log(f"guarded (choice was slower than the run-4 default there): {chosen['guarded']}")
     log(table(rows, chosen))
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
 

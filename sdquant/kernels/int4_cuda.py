@@ -10,12 +10,15 @@
         bias     dtype [N] or None
         splits   split-K factor, 0 = automatic (fill every SM once)
         evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``; variant 0 only)
-        config   kernel variant + 16 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
+        config   kernel variant + 64 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
                  the list in csrc/w4a16_kernel.cuh (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
                  split-K, pipeline depth and stage-wide shared-memory reads; 8-12 are the direct kernel of
-                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; M <= 16 only,
-                 larger M uses 0);
-                 target: automatic split-K aims at target / 2 CTAs per SM (0 = the variant's default)
+                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; 13-18 the
+                 stream-K direct kernel of csrc/w4a16_streamk.cuh, a persistent grid of the resident slots walking
+                 a flattened tile x K space; M <= 16 only, larger M uses 0);
+                 target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
+                 default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
+                 those values mean the same here.
 
 Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
 launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
@@ -134,7 +137,8 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 13
+N_VARIANTS = 19
+STREAMK_VARIANTS = range(13, 19)
 
 # Measured defaults (bench/int4_tune.py, H200 run 4, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N, M bucket)
@@ -165,11 +169,16 @@ def auto_config(m: int, n: int, k: int) -> int:
     return SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
 
 
+def make_config(variant: int, target: int = 0) -> int:
+    """(variant, target) -> config (target = 2 x CTAs per SM for the automatic split-K / stream-K grid)."""
+    return variant + 64 * target
+
+
 def split_config(config: int) -> tuple:
     """config -> (variant, target); bad values fall back to (0, 0)."""
     if config < 0:
         return 0, 0
-    v, t = config % 16, config // 16
+    v, t = config % 64, config // 64
     return (v if v < N_VARIANTS else 0), (t if t < 64 else 0)
 
 
@@ -185,6 +194,16 @@ def occupancy(m: int, group_size: int, config: int = 0, dtype=torch.bfloat16) ->
     if ext is None:
         return 0
     return int(ext.occupancy(m, group_size // 16, dtype == torch.bfloat16, split_config(config)[0]))
+
+
+def read_probe(x: torch.Tensor, layout: dict, kind: int = 0, ctas: int = 0) -> torch.Tensor:
+    """Read-bandwidth probe over a CUDA layout's fragments (not a GEMM; the result is meaningless): kind 0 = the
+    whole qweight buffer read in order by a grid-stride kernel; 1-3 = the stream-K kernel's loads without the
+    arithmetic (csrc/w4a16_kernel.cuh P1-P3) on ``ctas`` CTAs (0 = the probe kernel's resident slots)."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"int4_cuda unavailable: {_STATE.get('reason')}")
+    return ext.read_probe(x, layout["qweight"], layout["scales"], layout["zeros"], int(kind), int(ctas))
 
 
 def _check(x, qweight, scales, zeros, perm):

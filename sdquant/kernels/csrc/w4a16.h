@@ -9,11 +9,11 @@ struct SdqW4A16Params {
   const void* s;       // [g, n/64, 8, 8] scales, fp16 (applied in fp32 to the group sums)
   const void* zs;      // [g, n/64, 8, 8] integer zero points stored in the activation dtype
   void* c;             // [m, n] output, activation dtype
-  float* partial;      // [splits, m, n] fp32 scratch (read only when splits > 1)
+  float* partial;      // fp32 scratch: [splits, m, n] (read only when splits > 1); stream-K: [G, 2, m, 64 * WNN]
   int* locks;          // >= ceil(n/256) ints, zero on entry and left zero on exit
   int m, n, k;
   int group_k16;       // group size / 16 (k / 16 for per-channel)
-  int splits;          // split-K factor (>= 1); sdq_w4a16_auto_splits picks one
+  int splits;          // split-K factor (>= 1), or the grid size G of a stream-K variant; sdq_w4a16_auto_splits picks it
   int is_bf16;
   int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
   int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
@@ -27,6 +27,12 @@ int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream);
 // Split-K factor for this shape and variant: target2 / 2 CTAs per SM (0 = the variant's default: 2.5 per SM for
 // variant 0, every resident slot for the others); reads the SM count and the occupancy calculator.
 int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16, int variant, int target2);
+// fp32 scratch (p->partial) that the launch of *p (splits already chosen) needs, in floats (0: none).
+long long sdq_w4a16_scratch_floats(const SdqW4A16Params* p);
+// Read-bandwidth probes over p->b (not GEMMs; p->c gets nothing): kind 0 = the whole fragment buffer read in order
+// by a grid-stride kernel (ctas CTAs of 256 threads, 0 = 8 per SM); 1-3 = the stream-K kernel's loads (P1-P3 in
+// w4a16_kernel.cuh) without the arithmetic, on ctas CTAs (0 = every resident slot of the probe kernel).
+int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t stream);
 // Resident CTAs per SM of the kernel the launcher would pick for (m, group, dtype, variant).
 int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 // Runs a tiny kernel that copies through cp.async with an L2::evict_first cache policy; 0 = it worked.

@@ -27,7 +27,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
   TORCH_CHECK(qweight.size(1) * 16 == k, "w4a16_cuda: x has K=", k, " but qweight holds K=", qweight.size(1) * 16);
   TORCH_CHECK(g > 0 && k % (16 * g) == 0, "w4a16_cuda: ", g, " groups do not divide K=", k);
-  TORCH_CHECK(locks.numel() * 4 >= n / 64, "w4a16_cuda: locks too small");
+  TORCH_CHECK(locks.numel() >= n / 64, "w4a16_cuda: locks too small (need N/64 ints)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_cuda: x must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n}, x.options());
@@ -40,15 +40,12 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
                         : sdq_w4a16_auto_splits(rows, static_cast<int>(n), static_cast<int>(k), group_k16,
                                                 x.scalar_type() == at::kBFloat16, static_cast<int>(variant),
                                                 static_cast<int>(target2));
-    at::Tensor partial;
-    if (sp > 1) partial = at::empty({sp, rows, n}, x.options().dtype(at::kFloat));
     SdqW4A16Params p{};
     p.a = static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size();
     p.b = qweight.data_ptr();
     p.s = scales.data_ptr();
     p.zs = zeros.data_ptr();
     p.c = static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size();
-    p.partial = sp > 1 ? partial.data_ptr<float>() : nullptr;
     p.locks = locks.data_ptr<int>();
     p.m = rows;
     p.n = static_cast<int>(n);
@@ -58,6 +55,10 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
     p.is_bf16 = x.scalar_type() == at::kBFloat16;
     p.evict_first = evict_first ? 1 : 0;
     p.variant = static_cast<int>(variant);
+    const long long scratch = sdq_w4a16_scratch_floats(&p);  // split-K or stream-K partials
+    at::Tensor partial;
+    if (scratch > 0) partial = at::empty({scratch}, x.options().dtype(at::kFloat));
+    p.partial = scratch > 0 ? partial.data_ptr<float>() : nullptr;
     const int rc = sdq_w4a16_launch(&p, stream);
     TORCH_CHECK(rc == 0, "w4a16_cuda: launch failed (code ", rc, ": ",
                 rc > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc)) : "unsupported shape", ")");
@@ -77,6 +78,30 @@ int64_t occupancy(int64_t m, int64_t group_k16, bool is_bf16, int64_t variant) {
                              static_cast<int>(variant));
 }
 
+// Read-bandwidth probe (w4a16.h): times like a GEMM call over the same layout, computes nothing useful.
+torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
+                         int64_t kind, int64_t ctas) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && x.dim() == 2 && x.is_contiguous(), "read_probe: bad inputs");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
+  auto out = at::empty({1, 1}, x.options());
+  SdqW4A16Params p{};
+  p.a = x.data_ptr();
+  p.b = qweight.data_ptr();
+  p.s = scales.data_ptr();
+  p.zs = zeros.data_ptr();
+  p.c = out.data_ptr();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.group_k16 = static_cast<int>(k / 16 / g);
+  p.splits = 1;
+  p.is_bf16 = x.scalar_type() == at::kBFloat16;
+  const int rc = sdq_w4a16_probe(&p, static_cast<int>(kind), static_cast<int>(ctas), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(rc == 0, "read_probe: launch failed (code ", rc, ")");
+  return out;
+}
+
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
 }  // namespace
@@ -85,5 +110,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
+  mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

@@ -16,6 +16,7 @@ struct DCfg {
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
   static constexpr bool DIRECT = true;
+  static constexpr int KIND = 1;
 };
 
 template <typename C, int NT>

@@ -28,6 +28,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace sdq_w4a16 {
 namespace {  // internal linkage: every translation unit keeps its own copies
 
@@ -42,6 +44,7 @@ struct Cfg {
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr bool DIRECT = false;
+  static constexpr int KIND = 0;  // 0: cp.async pipeline, 1: direct (w4a16_direct.cuh), 2: stream-K (w4a16_streamk.cuh)
 };
 
 template <typename C, int NT, int KS>
@@ -135,6 +138,10 @@ struct Ops<half> {
   }
   __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2half2_rn(x, y); }
   __device__ __forceinline__ static half one(float x) { return __float2half_rn(x); }
+  __device__ __forceinline__ static uint32_t mul2(uint32_t a, uint32_t b) {
+    const half2 r = __hmul2(*reinterpret_cast<const half2*>(&a), *reinterpret_cast<const half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
 };
 
 template <>
@@ -170,6 +177,11 @@ struct Ops<__nv_bfloat16> {
   }
   __device__ __forceinline__ static T2 pack(float x, float y) { return __floats2bfloat162_rn(x, y); }
   __device__ __forceinline__ static __nv_bfloat16 one(float x) { return __float2bfloat16_rn(x); }
+  __device__ __forceinline__ static uint32_t mul2(uint32_t a, uint32_t b) {
+    const __nv_bfloat162 r =
+        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
 };
 
 // Epilogue shared by the kernels: acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g].
@@ -442,6 +454,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 }
 
 #include "w4a16_direct.cuh"  // the direct (no shared-memory pipeline) kernel, same namespace
+#include "w4a16_streamk.cuh"  // the stream-K direct kernel and the read probes, same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -452,6 +465,11 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // direct kernel (w4a16_direct.cuh): blocks x warps per block, 2-step register stages ahead, min CTAs/SM for ptxas:
 //   8: 4 x 2, 4 ahead, 1      9: 4 x 2, 2 ahead, 2      10: 2 x 4, 2 ahead, 2      11: 4 x 1, 4 ahead, 3
 //   12: 8 x 1, 2 ahead, 2
+// stream-K direct kernel (w4a16_streamk.cuh; grid = resident slots, flattened tile x K walk): blocks (= warps) per
+// CTA, 2-step stages ahead, min CTAs/SM for ptxas at 1 / 2 token tiles, WSCALE (scale per weight, one accumulator set):
+//   13: 8, 2 ahead, 2/1        14: 4, 3 ahead, 3/2        15: 4, 4 ahead, 2/1        16: 8, 3 ahead, 2/1, WSCALE
+//   17: 4, 2 ahead, 4/2, WSCALE                            18: 2, 2 ahead, 6/3
+// probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 14's loads, xor only
 using V0 = Cfg<4, 1, 5, 0>;
 using V1 = Cfg<4, 1, 5, 1>;
 using V2 = Cfg<4, 2, 5, 1>;
@@ -465,16 +483,32 @@ using V9 = DCfg<4, 2, 2, 2>;
 using V10 = DCfg<2, 4, 2, 2>;
 using V11 = DCfg<4, 1, 4, 3>;
 using V12 = DCfg<8, 1, 2, 2>;
-constexpr int N_VARIANTS = 13;
+using V13 = SKCfg<4, 3, 3, 2, 0, 0, 0, 2, 2>;
+using V14 = SKCfg<4, 2, 4, 2, 1, 0, 0, 3, 2>;
+using V15 = SKCfg<4, 2, 4, 2, 1, 1, 0, 3, 1>;
+using V16 = SKCfg<2, 2, 6, 3, 0, 1>;
+using V17 = SKCfg<8, 2, 2, 1, 1, 0>;
+using V18 = SKCfg<2, 3, 6, 3, 1, 1>;
+using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
+using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
+using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
+constexpr int N_VARIANTS = 19;
+constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
-    if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
+    if constexpr (C::KIND == 2) return 0;
+    else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
   }();
+  static constexpr int THREADS = [] {
+    if constexpr (C::KIND == 2) return sk_threads<C, NT>();
+    else return C::THREADS;
+  }();
   static auto kernel() {
-    if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
+    if constexpr (C::KIND == 2) return w4a16_streamk_kernel<T, C, NT>;
+    else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
   }
   static int configure() {  // once per instantiation: the attribute is per function, not per call
@@ -485,9 +519,24 @@ struct Kern {
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     const int rc = configure();
     if (rc != cudaSuccess) return rc;
-    dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
-    kernel()<<<grid, C::THREADS, SMEM, stream>>>(p);
+    if constexpr (C::KIND == 2) {  // stream-K: a 1-D grid of G CTAs, passed to the kernel as p.splits
+      SdqW4A16Params q = p;
+      q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
+      kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
+    } else {
+      dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+      kernel()<<<grid, THREADS, SMEM, stream>>>(p);
+    }
     return cudaGetLastError();
+  }
+  // fp32 scratch (p.partial) this launch needs, in floats
+  static long long scratch(const SdqW4A16Params& p) {
+    if constexpr (C::KIND == 2) {
+      const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
+      return g * 2 * p.m * C::WNN * 64;
+    } else {
+      return p.splits > 1 ? static_cast<long long>(p.splits) * p.m * p.n : 0;
+    }
   }
   static int per_sm() {  // resident CTAs per SM (registers and shared memory), cached per device ordinal 0..7
     static int cache[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -497,19 +546,25 @@ struct Kern {
     if (c == 0) {
       if (configure() != cudaSuccess) return 1;
       int v = 1;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel(), C::THREADS, SMEM) != cudaSuccess || v < 1) v = 1;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel(), THREADS, SMEM) != cudaSuccess || v < 1) v = 1;
       c = v;
     }
     return c;
   }
 };
 
-// op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA
+// op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA, 3 = scratch floats (clamped to 2^31 - 1),
+// 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size)
 template <typename T, typename C, int NT, int KS>
 int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   using K = Kern<T, C, NT, KS, false>;
   if (op == 1) return K::per_sm();
   if (op == 2) return C::WNN;
+  if (op == 3) {
+    const long long f = K::scratch(p);
+    return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
+  }
+  if (op == 4) return C::KIND == 2 ? 1 : 0;
   return K::launch(p, stream);
 }
 
@@ -530,9 +585,20 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 10: return run_op<T, V10, NT, 2>(op, p, stream);
     case 11: return run_op<T, V11, NT, 2>(op, p, stream);
     case 12: return run_op<T, V12, NT, 2>(op, p, stream);
+    case 13: return run_op<T, V13, NT, 2>(op, p, stream);
+    case 14: return run_op<T, V14, NT, 2>(op, p, stream);
+    case 15: return run_op<T, V15, NT, 2>(op, p, stream);
+    case 16: return run_op<T, V16, NT, 2>(op, p, stream);
+    case 17: return run_op<T, V17, NT, 2>(op, p, stream);
+    case 18: return run_op<T, V18, NT, 2>(op, p, stream);
+    case PROBE_BASE + 1: return run_op<T, P1, NT, 2>(op, p, stream);
+    case PROBE_BASE + 2: return run_op<T, P2, NT, 2>(op, p, stream);
+    case PROBE_BASE + 3: return run_op<T, P3, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;
+  if (op == 3) return p.splits > 1 ? p.splits * p.m * p.n : 0;
+  if (op == 4) return 0;
   if (op == 1) return p.evict_first ? Kern<T, V0, NT, KS, true>::per_sm() : Kern<T, V0, NT, KS, false>::per_sm();
   return p.evict_first ? Kern<T, V0, NT, KS, true>::launch(p, stream) : Kern<T, V0, NT, KS, false>::launch(p, stream);
 }

@@ -19,8 +19,7 @@ using sdq_w4a16::cp_async_commit;
 using sdq_w4a16::cp_async_wait;
 using sdq_w4a16::evict_first_policy;
 
-int dispatch_m(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  const int v = (p.variant >= 0 && p.variant < N_VARIANTS) ? p.variant : 0;
+int dispatch_raw(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (p.is_bf16) {
     if (p.m <= 8) return sdq_w4a16_part_bf16_nt1(v, op, &p, stream);
     if (p.m <= 16) return sdq_w4a16_part_bf16_nt2(v, op, &p, stream);
@@ -31,6 +30,17 @@ int dispatch_m(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (p.m <= 32) return sdq_w4a16_part_f16_nt4(v, op, &p, stream);
   }
   return -2;
+}
+
+int dispatch_m(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  return dispatch_raw((p.variant >= 0 && p.variant < N_VARIANTS) ? p.variant : 0, op, p, stream);
+}
+
+int sm_count() {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
 }
 
 __global__ void probe_kernel(const uint4* src, uint4* dst) {
@@ -53,9 +63,7 @@ extern "C" int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream) {
 }
 
 extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16, int variant, int target2) {
-  int dev = 0, sms = 132;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = sm_count();
   const int ks = group_k16 % 4 == 0 ? 4 : 2;
   const int stages = k / 16 / ks;
   const int nt = m <= 8 ? 1 : (m <= 16 ? 2 : 4);
@@ -94,6 +102,14 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   q.splits = 1;
   const int per_sm = dispatch_m(1, q, nullptr);
   const int wnn = dispatch_m(2, q, nullptr);
+  if (dispatch_m(4, q, nullptr) == 1) {
+    // stream-K: the grid size G. Every resident slot (or target2 / 2 per SM), at least 2 stages (4 K steps) a CTA.
+    const long long units = sdq_w4a16::sk_space(n, k, wnn).U;
+    long long g = target2 > 0 ? (static_cast<long long>(target2) * sms + 1) / 2
+                              : static_cast<long long>(sms) * (per_sm < 1 ? 1 : per_sm);
+    if (g > units / 2) g = units / 2;
+    return g < 1 ? 1 : static_cast<int>(g);
+  }
   const int tiles = (n / 64 + wnn - 1) / wnn;
   const int slots = sms * (per_sm < 1 ? 1 : per_sm);
   const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;
@@ -104,6 +120,27 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     for (int s = splits; 2 * s >= splits; --s)
       if (stages % s == 0) return s;
   return splits;
+}
+
+extern "C" long long sdq_w4a16_scratch_floats(const SdqW4A16Params* p) {
+  if (p->evict_first || p->m > 16) return p->splits > 1 ? static_cast<long long>(p->splits) * p->m * p->n : 0;
+  return dispatch_m(3, *p, nullptr);
+}
+
+extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t stream) {
+  if (kind == 0) {  // linear read of the fragments (p->b), grid-stride, 256 threads
+    const size_t n16 = static_cast<size_t>(p->n / 64) * (p->k / 16) * 32;
+    const int grid = ctas > 0 ? ctas : sm_count() * 8;
+    sdq_w4a16::linear_read_probe_kernel<4><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint4*>(p->b), n16,
+                                                                     reinterpret_cast<unsigned*>(p->c));
+    return cudaGetLastError();
+  }
+  if (kind < 1 || kind > 3 || p->m > 16) return -1;
+  SdqW4A16Params q = *p;
+  q.variant = sdq_w4a16::PROBE_BASE + kind;
+  q.evict_first = 0;
+  q.splits = ctas > 0 ? ctas : sm_count() * dispatch_raw(q.variant, 1, q, nullptr);
+  return dispatch_raw(q.variant, 0, q, stream);
 }
 
 extern "C" int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant) {
