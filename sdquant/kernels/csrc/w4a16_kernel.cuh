@@ -469,7 +469,10 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // CTA, 2-step stages ahead, min CTAs/SM for ptxas at 1 / 2 token tiles, WSCALE (scale per weight, one accumulator set):
 //   13: 8, 2 ahead, 2/1        14: 4, 3 ahead, 3/2        15: 4, 4 ahead, 2/1        16: 8, 3 ahead, 2/1, WSCALE
 //   17: 4, 2 ahead, 4/2, WSCALE                            18: 2, 2 ahead, 6/3
-// probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 14's loads, xor only
+// the same with a per-warp shared-memory ring of cp.async stages instead of the register ring (RING stages deep):
+//   19: 4, 8 stages, 4/2        20: 4, 8 stages, 4/3, WSCALE        21: 8, 6 stages, 2/1        22: 4, 12, 4/3, WSCALE
+// probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
+// registers, P4 = 19's loads (shared-memory ring); xor only
 using V0 = Cfg<4, 1, 5, 0>;
 using V1 = Cfg<4, 1, 5, 1>;
 using V2 = Cfg<4, 2, 5, 1>;
@@ -489,16 +492,21 @@ using V15 = SKCfg<4, 2, 4, 2, 1, 1, 0, 3, 1>;
 using V16 = SKCfg<2, 2, 6, 3, 0, 1>;
 using V17 = SKCfg<8, 2, 2, 1, 1, 0>;
 using V18 = SKCfg<2, 3, 6, 3, 1, 1>;
+using V19 = SKCfg<4, 0, 4, 2, 0, 0, 0, 4, 2, 8>;
+using V20 = SKCfg<4, 0, 4, 3, 1, 0, 0, 4, 3, 8>;
+using V21 = SKCfg<8, 0, 2, 1, 0, 0, 0, 2, 1, 6>;
+using V22 = SKCfg<4, 0, 4, 3, 1, 0, 0, 4, 3, 12>;
+using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 19;
+constexpr int N_VARIANTS = 23;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
-    if constexpr (C::KIND == 2) return 0;
+    if constexpr (C::KIND == 2) return sk_smem<C, NT>();
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
   }();
@@ -594,6 +602,11 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case PROBE_BASE + 1: return run_op<T, P1, NT, 2>(op, p, stream);
     case PROBE_BASE + 2: return run_op<T, P2, NT, 2>(op, p, stream);
     case PROBE_BASE + 3: return run_op<T, P3, NT, 2>(op, p, stream);
+    case PROBE_BASE + 4: return run_op<T, P4, NT, 2>(op, p, stream);
+    case 19: return run_op<T, V19, NT, 2>(op, p, stream);
+    case 20: return run_op<T, V20, NT, 2>(op, p, stream);
+    case 21: return run_op<T, V21, NT, 2>(op, p, stream);
+    case 22: return run_op<T, V22, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

@@ -18,11 +18,16 @@
 // PROBE = 1: the same loads in the same order, but only an xor of the loaded words (no dequantize, no MMA, no
 // output): the read-bandwidth ceiling of this access pattern (bench/int4_tune.py reports it; not a GEMM).
 template <int WNN_, int DEPTH_, int MINB_, int MINB2_, int WSCALE_, int TSPLIT_, int PROBE_ = 0, int HMINB_ = MINB_,
-          int HMINB2_ = MINB2_>
+          int HMINB2_ = MINB2_, int RING_ = 0>
 struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles (HMINB*: the same for fp16, which
                 // holds 8 more registers of zero pairs and can spill where bf16 fits)
   static constexpr int WNN = WNN_, KW = 1, DEPTH = DEPTH_, MINB = MINB_, MINB2 = MINB2_, WSCALE = WSCALE_;
   static constexpr int TSPLIT = TSPLIT_, PROBE = PROBE_, HMINB = HMINB_, HMINB2 = HMINB2_;
+  // RING > 0: the fragments go through a per-warp shared-memory ring of RING stages (cp.async, each lane copies and
+  // later reads back only its own 16 bytes, so no barrier: cp.async.wait_group makes a thread's copies visible to
+  // it); bytes in flight then cost shared memory instead of registers (DEPTH is unused). No TSPLIT.
+  static constexpr int RING = RING_;
+  static_assert(RING == 0 || TSPLIT == 0, "a shared-memory ring is per warp: no token-split warps");
   static constexpr int WARPS = WNN;  // at one token tile; TSPLIT doubles it at two (sk_threads)
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -37,6 +42,8 @@ template <typename C, int NT>
 constexpr int sk_tt() { return (C::TSPLIT && NT == 2) ? 2 : 1; }  // warps per block
 template <typename C, int NT>
 constexpr int sk_threads() { return 32 * C::WNN * sk_tt<C, NT>(); }
+template <typename C, int NT>
+constexpr int sk_smem() { return C::RING * 2 * 512 * C::WNN * sk_tt<C, NT>(); }  // RING stages of 2 K steps a warp
 
 __device__ __forceinline__ uint4 ldg_l1_16(const uint4* p) {
   uint4 r;
@@ -74,8 +81,8 @@ __device__ __forceinline__ int sk_owner(long long U, int G, long long u) {
 // One warp: acc = sum over stages [kb, kb + iters) of its block nb (iters = 0 for an inactive warp).
 template <typename T, typename C, int NT, bool L1>
 __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)[NT][4][4], uint32_t& probe, int nb,
-                                           int kb, int iters, int tok0) {
-  constexpr int D = C::DEPTH, KS = 2;
+                                           int kb, int iters, int tok0, uint4* ring) {
+  constexpr int D = C::RING > 0 ? C::RING : C::DEPTH, KS = 2;
   using O = Ops<T>;
   const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64, kb_total = p.k / 16, m = p.m;
@@ -84,8 +91,28 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
       reinterpret_cast<const uint4*>(p.b) + (static_cast<size_t>(nb) * kb_total + static_cast<size_t>(kb) * KS) * 32 + lane;
   const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(kb) * KS * 16 + 2 * t4;
 
-  uint4 wq[D][KS];
-  uint32_t xq[D][KS][NT][2];
+  constexpr int DR = C::RING > 0 ? 1 : D;  // register ring depth
+  uint4 wq[DR][KS];
+  uint32_t xq[DR][KS][NT][2];
+  auto load_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // RING mode: activations one stage ahead in registers
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = tok0 + nt * 8 + g8;
+        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
+        xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
+        xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
+      }
+  };
+  auto issue_ring = [&](int s, int slot) {  // RING mode: stage s -> slot, one commit group per stage (maybe empty)
+    if (s < iters) {
+      const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) cp_async16<false>(ring + (slot * KS + kk) * 32, src + kk * 32, 0);
+    }
+    cp_async_commit();
+  };
   auto issue = [&](int s, uint4 (&w)[KS], uint32_t (&xx)[KS][NT][2]) {
     const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
 #pragma unroll
@@ -140,9 +167,15 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 
   int rem = kb % gs_st, grp = kb / gs_st;
   bool first = true;
+  if constexpr (C::RING > 0) {
 #pragma unroll
-  for (int j = 0; j < D; ++j)
-    if (j < iters) issue(j, wq[j], xq[j]);
+    for (int j = 0; j < D - 1; ++j) issue_ring(j, j);
+    if (iters > 0) load_x(0, xq[0]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < D; ++j)
+      if (j < iters) issue(j, wq[j], xq[j]);
+  }
   if (iters > 0) load_sz(grp);
 
   for (int base = 0; base < iters; base += D) {
@@ -172,16 +205,31 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
         }
         uint4 wc[KS];
         uint32_t xc[KS][NT][2];
+        if constexpr (C::RING > 0) {
+          issue_ring(it + D - 1, (j + D - 1) % D);
+          cp_async_wait<D - 1>();  // this thread's copies of stage it have landed
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          wc[kk] = wq[j][kk];
+          for (int kk = 0; kk < KS; ++kk) {
+            wc[kk] = ring[(j * KS + kk) * 32];
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            xc[kk][nt][0] = xq[j][kk][nt][0];
-            xc[kk][nt][1] = xq[j][kk][nt][1];
+            for (int nt = 0; nt < NT; ++nt) {
+              xc[kk][nt][0] = xq[0][kk][nt][0];
+              xc[kk][nt][1] = xq[0][kk][nt][1];
+            }
           }
+          if (it + 1 < iters) load_x(it + 1, xq[0]);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk) {
+            wc[kk] = wq[DR > 1 ? j : 0][kk];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              xc[kk][nt][0] = xq[DR > 1 ? j : 0][kk][nt][0];
+              xc[kk][nt][1] = xq[DR > 1 ? j : 0][kk][nt][1];
+            }
+          }
+          if (it + D < iters) issue(it + D, wq[DR > 1 ? j : 0], xq[DR > 1 ? j : 0]);
         }
-        if (it + D < iters) issue(it + D, wq[j], xq[j]);
         if constexpr (C::PROBE) {
 #pragma unroll
           for (int kk = 0; kk < KS; ++kk) {
@@ -232,6 +280,8 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
   constexpr int TT = sk_tt<C, NT>(), NTW = NT / TT;  // warps per block, token tiles per warp
   using O = Ops<T>;
   __shared__ int s_last;
+  extern __shared__ __align__(16) uint8_t sk_dyn[];
+  uint4* ring = reinterpret_cast<uint4*>(sk_dyn) + (threadIdx.x / 32) * (C::RING * 2 * 32) + threadIdx.x % 32;
   const int warp = threadIdx.x / 32 % WNN, tok0 = threadIdx.x / 32 / WNN * 8, lane = threadIdx.x % 32;
   const int g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64, n = p.n, m = p.m;
@@ -250,7 +300,7 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
     const int nb = t * WNN + warp;
     const bool active = nb < nblk;
     float acc[NTW][4][4];
-    sk_segment<T, C, NTW, (TT > 1)>(p, acc, probe, active ? nb : 0, kb, active ? ke - kb : 0, tok0);
+    sk_segment<T, C, NTW, (TT > 1)>(p, acc, probe, active ? nb : 0, kb, active ? ke - kb : 0, tok0, ring);
     if constexpr (C::PROBE) continue;
     if (kb == 0 && ke == sp.S) {  // the whole K of this tile: write y
       if (active) {
