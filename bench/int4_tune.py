@@ -226,8 +226,11 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
 PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None), ("P4@v19", 4, 19)]
 
 
-def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list:
+def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=True, tag=1) -> list:
+    """Time configs (a list, or {(K, N): list} per shape) at every shape x M; full: also cuBLAS bf16, tinygemm and
+    the read probes. Rows carry pass=tag."""
     rows = []
+    all_configs = configs
     from sdquant.kernels import int4_cuda as ic
     sms = 0 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
     timer = (lambda call, n: time_cpu(call, n)) if dry else \
@@ -237,6 +240,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
             log(f"time guard: stop before {k}x{n} at {elapsed():.0f} s")
             break
         t_shape = time.time()
+        configs = all_configs.get((k, n), []) if isinstance(all_configs, dict) else all_configs
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         w_ref = qw.dequantize(dtype)
         int4_bytes = n * k // 2 + n * (k // gemm.GS) * 2 * 2
@@ -245,8 +249,8 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
         base = int4_layout.repack_cuda(qw, dtype)
         lays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
         provs = {"bf16": (2 if dry else gemm.n_copies(n * k * 2), lambda i: w_ref.clone(),
-                          lambda w, x: torch.nn.functional.linear(x, w), n * k * 2)}
-        if not dry:
+                          lambda w, x: torch.nn.functional.linear(x, w), n * k * 2)} if full else {}
+        if not dry and full:
             try:
                 tw, tsz = gemm.tinygemm_pack(qw, dtype)
                 provs["tinygemm"] = (n_int4, lambda i: (tw.clone(), tsz.clone()),
@@ -269,7 +273,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
                     res[name] = (us, err, p[3])
                 except Exception as ex:  # noqa: BLE001
                     log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
-            if not dry and m in PROBE_MS:
+            if not dry and full and m in PROBE_MS:
                 for pname, kind, grid_of in PROBES:
                     try:
                         ctas = 0 if grid_of is None else sms * ic.occupancy(m, gemm.GS, grid_of, dtype)
@@ -291,7 +295,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
             for key, (us, err, wbytes) in res.items():
                 nbytes = wbytes if str(key).startswith("probe_") else wbytes + m * k * 2 + m * n * 2
                 tbs = nbytes / (us * 1e-6) / 1e12
-                rows.append({"K": k, "N": n, "M": m, "kernel": key if isinstance(key, str) else f"cfg{key}",
+                rows.append({"pass": tag, "K": k, "N": n, "M": m, "kernel": key if isinstance(key, str) else f"cfg{key}",
                              "config": None if isinstance(key, str) else key, "us": round(us, 3),
                              "rel_err": err, "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1)})
             sd = {kk: v[0] for kk, v in res.items() if not isinstance(kk, str)}
@@ -314,6 +318,56 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False) -> list
 
 
 # ------------------------------------------------------------------------------------------------ choose
+def _chosen_config(chosen, k, n, m) -> int:
+    from sdquant.kernels.int4_cuda import m_bucket
+    b = m_bucket(m)
+    return 0 if b > 16 else chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0))
+
+
+def confirm(dev, dtype, rows, chosen, passing, budget_s, copy_bw, dry) -> list:
+    want = {}
+    ms = sorted({r["M"] for r in rows if r["M"] <= 16})
+    pts = {}
+    for r in rows:
+        if r["config"] is not None and r["M"] <= 16:
+            pts.setdefault((r["K"], r["N"], r["M"]), {})[r["config"]] = r["us"]
+    for (k, n, m), d in pts.items():
+        s = want.setdefault((k, n), set())
+        s.update(c for c in (_chosen_config(chosen, k, n, m), run4_config(k, n, m), min(d, key=d.get)) if c in passing)
+    shapes = [kn for kn in RUN_ORDER if kn in want] + [kn for kn in want if kn not in RUN_ORDER]
+    log(f"confirm pass over {sum(len(v) for v in want.values())} (shape, config) pairs [{elapsed():.0f} s]")
+    conf = sweep(dev, dtype, shapes, ms, {kn: sorted(v) for kn, v in want.items()}, budget_s, copy_bw, dry=dry,
+                 full=False, tag=2)
+    c2 = {(r["K"], r["N"], r["M"], r["config"]): r["us"] for r in conf}
+    for (k, n, m) in pts:
+        c, old = _chosen_config(chosen, k, n, m), run4_config(k, n, m)
+        if c != old and (k, n, m, c) in c2 and (k, n, m, old) in c2 and c2[(k, n, m, c)] > c2[(k, n, m, old)]:
+            from sdquant.kernels.int4_cuda import m_bucket
+            chosen["SHAPE_CONFIGS"][(k, n, m_bucket(m))] = old
+            chosen["guarded"].append(f"confirm {k}x{n}:M{m} {cfg_name(c)} -> {cfg_name(old)} "
+                                     f"({c2[(k, n, m, c)]:.1f} > {c2[(k, n, m, old)]:.1f} us)")
+    return conf
+
+
+def confirm_table(rows, chosen) -> str:
+    by = {}
+    for r in rows:
+        if r["config"] is not None:
+            by.setdefault((r["K"], r["N"], r["M"], r["config"]), {})[r.get("pass", 1)] = r["us"]
+    keys = sorted({(r["K"], r["N"], r["M"]) for r in rows if r.get("pass") == 2},
+                  key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
+    out = ["| K×N | M | run-4 default µs (pass 1 / 2) | final default µs (pass 1 / 2) | final ÷ run-4 (both passes) |",
+           "|---|---|---|---|---|"]
+    f = lambda d, p: f"{d[p]:.1f}" if p in d else "–"  # noqa: E731
+    for (k, n, m) in keys:
+        c, old = _chosen_config(chosen, k, n, m), run4_config(k, n, m)
+        dn, do = by.get((k, n, m, c), {}), by.get((k, n, m, old), {})
+        rat = " / ".join(f"{dn[p] / do[p]:.3f}" for p in (1, 2) if p in dn and p in do)
+        out.append(f"| {k}×{n} | {m} | {f(do, 1)} / {f(do, 2)} ({cfg_name(old)}) | {f(dn, 1)} / {f(dn, 2)} "
+                   f"({cfg_name(c)}) | {rat} |")
+    return "\n".join(out)
+
+
 def choose(rows, tol: float = 0.03) -> dict:
     """Per M bucket: the config with the best geometric-mean time ratio to each point's fastest config, over
     the shapes measured (ties to run 4's default within tol); per (K, N, M): overrides where the shape's winner
@@ -322,7 +376,7 @@ def choose(rows, tol: float = 0.03) -> dict:
     from sdquant.kernels.int4_cuda import m_bucket
     pts = {}
     for r in rows:
-        if r["config"] is not None:
+        if r["config"] is not None and r.get("pass", 1) == 1:
             pts.setdefault((r["K"], r["N"], r["M"]), {})[r["config"]] = r["us"]
     buckets = {}
     for (k, n, m), d in pts.items():
@@ -447,6 +501,15 @@ def main(argv=None):
     except Exception as ex:  # noqa: BLE001 - keep what was measured
         log(f"sweep aborted: {type(ex).__name__}: {str(ex)[:300]}")
     chosen = choose(rows)
+    save(rows, None)
+    # confirm pass: the proposed default, run 4's default and the point's fastest config timed again in the same
+    # process; a point whose new default is slower than run 4's in either pass gets run 4's config back
+    conf_rows = []
+    try:
+        conf_rows = confirm(dev, dtype, rows, chosen, passing, a.budget_s + 60, copy_bw, a.dry)
+    except Exception as ex:  # noqa: BLE001
+        log(f"confirm pass aborted: {type(ex).__name__}: {str(ex)[:300]}")
+    rows += conf_rows
     save(rows, {"DEFAULT_CONFIGS": chosen["DEFAULT_CONFIGS"], "scores": chosen["scores"], "guarded": chosen["guarded"],
                 "SHAPE_CONFIGS": {f"{k}x{n}:M{b}": c for (k, n, b), c in chosen["SHAPE_CONFIGS"].items()}})
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
@@ -454,7 +517,8 @@ def main(argv=None):
     log(f"proposed DEFAULT_CONFIGS = {chosen['DEFAULT_CONFIGS']}")
     log(f"proposed SHAPE_CONFIGS = {chosen['SHAPE_CONFIGS']}")
     log(f"guarded (choice was slower than the run-4 default there): {chosen['guarded']}")
-    log(table(rows, chosen))
+    log(table([r for r in rows if r.get("pass", 1) == 1], chosen))
+    log(confirm_table(rows, chosen))
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
 
 
