@@ -7,9 +7,14 @@
         bias    dtype [N] or None
         y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
 
-Two kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
+Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
 shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
-* ``_splitk_kernel`` for M <= 32 (decode): a 16/32-row tensor-core tile per program over BLOCK_N columns and
+* M <= 16: the small-M kernels of ``int4_triton_gemv`` -- a tensor-core split-K kernel that unpacks codes with
+  magic numbers (no int->float conversion) and applies scales once per group, and a ``tl.dot``-free GEMV for
+  M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN`` (``SHAPE_PLAN`` overrides per K x N), set from
+  ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md, "Triton small-M kernels"). A bucket whose plan
+  is None runs ``_splitk_kernel``.
+* ``_splitk_kernel`` for M <= 32 (decode) where no small-M plan applies: a 16/32-row tensor-core tile per program over BLOCK_N columns and
   one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets work even at M = 1 on K >> N
   shapes. With SPLIT_K > 1 each program stores its fp32 partial and ``_reduce_kernel`` sums them in a fixed
   order (deterministic; no memset, no atomics).
@@ -33,6 +38,7 @@ import torch
 
 from sdquant.errors import ShapeError
 from sdquant.kernels import int4_layout
+from sdquant.kernels import int4_triton_gemv as small_m
 
 try:  # Triton is optional (CPU-only installs, macOS); the op then uses the PyTorch path on CPU only
     import triton
@@ -161,6 +167,38 @@ def _kernels():
 
 
 # ---------------------------------------------------------------------------------------------- configs
+# Small-M plan per M bucket (M rounded up to a power of two, 1..16): a config of int4_triton_gemv.run
+# ({"kernel": "tc" | "gemv", tile sizes, split}), or None for _splitk_kernel. Chosen from the H200 sweep of
+# bench/triton_small_m.py (only where faster than the old kernel in the same run); SHAPE_PLAN holds
+# per-(K, N, bucket) overrides for the measured Llama shapes.
+SMALL_M_PLAN: dict = {
+    1: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    2: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    4: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    8: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    16: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+}
+SHAPE_PLAN: dict = {}   # (K, N, bucket) -> config
+
+
+def m_bucket(m: int) -> int:
+    b = 1
+    while b < m:
+        b *= 2
+    return b
+
+
+def small_m_plan(m: int, n: int, k: int) -> Optional[dict]:
+    """The small-M config for this call, or None (use _splitk_kernel / _gemm_kernel)."""
+    if m > 16:
+        return None
+    b = m_bucket(m)
+    cfg = SHAPE_PLAN.get((k, n, b), SMALL_M_PLAN.get(b))
+    if cfg is not None and cfg.get("kernel") == "gemv" and m > 4:
+        return None
+    return cfg
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -216,8 +254,8 @@ def _check(x, qweight, scales, zs, perm):
 
 def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None,
                       config: Optional[dict] = None):
-    """The op's body. ``force_path`` ("splitk"|"gemm") and ``config`` (overrides of the chosen tile config)
-    exist for tests and bench/gpu_check.py's tile sweep."""
+    """The op's body. ``force_path`` ("splitk"|"gemm"|"tc"|"gemv"|"small") and ``config`` (overrides of the
+    chosen tile config) exist for tests and the benchmarks' sweeps; "small" = ``small_m_plan``."""
     k, n, gs = _check(x, qweight, scales, zs, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -236,8 +274,15 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
         tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight  # never read when HAS_PERM is False
-    path = force_path or ("splitk" if m <= 32 else "gemm")
-    if m > 0 and path == "splitk":
+    plan = small_m_plan(m, n, k)
+    path = force_path or ("small" if plan is not None else ("splitk" if m <= 32 else "gemm"))
+    if path in ("tc", "gemv", "small") and m > 0:
+        if path == "small":
+            cfg = {**(plan or small_m.DEFAULT_TC), **(config or {})}
+        else:
+            cfg = {**(small_m.DEFAULT_TC if path == "tc" else small_m.DEFAULT_GEMV), **(config or {}), "kernel": path}
+        out = small_m.run(x2, qweight, scales, zs, perm, gs, cfg)
+    elif m > 0 and path == "splitk":
         cfg = {**splitk_config(m, n, k, gs, _num_sms(x.device)), **(config or {})}
         split = cfg["SPLIT_K"]
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out

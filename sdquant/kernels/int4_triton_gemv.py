@@ -1,0 +1,392 @@
+"""Small-M (decode) Triton W4A16 kernels over the layout of ``int4_layout.repack_triton`` (int32 [K/8, N]).
+
+``int4_triton`` dispatches M <= 16 here (per M bucket, ``int4_triton.SMALL_M_PLAN``); nothing in this module
+registers an op. Two kernels, both split-K over every SM with a fixed-order second pass (``_reduce_kernel``:
+deterministic, no atomics, no memset):
+
+* ``_tc_kernel`` (tensor cores, any M <= 16 per 16-row tile): the int32 tile [BK/8, BN] (16-byte loads along N)
+  is unpacked straight into the dtype's bits with a magic number -- ``0x4300 | code`` is the bf16 value
+  128 + code, ``0x6400 | code`` the fp16 value 1024 + code -- so there is no int->float conversion (the old
+  ``_splitk_kernel`` spent one quarter-rate I2F per code) and no dequantization per weight: the tile of
+  (BIAS + code) goes to ``tl.dot`` as is, and each group's scale is applied once to the fp32 product,
+  ``acc += s * dot(x, BIAS + c) + (zs - BIAS * s) * sum(x)`` (exact codes, fp32 scale/zero arithmetic; a K
+  tile never crosses a group). The 8 codes of a word are built as 4 bf16x2/f16x2 pairs by byte permutes
+  (``UNPACK=2``: inline PTX ``prmt`` + ``lop3``, 9 instructions per word) or by shifts in plain Triton
+  (``UNPACK=1``); ``UNPACK=0`` converts with ``.to()`` (Triton's interpreter, and any dtype). The 8 nibble
+  tensors are joined so that the in-register tile is K-contiguous per thread (vectorized shared-memory stores
+  for the dot operand).
+* ``_gemv_kernel`` (M <= 4, no ``tl.dot``): every thread holds all BK/8 word rows of 4-column chunks, so the
+  reduction over K stays in registers; a nibble is converted in place with a per-position fp32 magic number
+  (``(w & 0xF << P) | (150 - P) << 23`` is the float 2**(23-P) + code; P = 0..16, the top three nibbles from
+  ``w >> 12``) and one FADD that also removes the zero point (``f - (2**(23-P) + zero)``, zero = -zs/s per
+  column); then one FFMA per code and row against the activation, fp32 throughout, the scale applied once per
+  tile. The magic number comes in as a kernel argument so that it stays in a register.
+
+Both kernels read ``x[:, perm]`` through the act-order permutation in the load, take fp16/bf16 activations,
+groups of 32/64/128/... (multiples of 32 dividing K) or per-channel, and accumulate in fp32.
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import Optional
+
+import torch
+
+from sdquant.errors import ShapeError
+
+try:  # Triton is optional; int4_triton checks availability before calling here
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+NUM_SMS_DEFAULT = 132
+MAGIC_F32 = 0x4B000000   # bits of the float 2**23
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+# Only Triton builtins and the helpers below (jitted per interpreter mode with the kernels): the library's own
+# @jit functions (tl.zeros, tl.sum, ...) were wrapped when triton was imported and cannot run in an interpreter
+# switched on later in the same process (how tests/kernels/test_int4_triton.py runs them).
+def _add(a, b):
+    return a + b
+
+
+def _split8(xa, R):
+    """[R, 8] -> its 8 columns [R] (column j = 4a + 2b + c)."""
+    a = tl.reshape(xa, (R, 2, 2, 2))
+    c0, c1 = tl.split(a)
+    c00, c01 = tl.split(c0)
+    c10, c11 = tl.split(c1)
+    x0, x4 = tl.split(c00)
+    x2, x6 = tl.split(c01)
+    x1, x5 = tl.split(c10)
+    x3, x7 = tl.split(c11)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+def _nib32(w, P, mg):
+    """Nibble at bit P (P <= 16) of uint32 words -> fp32 2**(23-P) + code (exact), no shift, no I2F."""
+    return ((w & (0xF << P)) | (mg - (P << 23))).to(tl.float32, bitcast=True)
+
+
+def _asm_unpack8(wq, CDT):
+    """uint32 words -> 8 tensors BIAS + code_j (j = 0..7) in CDT (bf16: 0x4300 | c = 128 + c; fp16: 0x6400 | c
+    = 1024 + c). Pairs (2i, 2i+1) are byte-permuted from w and w >> 4 into one 32-bit register."""
+    if CDT == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 w4, t0, t1, t2, t3;
+            shr.b32 w4, $8, 4;
+            prmt.b32 t0, $8, w4, 0x4400;
+            prmt.b32 t1, $8, w4, 0x5511;
+            prmt.b32 t2, $8, w4, 0x6622;
+            prmt.b32 t3, $8, w4, 0x7733;
+            lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t2, t2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, t3, 0x000F000F, 0x64006400, 0xEA;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[wq], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 w4, t0, t1, t2, t3;
+            shr.b32 w4, $8, 4;
+            prmt.b32 t0, $8, w4, 0x4400;
+            prmt.b32 t1, $8, w4, 0x5511;
+            prmt.b32 t2, $8, w4, 0x6622;
+            prmt.b32 t3, $8, w4, 0x7733;
+            lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xEA;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[wq], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+def _nib16(wq, P, CDT, UNPACK):
+    c = (wq >> P) & 0xF
+    if UNPACK == 0:
+        return c.to(CDT)
+    elif CDT == tl.float16:
+        return (c | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        return (c | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def _unpack_kn(wq, R, BN, CDT, UNPACK):
+    """[R, BN] uint32 words -> [8R, BN] CDT tile of BIAS + code (k = 8r + j), K-contiguous in each thread."""
+    if UNPACK == 2:
+        o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wq, CDT)
+    else:
+        o0 = _nib16(wq, 0, CDT, UNPACK)
+        o1 = _nib16(wq, 4, CDT, UNPACK)
+        o2 = _nib16(wq, 8, CDT, UNPACK)
+        o3 = _nib16(wq, 12, CDT, UNPACK)
+        o4 = _nib16(wq, 16, CDT, UNPACK)
+        o5 = _nib16(wq, 20, CDT, UNPACK)
+        o6 = _nib16(wq, 24, CDT, UNPACK)
+        o7 = _nib16(wq, 28, CDT, UNPACK)
+    # join appends a trailing axis: [R, BN, a, b, c] with j = 4a + 2b + c
+    t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+    t = tl.permute(t, (0, 2, 3, 4, 1))
+    return tl.reshape(t, (8 * R, BN))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm,
+               GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr,
+               UNPACK: tl.constexpr, BIAS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    m_mask = offs_m < M
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for kt in range(0, K_SPLIT, BLOCK_K):
+        k0 = k_begin + kt
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            kx = tl.load(perm_ptr + offs_k)
+        else:
+            kx = offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * N + offs_n[None, :]).to(tl.uint32, bitcast=True)
+        g = k0 // GS
+        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+        zb = tl.load(zs_ptr + g * N + offs_n).to(tl.float32) - BIAS * s
+        xs = tl.reduce(x.to(tl.float32), 1, _add)
+        d = tl.dot(x.to(CDT), _unpack_kn(wq, R, BLOCK_N, CDT, UNPACK))
+        acc += d * s[None, :] + xs[:, None] * zb[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None])
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
+
+
+def _gemv_dot(x_ptr, stride_xm, ROW, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7):
+    """sum over the tile's K of (code - zero)[k, n] * x[ROW, k], fp32 [BN] (one FMA chain per element)."""
+    xa = tl.load(x_ptr + ROW * stride_xm + kx, mask=(kx * 0 + ROW) < M, other=0.0).to(tl.float32)  # [R, 8]
+    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(xa, R)
+    p = (d0 * a0[:, None] + d1 * a1[:, None] + d2 * a2[:, None] + d3 * a3[:, None]
+         + d4 * a4[:, None] + d5 * a5[:, None] + d6 * a6[:, None] + d7 * a7[:, None])
+    return tl.reduce(p, 0, _add)
+
+
+def _gemv_code(wq, wh, j, mg, zero):
+    """code_j - zero as fp32 [R, BN]: in-place nibble + magic number, one FADD (exact)."""
+    if j < 5:
+        w = wq
+        P = 4 * j
+    else:
+        w = wh
+        P = 4 * j - 12
+    return _nib32(w, P, mg) - ((1 << (23 - P)) + zero)[None, :]
+
+
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, MAGIC,
+                 GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    offs_j = tl.arange(0, 8)
+    mg = MAGIC.to(tl.uint32)
+    acc0 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    acc1 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    acc2 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    acc3 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for kt in range(0, K_SPLIT, BLOCK_K):
+        k0 = k_begin + kt
+        wq = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * N + offs_n[None, :]).to(tl.uint32, bitcast=True)
+        wh = wq >> 12
+        kk = k0 + offs_r[:, None] * 8 + offs_j[None, :]                                   # [R, 8]
+        if HAS_PERM:
+            kx = tl.load(perm_ptr + kk)
+        else:
+            kx = kk
+        g = k0 // GS
+        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+        zs = tl.load(zs_ptr + g * N + offs_n).to(tl.float32)
+        zero = tl.where(s != 0.0, -zs / tl.where(s != 0.0, s, 1.0), 0.0)
+        d0 = _gemv_code(wq, wh, 0, mg, zero)
+        d1 = _gemv_code(wq, wh, 1, mg, zero)
+        d2 = _gemv_code(wq, wh, 2, mg, zero)
+        d3 = _gemv_code(wq, wh, 3, mg, zero)
+        d4 = _gemv_code(wq, wh, 4, mg, zero)
+        d5 = _gemv_code(wq, wh, 5, mg, zero)
+        d6 = _gemv_code(wq, wh, 6, mg, zero)
+        d7 = _gemv_code(wq, wh, 7, mg, zero)
+        acc0 += _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+        if ROWS > 1:
+            acc1 += _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+        if ROWS > 2:
+            acc2 += _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+        if ROWS > 3:
+            acc3 += _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+    if SPLIT_K == 1:
+        dst = out_ptr + offs_n
+        tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
+        if ROWS > 1:
+            tl.store(dst + N, acc1.to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 1) < M)
+        if ROWS > 2:
+            tl.store(dst + 2 * N, acc2.to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 2) < M)
+        if ROWS > 3:
+            tl.store(dst + 3 * N, acc3.to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 3) < M)
+    else:
+        dst = part_ptr + pid_k * M * N + offs_n
+        tl.store(dst, acc0)
+        if ROWS > 1:
+            tl.store(dst + N, acc1, mask=(offs_n * 0 + 1) < M)
+        if ROWS > 2:
+            tl.store(dst + 2 * N, acc2, mask=(offs_n * 0 + 2) < M)
+        if ROWS > 3:
+            tl.store(dst + 3 * N, acc3, mask=(offs_n * 0 + 3) < M)
+
+
+def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_unpack_kn", "_gemv_dot", "_gemv_code")
+_KERNELS: dict = {}
+
+
+def _kernels():
+    """{"tc", "gemv", "reduce"} jitted for the current interpreter mode, built on first use, one set per mode.
+    triton.jit reads TRITON_INTERPRET when it wraps a function, and a kernel resolves the helpers it calls by
+    name in its globals at compile time: so each mode gets its own namespace of jitted helpers and kernels."""
+    mode = _interpret()
+    if mode not in _KERNELS:
+        ns = dict(globals())
+
+        def clone(f):
+            h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
+            h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
+            return triton.jit(h)
+        for name in _HELPERS:
+            ns[name] = clone(globals()[name])
+        _KERNELS[mode] = {"tc": clone(_tc_kernel), "gemv": clone(_gemv_kernel), "reduce": clone(_reduce_kernel)}
+    return _KERNELS[mode]
+
+
+# ---------------------------------------------------------------------------------------------- configs
+DEFAULT_TC = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
+              "SPLIT_K": 0, "UNPACK": 2}
+DEFAULT_GEMV = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
+                "SPLIT_K": 0}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def _fit_block_k(k: int, gs: int, want: int) -> int:
+    bk = want
+    while bk > 32 and (gs % bk or k % bk):
+        bk //= 2
+    return bk
+
+
+def _fit_block_n(n: int, want: int) -> int:
+    bn = want
+    while bn > 32 and n % bn:
+        bn //= 2
+    return bn
+
+
+def auto_split(k: int, block_k: int, tiles_n: int, target_programs: float) -> int:
+    """Smallest split s (K/BK divisible by s) with tiles_n * s >= target_programs, else the largest."""
+    kt = k // block_k
+    divs = [s for s in range(1, kt + 1) if kt % s == 0]
+    for s in divs:
+        if tiles_n * s >= target_programs:
+            return s
+    return divs[-1]
+
+
+def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
+    """A launchable config: block sizes fitted to the shape and group size, split-K chosen."""
+    c = dict(DEFAULT_TC if cfg.get("kernel", "tc") == "tc" else DEFAULT_GEMV)
+    c.update(cfg)
+    c["BLOCK_K"] = _fit_block_k(k, gs, c["BLOCK_K"])
+    c["BLOCK_N"] = _fit_block_n(n, c["BLOCK_N"])
+    if c["kernel"] == "gemv":
+        if m > 4:
+            raise ShapeError(f"gemv kernel: M={m} > 4 rows")
+        # all K rows of a tile in one thread: BLOCK_N >= 4 columns x 32 lanes x warps
+        c["num_warps"] = max(1, min(c["num_warps"], c["BLOCK_N"] // 128))
+    elif m > 16:
+        raise ShapeError(f"tc small-M kernel: M={m} > 16 rows")
+    tiles = n // c["BLOCK_N"]
+    split = c["SPLIT_K"] or auto_split(k, c["BLOCK_K"], tiles, c["waves"] * sms)
+    if (k // c["BLOCK_K"]) % split:
+        raise ShapeError(f"SPLIT_K={split} does not divide the {k // c['BLOCK_K']} K tiles")
+    c["SPLIT_K"] = split
+    return c
+
+
+# ----------------------------------------------------------------------------------------------- launch
+def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
+        perm: Optional[torch.Tensor], gs: int, cfg: dict) -> torch.Tensor:
+    """y [M, N] (x2's dtype) = x2 @ W.T for contiguous-row x2 [M, K] (M <= 16; <= 4 for "gemv"), no bias."""
+    m, k = x2.shape
+    n = qweight.shape[1]
+    c = resolve(cfg, m, n, k, gs, num_sms(x2.device))
+    kern = _kernels()
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    split = c["SPLIT_K"]
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
+    grid = (n // c["BLOCK_N"], split)
+    has_perm = perm is not None
+    perm_arg = perm if has_perm else qweight
+    if c["kernel"] == "gemv":
+        kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), MAGIC_F32, GS=gs,
+                           ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], K_SPLIT=k // split, SPLIT_K=split,
+                           HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    else:
+        interp = _interpret()
+        unpack = 0 if interp else c["UNPACK"]
+        if interp and x2.dtype == torch.bfloat16:
+            cdt = tl.float32    # the interpreter computes bf16 arithmetic wrongly
+        else:
+            cdt = tl.float16 if x2.dtype == torch.float16 else tl.bfloat16
+        bias = 0.0 if unpack == 0 else (1024.0 if x2.dtype == torch.float16 else 128.0)
+        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), GS=gs,
+                         BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], K_SPLIT=k // split,
+                         SPLIT_K=split, HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
+                         num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if split > 1:
+        block = 1024
+        kern["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block)
+    return out
