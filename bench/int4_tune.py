@@ -448,6 +448,77 @@ def table(rows, chosen) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------------------------ ncu
+NCU_POINTS = [(8192, 28672, 1), (8192, 28672, 16), (4096, 4096, 1)]
+
+
+def ncu_child(items) -> None:
+    """Run under ncu: each item (K, N, M, config or 'probeK') launched twice (warm-up + the one to read)."""
+    from sdquant.kernels import int4_cuda as ic
+    dev = torch.device("cuda")
+    assert ic.available(), ic._STATE.get("reason")
+    cache = {}
+    for i, (k, n, m, c) in enumerate(items):
+        if (k, n) not in cache:
+            cache.clear()
+            cache[(k, n)] = int4_layout.repack_cuda(gemm.random_int4(n, k, device=dev, seed=k + n), torch.bfloat16)
+        lay = cache[(k, n)]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        print(f"ITEM {i}: {k}x{n} M={m} {c if isinstance(c, str) else cfg_name(c)}", flush=True)
+        for _ in range(2):
+            if isinstance(c, str):
+                kind = int(c[5:])
+                ctas = 0 if kind in (0, 3) else \
+                    torch.cuda.get_device_properties(dev).multi_processor_count * ic.occupancy(m, gemm.GS, {1: 13, 2: 15, 4: 19}[kind])
+                ic.read_probe(x, lay, kind, ctas)
+            else:
+                torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"], None,
+                                             0, False, c)
+        torch.cuda.synchronize()
+
+
+def ncu_main(json_path, out) -> None:
+    import shutil
+    d = json.loads(Path(json_path).read_text())
+    ch = d.get("chosen") or {}
+    dflt = {int(b): c for b, c in (ch.get("DEFAULT_CONFIGS") or {}).items()}
+    shp = {}
+    for key, c in (ch.get("SHAPE_CONFIGS") or {}).items():
+        kn, b = key.split(":M")
+        k, n = (int(v) for v in kn.split("x"))
+        shp[(k, n, int(b))] = c
+    from sdquant.kernels.int4_cuda import m_bucket
+    items = []
+    for (k, n, m) in NCU_POINTS:
+        b = m_bucket(m)
+        for c in dict.fromkeys([shp.get((k, n, b), dflt.get(b, 0)), run4_config(k, n, m)]):
+            items.append((k, n, m, c))
+        if m == 1:
+            items += [(k, n, m, "probe0"), (k, n, m, "probe4")]
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
+            f"t.ncu_child({items!r})")
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:w4a16|probe", "--section", "SpeedOfLight",
+           "--section", "Occupancy", "--section", "LaunchStats", "--section", "SchedulerStats", "--section",
+           "WarpStateStats", "--section", "MemoryWorkloadAnalysis", sys.executable, "-c", code]
+    log("ncu items: " + "; ".join(f"{i}: {it}" for i, it in enumerate(items)))
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=400)
+        txt, rc = r.stdout + "\n" + r.stderr, r.returncode
+    except Exception as ex:  # noqa: BLE001
+        txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
+    (out / "int4_ncu.txt").write_text(txt)
+    log(f"ncu rc={rc} in {time.time() - t:.0f} s; report in int4_ncu.txt")
+    keep = ("ITEM", "w4a16", "probe", "DRAM Throughput", "Memory Throughput", "Duration", "Achieved Occupancy",
+            "Registers Per", "Grid Size", "Block Size", "Issue Slots Busy", "No Eligible", "Active Warps Per",
+            "Eligible Warps", "Warp Cycles Per Issued", "Theoretical Occupancy", "L2 Hit", "Mem Busy", "Max Bandwidth")
+    for ln in txt.splitlines():
+        if any(kw in ln for kw in keep):
+            log(ln.rstrip()[:160])
+    (out / "int4_ncu.log").write_text("\n".join(LOG) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="CPU only: no build, tiny shapes, the op's PyTorch path")
@@ -457,15 +528,20 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--ncu", default="", help="a sweep's int4_tune.json: profile its final defaults, run 4's and the "
+                                              "read probes with Nsight Compute (ncu --clock-control none)")
     a = ap.parse_args(argv)
     os.environ.setdefault("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.ncu:
+        return ncu_main(a.ncu, out)
     dtype = getattr(torch, a.dtype)
     configs = [int(c) for c in a.configs.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.ms.split(",")]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "commit": os.environ.get("SDQUANT_COMMIT", "?"),
             "dtype": a.dtype, "group_size": gemm.GS, "configs": {c: cfg_name(c) for c in configs}, "dry": a.dry}
     from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
     if a.dry:

@@ -347,12 +347,24 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
     for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
       const int row = i / pairs, lc = 2 * (i % pairs);
       float2 sum = make_float2(0.f, 0.f);
-      for (int cc = c0; cc <= c1; ++cc) {  // fixed order: the result does not depend on arrival order
-        const int wh = (cc == c0 && c0_first != t) ? 1 : 0;
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(
-            p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * TW + lc));
-        sum.x += v.x;
-        sum.y += v.y;
+      // fixed order (the result does not depend on arrival order); 8 loads in flight before their adds, since a
+      // small shape can have tens of segments a tile
+      for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
+        float2 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int cc = cc0 + j;
+          const int wh = (cc == c0 && c0_first != t) ? 1 : 0;
+          v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(
+                                p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * TW + lc))
+                          : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (cc0 + j <= c1) {
+            sum.x += v[j].x;
+            sum.y += v[j].y;
+          }
       }
       *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col0 + lc) = O::pack(sum.x, sum.y);
     }
