@@ -166,6 +166,49 @@ def run_block(shape, device, dtype, n_seqs, seq_len, batch, quant: dict):
     return out
 
 
+def _site(frames) -> str:
+    """Up to three sdquant frames (innermost first) of an allocation's Python stack."""
+    own = [f for f in frames if "sdquant/" in f.get("filename", "") or "bench/" in f.get("filename", "")]
+    pick = own[:3] or frames[:1]
+    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in pick)
+
+
+def peak_breakdown(snapshot: dict, device_index: int, top: int = 14) -> dict:
+    """Replay the allocator trace: the moment the live bytes peaked (relative to when recording began) and the
+    allocations alive then, summed by allocation site."""
+    events = snapshot["device_traces"][device_index]
+    cur = peak = 0
+    peak_i = -1
+    live: dict = {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            cur += e["size"]
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            cur -= live.pop(e["addr"])
+    live_at: dict = {}
+    for e in events[:peak_i + 1]:
+        if e["action"] == "alloc":
+            live_at[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live_at.pop(e["addr"], None)
+    by_site: dict = {}
+    for e in live_at.values():
+        k = _site(e.get("frames") or [])
+        n, b = by_site.get(k, (0, 0))
+        by_site[k] = (n + 1, b + e["size"])
+    rows = sorted(by_site.items(), key=lambda kv: -kv[1][1])[:top]
+    out = {"events": len(events), "peak_gib_traced": round(peak / 2 ** 30, 2),
+           "at": _site(events[peak_i].get("frames") or []) if peak_i >= 0 else "",
+           "live": [{"site": k, "tensors": n, "gib": round(b / 2 ** 30, 3)} for k, (n, b) in rows]}
+    print(f"peak {out['peak_gib_traced']} GiB (traced) at {out['at']}; live by site:", flush=True)
+    for r in out["live"]:
+        print(f"  {r['gib']:8.3f} GiB  {r['tensors']:5d}  {r['site']}", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["8b", "70b"])
@@ -177,6 +220,9 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mem-trace", action="store_true",
+                    help="record the CUDA allocator's history and print the live tensors at each shape's peak, "
+                         "grouped by the sdquant line that allocated them")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
@@ -185,6 +231,8 @@ def main(argv=None):
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "dtype": a.dtype, "quant": quant, "batch": a.batch}
     try:
+        if os.environ.get("SDQUANT_COMMIT"):          # the device copy's .git can be stale: the sender knows
+            raise RuntimeError
         meta["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                  text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001 - the device copy may have no .git
@@ -193,7 +241,15 @@ def main(argv=None):
         run_block("tiny", device, dtype, 2, 256, 2, quant)
     results = []
     for shape in a.shapes:
+        trace = a.mem_trace and device.type == "cuda"
+        if trace:
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         r = {**meta, **run_block(shape, device, dtype, a.seqs, a.seq_len, a.batch, quant)}
+        if trace:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            r["peak_breakdown"] = peak_breakdown(snap, torch.cuda.current_device())
+            del snap
         results.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

@@ -216,12 +216,13 @@ def rank_device(device: torch.device, d: Dist) -> torch.device:
     return device
 
 
-def gptq_quantize_dp(d: Dist, W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int, symmetric: bool,
+def gptq_quantize_dp(d: Dist, W: torch.Tensor, H, *, bits: int, group_size: int, symmetric: bool,
                      clip_ratio: Optional[torch.Tensor] = None, unit_shift: int = 0, **kw):
     """``gptq_quantize`` with W's rows [N, K] solved across the ranks: rows are independent given H, so rank r
     solves the ROW_TILE-row units u with (u + unit_shift) % world == r, and every rank receives all rows.
     GPTQ runs its row-mixing operations on the same fixed tiles, so the result is bitwise that of one
-    process. Returns (QuantizedWeight, GptqStats) on every rank; the losses are the row-weighted means."""
+    process. Returns (QuantizedWeight, GptqStats) on every rank; the losses are the row-weighted means.
+    H may be handed over as ``[H]`` (see ``gptq_quantize``): it is passed on, so this frame holds no reference."""
     from sdquant.calibrate.gptq import ROW_TILE, GptqStats, gptq_quantize
     from sdquant.quant.qtensor import QuantizedWeight, effective_group_size
     if not d.active:

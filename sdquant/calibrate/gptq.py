@@ -34,6 +34,10 @@ ROW_TILE = 1024
 # of 3 K²). The round trip through pageable host memory cost ~2.4 s per 70B block on the H200 (3.3 GB down_proj
 # Hessian) while that solve was not the block's peak, so it starts above the 70B size (K ≥ ~32k, e.g. 405B).
 HOST_HESSIAN_BYTES = 4 << 30
+# Below that, a Hessian of at least this size waits on the device as a bfloat16 copy (half the bytes) for the
+# final losses while the factorisation and the sweep run (70B down_proj: 3.3 GB fp32 -> 1.6 GB). The losses are
+# a report (the per-layer table); the solve itself always uses the fp32 Hessian.
+LOSS_HESSIAN_HALF_BYTES = 1 << 30
 _log = logging.getLogger("sdquant.calibrate.gptq")
 
 
@@ -247,7 +251,7 @@ class _Sweeps:
             return None
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+def gptq_quantize(W: torch.Tensor, H, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, act_order: str = "none", damp: float = 0.01,
                   block_size: int = 128, damp_max: float = 1.0, clip_ratio: Optional[torch.Tensor] = None,
                   mse_grid: int = 0, name: str = "", log: Optional[logging.Logger] = None,
@@ -261,10 +265,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     clip_ratio [N, G] (optional): range shrink per group from a clipping search, applied when parameters are
     fitted. use_graphs: on CUDA, replay fully fitted column sweeps as captured CUDA graphs (checked
     bit-for-bit against the eager sweep on first use; any mismatch or capture failure falls back, logged).
-    overwrite_h: H may be modified and released (saves a K² copy for large layers). mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
+    overwrite_h: H may be modified and released (saves a K² copy for large layers). To really release it, hand
+    it over as a one-element list ``[H]``: the function takes it out, so no caller frame keeps the K² matrix
+    alive during the solve (a plain tensor argument stays referenced by the caller). mse_grid > 0 (instead of clip_ratio): each group's range is shrunk per row to minimise its own
     weight error when it is fitted (helps at 2-3 bits). Raises CholeskyError when even damp_max cannot make H positive-definite.
     """
     log = log or _log
+    if isinstance(H, list):                                      # handed over: hold the only reference here
+        H = H.pop()
     if act_order not in ACT_ORDERS:
         raise ConfigError("quant.act_order", f"must be one of {ACT_ORDERS}, got {act_order!r}")
     n, k = W.shape
@@ -327,10 +335,20 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     # a large Hessian waits in host memory while the factorisation and the sweep run (70B down_proj: 3.3 GB
     # of the device peak); it comes back for the final losses and for a damping escalation
     H_host = Hp.to("cpu") if Hp.is_cuda and Hp.numel() * 4 >= HOST_HESSIAN_BYTES else None
+    H_half = None
+    rebuild = None
+    if H_host is not None:
+        rebuild = lambda: H_host.to(dev)                         # noqa: E731
+    elif Hp.numel() * 4 >= LOSS_HESSIAN_HALF_BYTES:
+        H_half = Hp.to(torch.bfloat16)
+
+        def rebuild():                                           # only if damping escalates after the factor
+            log.warning("%s: damping escalated after the fp32 Hessian was released; re-factorising from its "
+                        "bfloat16 copy", name or "layer")
+            return H_half.float()
     box = [Hp]
     del Hp
-    U, used_damp, escalations, history = _damped_inverse_cholesky(
-        box, damp, damp_max, log, name, rebuild=None if H_host is None else (lambda: H_host.to(dev)))
+    U, used_damp, escalations, history = _damped_inverse_cholesky(box, damp, damp_max, log, name, rebuild=rebuild)
     Hp = box.pop()
     codes_p = torch.empty(n, k, dtype=torch.uint8, device=dev)
     gpos_cpu = gpos.cpu()
@@ -381,7 +399,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
                 r1 = min(r0 + ROW_TILE, n)
                 Wp[r0:r1, b1:].addmm_(ET[:, r0:r1].t().contiguous(), Ub1, alpha=-1.0)
 
+    del Wp
     codes = codes_p[:, invperm]
+    del codes_p
     g_idx = None
     if act_order == "group":
         g_idx = torch.empty(k, dtype=torch.int32, device=dev)
@@ -389,7 +409,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     qw = QuantizedWeight.from_codes(codes, scales, zeros, bits, group_size, g_idx)
     del U
     if Hp is None:
-        Hp = H_host.to(dev)
+        Hp = H_host.to(dev) if H_host is not None else H_half.float()
+    H_half = None
     deq = qw.dequantize(torch.float32)
     loss = rtn_loss = 0.0
     for r0 in range(0, n, ROW_TILE):                            # row chunks: small temporaries

@@ -366,11 +366,11 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                 clip = torch.cat([clip_of[n] for n in fnames], 0)
             # a layer that alone uses this Hessian hands it over (no K² copy: 3.3 GB for a 70B down_proj)
             own = len(fused) == 1 and len(fnames) == 1 and all(specs[n].method in GPTQ_METHODS for n in names)
-            box = [Hk]
+            box = [Hk]                                      # handed over: gptq_quantize takes it out
             if own:
                 Hk = None
             unit_shift += 1                                 # rotate leftover row units over the ranks
-            qw, st = gptq_quantize_dp(d, W, box.pop(), bits=bits, group_size=gs, symmetric=sym,
+            qw, st = gptq_quantize_dp(d, W, box, bits=bits, group_size=gs, symmetric=sym,
                                    unit_shift=unit_shift, act_order=str(cfg(q, "act_order", "static")),
                                    damp=float(cfg(q, "damp", 0.01)),
                                    block_size=int(cfg(q, "gptq_block_size", 128)),

@@ -127,3 +127,20 @@ def test_bad_inputs():
         gptq_quantize(W, H, 4, 48, False, "none")
     with pytest.raises(SdquantError, match="Hessian"):
         gptq_quantize(W, H[:32, :32], 4, 32, False, "none")
+
+
+def test_handed_over_hessian_is_taken_and_large_hessian_losses_from_bf16_copy(monkeypatch):
+    """``[H]`` hands the Hessian over (the caller keeps no reference); above LOSS_HESSIAN_HALF_BYTES the final
+    losses come from a bfloat16 copy while the fp32 Hessian is released after its factor: the quantized
+    weights are bitwise those of the default path and the reported losses agree to bf16 precision."""
+    from sdquant.calibrate import gptq as gptq_mod
+    W, H, _ = _problem(n=64, k=256)
+    ref, st_ref = gptq_quantize(W, H.clone(), 4, 64, False, "static", mse_grid=10)
+    box = [H.clone()]
+    monkeypatch.setattr(gptq_mod, "LOSS_HESSIAN_HALF_BYTES", 0)
+    qw, st = gptq_quantize(W, box, 4, 64, False, "static", mse_grid=10, overwrite_h=True)
+    assert box == []
+    assert torch.equal(qw.qweight, ref.qweight) and torch.equal(qw.scales, ref.scales)
+    assert torch.equal(qw.zeros, ref.zeros)
+    assert st.loss == pytest.approx(st_ref.loss, rel=2e-2) and st.rtn_loss == pytest.approx(st_ref.rtn_loss, rel=2e-2)
+    assert st.loss < st.rtn_loss
