@@ -376,7 +376,8 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
                            HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         interp = _interpret()
-        unpack = 0 if interp else c["UNPACK"]
+        # the interpreter runs no inline PTX and no bf16 bit tricks: plain conversion there (fp16 magic is fine)
+        unpack = 0 if interp and (c["UNPACK"] == 2 or x2.dtype == torch.bfloat16) else c["UNPACK"]
         if interp and x2.dtype == torch.bfloat16:
             cdt = tl.float32    # the interpreter computes bf16 arithmetic wrongly
         else:

@@ -1,0 +1,161 @@
+"""The small-M Triton kernels (sdquant.kernels.int4_triton_gemv) through Triton's interpreter on CPU tensors.
+
+Reference: x @ W.T in float64 with W = QuantizedWeight.dequantize() (the op sdquant::int_linear). TRITON_INTERPRET
+is set per test with monkeypatch; the module jits its kernels per interpreter mode, so nothing leaks.
+"""
+import pytest
+import torch
+
+from sdquant.errors import ShapeError
+from sdquant.kernels import int4_layout as L
+from sdquant.kernels import ops  # noqa: F401  (reference op)
+
+int4_triton = pytest.importorskip("sdquant.kernels.int4_triton")
+if not int4_triton.available():
+    pytest.skip("triton not installed", allow_module_level=True)
+from sdquant.kernels import int4_triton_gemv as G  # noqa: E402
+
+from test_int4_layout import make_qw  # noqa: E402
+
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def reference(x, qw, bias=None):
+    y = torch.ops.sdquant.int_linear(x.double(), qw.qweight, qw.scales, qw.zeros, qw.g_idx,
+                                     None if bias is None else bias.double(), 4, qw.group_size, qw.in_features)
+    return y.float()
+
+
+def rel(y, ref):
+    assert torch.isfinite(y).all()
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def run(x, lay, cfg):
+    k = x.shape[-1]
+    return G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], k // lay["scales"].shape[0], cfg)
+
+
+# (K, N, group, symmetric, act_order, dtype): Llama-like ratios, small enough for the interpreter
+CASES = [
+    (512, 256, 128, True, False, torch.bfloat16),
+    (512, 256, 32, False, True, torch.bfloat16),
+    (1024, 128, 64, False, False, torch.float16),
+    (768, 384, -1, True, False, torch.float16),
+    (768, 256, 128, False, True, torch.float16),
+]
+TC = {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128}
+GEMV = {"kernel": "gemv", "BLOCK_N": 128, "BLOCK_K": 64}
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act,dtype", CASES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_tc_matches_reference(interpret, k, n, gs, sym, act, dtype, m):
+    qw = make_qw(n, k, gs, sym, act, seed=k + n + m)
+    lay = L.repack_triton(qw, dtype)
+    x = torch.randn(m, k).to(dtype)
+    y = run(x, lay, TC)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel(y, reference(x, qw)) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act,dtype", CASES)
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gemv_matches_reference(interpret, k, n, gs, sym, act, dtype, m):
+    qw = make_qw(n, k, gs, sym, act, seed=k + 2 * n + m)
+    lay = L.repack_triton(qw, dtype)
+    x = torch.randn(m, k).to(dtype)
+    y = run(x, lay, GEMV)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel(y, reference(x, qw)) < BOUND[dtype]
+
+
+def test_tc_fp16_magic_unpack(interpret):
+    """UNPACK=1 (the fp16 magic number 0x6400 | code = 1024 + code, bias folded into the zero term) runs in the
+    interpreter for fp16; the GPU path (UNPACK=2, inline PTX) computes the same values."""
+    qw = make_qw(256, 512, 64, False, True, seed=11)
+    lay = L.repack_triton(qw, torch.float16)
+    x = torch.randn(5, 512).to(torch.float16)
+    y = run(x, lay, {**TC, "UNPACK": 1})
+    assert rel(y, reference(x, qw)) < BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("kernel", ["tc", "gemv"])
+@pytest.mark.parametrize("split", [1, 2, 3, 6])
+def test_forced_split_k_is_deterministic(interpret, kernel, split):
+    qw = make_qw(128, 768, 128, False, False, seed=3)
+    lay = L.repack_triton(qw, torch.bfloat16)
+    x = torch.randn(2, 768).to(torch.bfloat16)
+    cfg = {"kernel": kernel, "BLOCK_N": 64 if kernel == "tc" else 128, "BLOCK_K": 128, "SPLIT_K": split}
+    y1, y2 = run(x, lay, cfg), run(x, lay, cfg)
+    assert torch.equal(y1, y2)
+    assert rel(y1, reference(x, qw)) < BOUND[torch.bfloat16]
+
+
+def test_gemv_zero_scale_column(interpret):
+    """A column whose scale is 0 (zero point undefined) must give 0, not NaN."""
+    qw = make_qw(128, 256, 64, False, False, seed=5)
+    qw.scales[7] = 0
+    lay = L.repack_triton(qw, torch.float16)
+    x = torch.randn(1, 256).to(torch.float16)
+    y = run(x, lay, GEMV)
+    assert torch.isfinite(y).all() and float(y[0, 7].abs()) == 0.0
+    assert rel(y, reference(x, qw)) < BOUND[torch.float16]
+
+
+def test_auto_split_and_fitting():
+    # K tiles divisible by the split; enough programs for the target where possible
+    assert G.auto_split(8192, 128, 224, 264) == 2
+    assert G.auto_split(14336, 128, 32, 264) == 14          # 112 tiles: divisors 1, 2, 4, 7, 8, 14, ...
+    assert G.auto_split(256, 128, 1, 264) == 2              # capped by the number of K tiles
+    c = G.resolve({"kernel": "tc", "BLOCK_K": 128}, 1, 4096, 4096, 32, 132)
+    assert c["BLOCK_K"] == 32                               # a K tile never crosses a group
+    c = G.resolve({"kernel": "gemv", "BLOCK_N": 512, "num_warps": 4}, 2, 97 * 32, 4096, 128, 132)
+    assert c["BLOCK_N"] == 32 and c["num_warps"] == 1       # N = 3104 = 97 x 32 -> BLOCK_N 32
+    with pytest.raises(ShapeError, match="M=5"):
+        G.resolve({"kernel": "gemv"}, 5, 4096, 4096, 128, 132)
+    with pytest.raises(ShapeError, match="SPLIT_K=5"):
+        G.resolve({"kernel": "tc", "SPLIT_K": 5}, 1, 4096, 4096, 128, 132)
+
+
+def test_plan_per_bucket():
+    assert int4_triton.m_bucket(1) == 1 and int4_triton.m_bucket(3) == 4 and int4_triton.m_bucket(9) == 16
+    assert int4_triton.small_m_plan(33, 4096, 4096) is None
+    for m in range(1, 17):
+        cfg = int4_triton.small_m_plan(m, 4096, 4096)
+        assert cfg is None or cfg["kernel"] == "tc" or (cfg["kernel"] == "gemv" and m <= 4)
+
+
+@pytest.mark.parametrize("plan", ["tc", "gemv", None])
+def test_op_dispatch_uses_plan(interpret, monkeypatch, plan):
+    """The op routes M <= 16 through SMALL_M_PLAN (a gemv plan only where M <= 4), with bias and batch dims."""
+    cfg = {"tc": TC, "gemv": GEMV, None: None}[plan]
+    monkeypatch.setattr(int4_triton, "SMALL_M_PLAN", {b: cfg for b in (1, 2, 4, 8, 16)})
+    qw = make_qw(256, 512, 64, False, True, seed=9)
+    lay = L.repack_triton(qw, torch.bfloat16)
+    bias = torch.randn(256).to(torch.bfloat16)
+    for lead in ((1, 3), (2, 4), (12,)):
+        x = torch.randn(*lead, 512).to(torch.bfloat16)
+        y = torch.ops.sdquant.w4a16_triton(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], bias)
+        assert y.shape == (*lead, 256)
+        m = x.numel() // 512
+        assert rel(y.reshape(m, 256), reference(x.reshape(m, 512), qw, bias)) < BOUND[torch.bfloat16]
+
+
+def test_odd_shapes_rejected(interpret):
+    lay = L.repack_triton(make_qw(64, 128, 32, True, False), torch.float16)
+    with pytest.raises(ShapeError, match="last dim"):
+        int4_triton.w4a16_triton_impl(torch.randn(1, 96).half(), lay["qweight"], lay["scales"], lay["zs"], None,
+                                      None, force_path="tc")
+    bad = dict(lay, qweight=lay["qweight"][:, :48])           # N = 48
+    with pytest.raises(ShapeError, match="multiples of 32"):
+        int4_triton.w4a16_triton_impl(torch.randn(1, 128).half(), bad["qweight"], bad["scales"], bad["zs"], None,
+                                      None, force_path="gemv")
+    with pytest.raises(ShapeError, match="M=5"):
+        int4_triton.w4a16_triton_impl(torch.randn(5, 128).half(), lay["qweight"], lay["scales"], lay["zs"], None,
+                                      None, force_path="gemv")
