@@ -20,8 +20,8 @@ A config is variant + 64 * target (int4_cuda's docstring; target = CTAs per SM x
 wrote variant + 16 * target).
 Run 5 adds the stream-K variants 13-18 and, at M = 1 and 16, the read-bandwidth probes (not GEMMs): "lin" reads
 the whole qweight buffer in order with a grid-stride kernel (the plain read ceiling for this many bytes), "P1@v13"
-/ "P2@v15" / "P4@v19" issue exactly the loads of variants 13 / 15 / 19 on their grids without the arithmetic,
-"P3" the register-ring pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
+/ "P2@v15" / "P4@v19" / "P5@v23" issue exactly the loads of variants 13 / 15 / 19 / 23 on their grids without
+the arithmetic, "P3" the register-ring pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
 """
 from __future__ import annotations
 
@@ -52,18 +52,19 @@ MS = [1, 2, 4, 8, 16, 32]
 # variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
 CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
-           13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6]
+           13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
          11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
          16: "sk 2 d2 ts", 17: "sk 8 d2 ws", 18: "sk 2 d3 ws ts", 19: "sk 4 ring8", 20: "sk 4 ring8 ws",
-         21: "sk 8 ring6", 22: "sk 4 ring12 ws"}
+         21: "sk 8 ring6", 22: "sk 4 ring12 ws", 23: "sk 4 d2 ws pf8", 24: "sk 4 d3 pf8", 25: "sk 2 d2 ts pf8"}
 # run 4's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit 3691899): the "old default" of this run's table
 RUN4_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 RUN4_SHAPE = {(8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
               (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
               (8192, 10240, 16): 1, (4096, 6144, 16): 4}
 PROBE_MS = (1, 16)
+RISKY_VARIANTS = (23, 24, 25)  # cp.async.bulk.prefetch.L2: first use on this GPU
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (4096, 4096, 128, True, False, torch.bfloat16, (1, 3, 8, 16, 32)),
     (4096, 4096, 128, False, False, torch.float16, (1, 5, 16)),
@@ -72,6 +73,7 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (1536, 320, 32, True, True, torch.float16, (2, 16)),
     (2048, 1024, -1, False, False, torch.bfloat16, (4, 13)),
     (2048, 1024, 64, False, True, torch.float16, (1, 7)),
+    (8192, 28672, 128, True, False, torch.bfloat16, (1, 16)),  # a timed shape: the grids and indices of the sweep
 ]
 
 
@@ -129,6 +131,9 @@ def check_configs(dev, configs, cases, progress=None) -> list:
                         note = ""
                     except Exception as ex:  # noqa: BLE001 - reported, the config is then skipped
                         err, same, locks0, ok, note = float("nan"), False, False, False, f"{type(ex).__name__}: {ex}"[:300]
+                        if on_gpu and progress is not None and not context_alive():
+                            print(f"DEAD {c}: {note}", flush=True)  # sticky error: the parent re-runs without c
+                            os._exit(7)
                     rows.append({"config": c, "K": k, "N": n, "gs": gs, "sym": sym, "act": act,
                                  "dtype": str(dt).replace("torch.", ""), "M": m, "splits": sp, "rel_err": err,
                                  "deterministic": same, "locks_zero": locks0, "pass": ok, "note": note})
@@ -136,6 +141,15 @@ def check_configs(dev, configs, cases, progress=None) -> list:
                         log(f"  FAIL {cfg_name(c)} K={k} N={n} gs={gs} sym={sym} act={act} {dt} M={m} splits={sp}: "
                             f"err={err:.3g} same={same} locks0={locks0} {note}")
     return rows
+
+
+def context_alive() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def summarize_checks(rows) -> dict:
@@ -165,8 +179,11 @@ def child_check(configs) -> None:
 
 def run_checks_in_child(configs, timeout=300) -> tuple:
     """(passing configs, check rows, build line, occupancy). Re-runs without a config that killed the child."""
-    remaining, rows, build, occ = list(configs), [], "", {}
-    for attempt in range(3):
+    # configs with instructions not yet seen on this GPU (the L2 bulk prefetch) are checked first, so a config that
+    # kills the child costs little; each crash re-runs the child without it
+    risky = [c for c in configs if c % 64 in RISKY_VARIANTS]
+    remaining, rows, build, occ = risky + [c for c in configs if c not in risky], [], "", {}
+    for attempt in range(2 + len(risky)):
         code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
                 f"t.child_check({remaining!r})")
         t = time.time()
@@ -223,7 +240,8 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
 
 
 # (name, kind, variant whose resident-slot grid the probe uses: None = the probe kernel's own)
-PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None), ("P4@v19", 4, 19)]
+PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None), ("P4@v19", 4, 19),
+          ("P5@v23", 5, 23)]
 
 
 def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=True, tag=1) -> list:
@@ -231,6 +249,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=Tr
     the read probes. Rows carry pass=tag."""
     rows = []
     all_configs = configs
+    passing_variants = {c % 64 for c in (configs if isinstance(configs, list) else [])}
     from sdquant.kernels import int4_cuda as ic
     sms = 0 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
     timer = (lambda call, n: time_cpu(call, n)) if dry else \
@@ -275,6 +294,8 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=Tr
                     log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
             if not dry and full and m in PROBE_MS:
                 for pname, kind, grid_of in PROBES:
+                    if grid_of is not None and grid_of not in passing_variants:
+                        continue  # its variant failed the check: the probe shares its instructions
                     try:
                         ctas = 0 if grid_of is None else sms * ic.occupancy(m, gemm.GS, grid_of, dtype)
                         us = timer(lambda i, kind=kind, ctas=ctas: ic.read_probe(x, lays[i % len(lays)], kind, ctas),
@@ -421,7 +442,7 @@ def table(rows, chosen) -> str:
                   key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
     from sdquant.kernels.int4_cuda import m_bucket
     out = ["| K×N | M | bf16 | tinygemm | run-4 default | new default | best of sweep | ×bf16 | ×tinygemm | ×run-4 | "
-           "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 / P4@v19 µs |",
+           "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 / P4@v19 / P5@v23 µs |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     for (k, n, m) in keys:
@@ -469,7 +490,7 @@ def ncu_child(items) -> None:
             if isinstance(c, str):
                 kind = int(c[5:])
                 ctas = 0 if kind in (0, 3) else \
-                    torch.cuda.get_device_properties(dev).multi_processor_count * ic.occupancy(m, gemm.GS, {1: 13, 2: 15, 4: 19}[kind])
+                    torch.cuda.get_device_properties(dev).multi_processor_count * ic.occupancy(m, gemm.GS, {1: 13, 2: 15, 4: 19, 5: 23}[kind])
                 ic.read_probe(x, lay, kind, ctas)
             else:
                 torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"], None,
@@ -477,7 +498,7 @@ def ncu_child(items) -> None:
         torch.cuda.synchronize()
 
 
-def ncu_main(json_path, out) -> None:
+def ncu_main(json_path, out, timeout: float = 400) -> None:
     import shutil
     d = json.loads(Path(json_path).read_text())
     ch = d.get("chosen") or {}
@@ -504,7 +525,7 @@ def ncu_main(json_path, out) -> None:
     log("ncu items: " + "; ".join(f"{i}: {it}" for i, it in enumerate(items)))
     t = time.time()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=400)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
         txt, rc = r.stdout + "\n" + r.stderr, r.returncode
     except Exception as ex:  # noqa: BLE001
         txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
@@ -528,6 +549,8 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--then-ncu", type=float, default=0.0, help="after the sweep, profile its defaults with ncu if "
+                    "this many seconds since the start leave >= 60 s for it (0: no)")
     ap.add_argument("--ncu", default="", help="a sweep's int4_tune.json: profile its final defaults, run 4's and the "
                                               "read probes with Nsight Compute (ncu --clock-control none)")
     a = ap.parse_args(argv)
@@ -596,6 +619,13 @@ def main(argv=None):
     log(table([r for r in rows if r.get("pass", 1) == 1], chosen))
     log(confirm_table(rows, chosen))
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")
+    if a.then_ncu and not a.dry:
+        left = a.then_ncu - elapsed()
+        if left >= 60:
+            LOG.clear()
+            ncu_main(str(out / "int4_tune.json"), out, timeout=left - 5)
+        else:
+            log(f"no time left for ncu ({left:.0f} s)")
 
 
 if __name__ == "__main__":

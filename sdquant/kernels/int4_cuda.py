@@ -13,10 +13,11 @@
         config   kernel variant + 64 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
                  the list in csrc/w4a16_kernel.cuh (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
                  split-K, pipeline depth and stage-wide shared-memory reads; 8-12 are the direct kernel of
-                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; 13-22 the
+                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; 13-25 the
                  stream-K kernel of csrc/w4a16_streamk.cuh, a persistent grid of the resident slots walking a
                  flattened tile x K space (13-18 with a register ring like 8-12, 19-22 with a per-warp
-                 shared-memory cp.async ring); M <= 16 only, larger M uses 0);
+                 shared-memory cp.async ring, 23-25 = 14/13/16 plus an L2 bulk prefetch 8 stages ahead);
+                 M <= 16 only, larger M uses 0);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
@@ -138,8 +139,8 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 23
-STREAMK_VARIANTS = range(13, 23)
+N_VARIANTS = 26
+STREAMK_VARIANTS = range(13, 26)
 
 # Measured defaults (bench/int4_tune.py, H200 run 4, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N, M bucket)
@@ -199,8 +200,8 @@ def occupancy(m: int, group_size: int, config: int = 0, dtype=torch.bfloat16) ->
 
 def read_probe(x: torch.Tensor, layout: dict, kind: int = 0, ctas: int = 0) -> torch.Tensor:
     """Read-bandwidth probe over a CUDA layout's fragments (not a GEMM; the result is meaningless): kind 0 = the
-    whole qweight buffer read in order by a grid-stride kernel; 1-4 = the stream-K kernel's loads without the
-    arithmetic (csrc/w4a16_kernel.cuh P1-P4) on ``ctas`` CTAs (0 = the probe kernel's resident slots)."""
+    whole qweight buffer read in order by a grid-stride kernel; 1-5 = the stream-K kernel's loads without the
+    arithmetic (csrc/w4a16_kernel.cuh P1-P5) on ``ctas`` CTAs (0 = the probe kernel's resident slots)."""
     ext = extension()
     if ext is None:
         raise RuntimeError(f"int4_cuda unavailable: {_STATE.get('reason')}")

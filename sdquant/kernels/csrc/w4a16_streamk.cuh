@@ -18,7 +18,7 @@
 // PROBE = 1: the same loads in the same order, but only an xor of the loaded words (no dequantize, no MMA, no
 // output): the read-bandwidth ceiling of this access pattern (bench/int4_tune.py reports it; not a GEMM).
 template <int WNN_, int DEPTH_, int MINB_, int MINB2_, int WSCALE_, int TSPLIT_, int PROBE_ = 0, int HMINB_ = MINB_,
-          int HMINB2_ = MINB2_, int RING_ = 0>
+          int HMINB2_ = MINB2_, int RING_ = 0, int PF_ = 0>
 struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles (HMINB*: the same for fp16, which
                 // holds 8 more registers of zero pairs and can spill where bf16 fits)
   static constexpr int WNN = WNN_, KW = 1, DEPTH = DEPTH_, MINB = MINB_, MINB2 = MINB2_, WSCALE = WSCALE_;
@@ -27,6 +27,10 @@ struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token ti
   // later reads back only its own 16 bytes, so no barrier: cp.async.wait_group makes a thread's copies visible to
   // it); bytes in flight then cost shared memory instead of registers (DEPTH is unused). No TSPLIT.
   static constexpr int RING = RING_;
+  // PF > 0: lane 0 of each warp also asks the copy engine to pull its fragments PF stages (PF KB) ahead into L2
+  // (cp.async.bulk.prefetch.L2, one instruction per 4 stages): DRAM reads in flight that hold no registers and no
+  // shared memory; the ring's own loads then hit L2.
+  static constexpr int PF = PF_;
   static_assert(RING == 0 || TSPLIT == 0, "a shared-memory ring is per warp: no token-split warps");
   static constexpr int WARPS = WNN;  // at one token tile; TSPLIT doubles it at two (sk_threads)
   static constexpr int THREADS = 32 * WARPS;
@@ -44,6 +48,10 @@ template <typename C, int NT>
 constexpr int sk_threads() { return 32 * C::WNN * sk_tt<C, NT>(); }
 template <typename C, int NT>
 constexpr int sk_smem() { return C::RING * 2 * 512 * C::WNN * sk_tt<C, NT>(); }  // RING stages of 2 K steps a warp
+
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ uint4 ldg_l1_16(const uint4* p) {
   uint4 r;
@@ -177,6 +185,13 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
       if (j < iters) issue(j, wq[j], xq[j]);
   }
   if (iters > 0) load_sz(grp);
+  // L2 prefetch window: stages [0, PF) now, then every 4th stage it the stages [it + PF, it + PF + 4)
+  auto prefetch = [&](int s0, int s1) {  // stages [s0, min(s1, iters)), lane 0
+    if (s1 > iters) s1 = iters;
+    if (lane == 0 && s0 < s1)
+      prefetch_l2_bulk(wsrc - lane + static_cast<size_t>(s0) * KS * 32, static_cast<uint32_t>(s1 - s0) * KS * 512);
+  };
+  if constexpr (C::PF > 0) prefetch(0, C::PF);
 
   for (int base = 0; base < iters; base += D) {
 #pragma unroll
@@ -202,6 +217,9 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
             O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
           }
           if ((grp + 1) * gs_st < kb + iters) load_sz(grp + 1);
+        }
+        if constexpr (C::PF > 0) {
+          if ((it & 3) == 0) prefetch(it + C::PF, it + C::PF + 4);
         }
         uint4 wc[KS];
         uint32_t xc[KS][NT][2];
