@@ -163,12 +163,21 @@ def m_bucket(m: int) -> int:
     return 32
 
 
-def auto_config(m: int, n: int, k: int) -> int:
+# Stream-K variants that multiply each dequantized weight by its scale in the activation dtype ("WSCALE", see
+# csrc/w4a16_streamk.cuh) -> their twin with fp32 group sums. fp16 products of (code - zero) and a scale below
+# ~6e-5 would be subnormal, so auto_config sends fp16 activations to the twin (bf16 has fp32's range).
+WSCALE_TWIN = {14: 13, 15: 16, 17: 13, 18: 16, 20: 19, 22: 19, 23: 24}
+
+
+def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
     """The kernel config the op uses when called with config=-1 (measured winners; 0 above M = 16)."""
     b = m_bucket(m)
     if b > 16:
         return 0
-    return SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
+    c = SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
+    if dtype == torch.float16 and c % 64 in WSCALE_TWIN:
+        c = WSCALE_TWIN[c % 64] + 64 * (c // 64)
+    return c
 
 
 def make_config(variant: int, target: int = 0) -> int:
@@ -245,7 +254,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if x2.data_ptr() % 16:
         x2 = x2.clone()
     if config < 0:
-        config = auto_config(x2.shape[0], n, k)
+        config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
     y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target)
     if bias is not None:

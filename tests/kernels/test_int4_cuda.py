@@ -64,6 +64,16 @@ def test_config_encoding_and_defaults():
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
         assert 0 <= v < int4_cuda.N_VARIANTS
     assert int4_cuda.auto_config(17, 4096, 4096) == 0      # M > 16: only variant 0 is instantiated
+    for v, twin in int4_cuda.WSCALE_TWIN.items():           # fp16 never gets a per-weight-scale variant
+        assert twin not in int4_cuda.WSCALE_TWIN and 13 <= v < int4_cuda.N_VARIANTS and 13 <= twin < int4_cuda.N_VARIANTS
+    saved = dict(int4_cuda.DEFAULT_CONFIGS)
+    try:
+        int4_cuda.DEFAULT_CONFIGS[1] = 14 + 64 * 6
+        assert int4_cuda.auto_config(1, 333 * 64, 4096) == 14 + 64 * 6
+        assert int4_cuda.auto_config(1, 333 * 64, 4096, torch.float16) == 13 + 64 * 6
+    finally:
+        int4_cuda.DEFAULT_CONFIGS.clear()
+        int4_cuda.DEFAULT_CONFIGS.update(saved)
     assert [int4_cuda.m_bucket(m) for m in (1, 2, 3, 5, 9, 17)] == [1, 2, 4, 8, 16, 32]
 
 
