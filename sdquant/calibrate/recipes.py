@@ -387,6 +387,7 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                     row.update(rtn_loss=layer_loss(w, rtn_dequant(w, bits, gs, sym), Hk),
                                loss=layer_loss(w, part.dequantize(torch.float32), Hk))
                 quantized[n] = (part, row)
+            del W, Ws, parts                                # the next stage's solve must not find them alive
         for n in names:
             t1 = time.perf_counter()
             lin, sp = targets[n], specs[n]
@@ -399,10 +400,12 @@ def _int_block(ctx, specs: dict, res: BlockResult) -> None:
                 qw = _qweight_from_dequant_rtn(W, sp.bits, sp.group_size, sp.symmetric, clip_of.get(n))
                 if Hk is not None:
                     row.update(loss=layer_loss(W, qw.dequantize(torch.float32), Hk))
+                del W
             deq = qw.dequantize(torch.float32)
             if n in res.smooth:                              # the module still sees x: keep Q(W·s)/s
                 deq = deq / res.smooth[n].to(deq.device)[None, :]
             _set_weight(lin, deq)
+            del deq
             res.weights[n] = qw
             row.update(awq_rows.get(n, {}))
             row["seconds"] = time.perf_counter() - t1 + row.get("awq_seconds", 0.0) + row.get("gptq_seconds", 0.0)
