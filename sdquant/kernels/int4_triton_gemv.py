@@ -12,7 +12,8 @@ deterministic, no atomics, no memset):
   ``acc += s * dot(x, BIAS + c) + (zs - BIAS * s) * sum(x)`` (exact codes, fp32 scale/zero arithmetic; a K
   tile never crosses a group). The 8 codes of a word are built as 4 bf16x2/f16x2 pairs by byte permutes
   (``UNPACK=2``: inline PTX ``prmt`` + ``lop3``, 9 instructions per word) or by shifts in plain Triton
-  (``UNPACK=1``); ``UNPACK=0`` converts with ``.to()`` (Triton's interpreter, and any dtype). The 8 nibble
+  (``UNPACK=1``); ``UNPACK=3`` is the old kernel's broadcast+reshape with the magic number (a fallback);
+  ``UNPACK=0`` converts with ``.to()`` (Triton's interpreter, and any dtype). The 8 nibble
   tensors are joined so that the in-register tile is K-contiguous per thread (vectorized shared-memory stores
   for the dot operand).
 * ``_gemv_kernel`` (M <= 4, no ``tl.dot``): every thread holds all BK/8 word rows of 4-column chunks, so the
@@ -131,6 +132,13 @@ def _nib16(wq, P, CDT, UNPACK):
 
 def _unpack_kn(wq, R, BN, CDT, UNPACK):
     """[R, BN] uint32 words -> [8R, BN] CDT tile of BIAS + code (k = 8r + j), K-contiguous in each thread."""
+    if UNPACK == 3:   # the old kernel's broadcast-and-reshape unpack, with the 16-bit magic number (a fallback)
+        w = (wq[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        if CDT == tl.float16:
+            w = (w | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        else:
+            w = (w | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.reshape(w, (8 * R, BN))
     if UNPACK == 2:
         o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wq, CDT)
     else:
@@ -149,9 +157,9 @@ def _unpack_kn(wq, R, BN, CDT, UNPACK):
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm,
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT,
                GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr,
+               PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr,
                UNPACK: tl.constexpr, BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -177,7 +185,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, 
         xs = tl.reduce(x.to(tl.float32), 1, _add)
         d = tl.dot(x.to(CDT), _unpack_kn(wq, R, BLOCK_N, CDT, UNPACK))
         acc += d * s[None, :] + xs[:, None] * zb[None, :]
-    if SPLIT_K == 1:
+    if not PARTIAL:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_mask[:, None])
     else:
@@ -204,9 +212,9 @@ def _gemv_code(wq, wh, j, mg, zero):
     return _nib32(w, P, mg) - ((1 << (23 - P)) + zero)[None, :]
 
 
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, MAGIC,
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT, MAGIC,
                  GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_PERM: tl.constexpr):
+                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -247,7 +255,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
             acc2 += _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
         if ROWS > 3:
             acc3 += _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
-    if SPLIT_K == 1:
+    if not PARTIAL:
         dst = out_ptr + offs_n
         tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
         if ROWS > 1:
@@ -371,8 +379,8 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight
     if c["kernel"] == "gemv":
-        kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), MAGIC_F32, GS=gs,
-                           ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], K_SPLIT=k // split, SPLIT_K=split,
+        kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, MAGIC_F32,
+                           GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
                            HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         interp = _interpret()
@@ -383,9 +391,9 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
         else:
             cdt = tl.float16 if x2.dtype == torch.float16 else tl.bfloat16
         bias = 0.0 if unpack == 0 else (1024.0 if x2.dtype == torch.float16 else 128.0)
-        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), GS=gs,
-                         BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], K_SPLIT=k // split,
-                         SPLIT_K=split, HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
+        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, GS=gs,
+                         BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
+                         HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
                          num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
         block = 1024

@@ -75,13 +75,14 @@ def test_gemv_matches_reference(interpret, k, n, gs, sym, act, dtype, m):
     assert rel(y, reference(x, qw)) < BOUND[dtype]
 
 
-def test_tc_fp16_magic_unpack(interpret):
-    """UNPACK=1 (the fp16 magic number 0x6400 | code = 1024 + code, bias folded into the zero term) runs in the
+@pytest.mark.parametrize("unpack", [1, 3])
+def test_tc_fp16_magic_unpack(interpret, unpack):
+    """UNPACK=1/3 (the fp16 magic number 0x6400 | code = 1024 + code, bias folded into the zero term) run in the
     interpreter for fp16; the GPU path (UNPACK=2, inline PTX) computes the same values."""
     qw = make_qw(256, 512, 64, False, True, seed=11)
     lay = L.repack_triton(qw, torch.float16)
     x = torch.randn(5, 512).to(torch.float16)
-    y = run(x, lay, {**TC, "UNPACK": 1})
+    y = run(x, lay, {**TC, "UNPACK": unpack})
     assert rel(y, reference(x, qw)) < BOUND[torch.float16]
 
 
