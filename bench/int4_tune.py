@@ -20,8 +20,8 @@ A config is variant + 64 * target (int4_cuda's docstring; target = CTAs per SM x
 wrote variant + 16 * target).
 Run 5 adds the stream-K variants 13-18 and, at M = 1 and 16, the read-bandwidth probes (not GEMMs): "lin" reads
 the whole qweight buffer in order with a grid-stride kernel (the plain read ceiling for this many bytes), "P1@v13"
-/ "P2@v15" / "P4@v19" / "P5@v23" issue exactly the loads of variants 13 / 15 / 19 / 23 on their grids without
-the arithmetic, "P3" the register-ring pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
+/ "P2@v15" / "P4@v19" / "P5@v23" / "P6@v26" issue exactly the loads of variants 13 / 15 / 19 / 23 / 26 on their
+grids without the arithmetic, "P3" the register-ring pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
 """
 from __future__ import annotations
 
@@ -52,12 +52,14 @@ MS = [1, 2, 4, 8, 16, 32]
 # variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
 CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
-           13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25]
+           13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25,
+           26, 27]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
          11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
          16: "sk 2 d2 ts", 17: "sk 8 d2 ws", 18: "sk 2 d3 ws ts", 19: "sk 4 ring8", 20: "sk 4 ring8 ws",
-         21: "sk 8 ring6", 22: "sk 4 ring12 ws", 23: "sk 4 d2 ws pf8", 24: "sk 4 d3 pf8", 25: "sk 2 d2 ts pf8"}
+         21: "sk 8 ring6", 22: "sk 4 ring12 ws", 23: "sk 4 d2 ws pf8", 24: "sk 4 d3 pf8", 25: "sk 2 d2 ts pf8",
+         26: "sk 1x4i d2", 27: "sk 1x8i d2 ws"}
 # run 4's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit 3691899): the "old default" of this run's table
 RUN4_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 RUN4_SHAPE = {(8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
@@ -241,7 +243,7 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
 
 # (name, kind, variant whose resident-slot grid the probe uses: None = the probe kernel's own)
 PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None), ("P4@v19", 4, 19),
-          ("P5@v23", 5, 23)]
+          ("P5@v23", 5, 23), ("P6@v26", 6, 26)]
 
 
 def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=True, tag=1) -> list:
@@ -442,7 +444,7 @@ def table(rows, chosen) -> str:
                   key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
     from sdquant.kernels.int4_cuda import m_bucket
     out = ["| K×N | M | bf16 | tinygemm | run-4 default | new default | best of sweep | ×bf16 | ×tinygemm | ×run-4 | "
-           "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 / P4@v19 / P5@v23 µs |",
+           "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 / P4@v19 / P5@v23 / P6@v26 µs |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     for (k, n, m) in keys:
@@ -490,7 +492,7 @@ def ncu_child(items) -> None:
             if isinstance(c, str):
                 kind = int(c[5:])
                 ctas = 0 if kind in (0, 3) else \
-                    torch.cuda.get_device_properties(dev).multi_processor_count * ic.occupancy(m, gemm.GS, {1: 13, 2: 15, 4: 19, 5: 23}[kind])
+                    torch.cuda.get_device_properties(dev).multi_processor_count * ic.occupancy(m, gemm.GS, {1: 13, 2: 15, 4: 19, 5: 23, 6: 26}[kind])
                 ic.read_probe(x, lay, kind, ctas)
             else:
                 torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None, lay["locks"], None,

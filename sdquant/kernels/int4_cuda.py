@@ -13,10 +13,11 @@
         config   kernel variant + 64 * target, -1 = ``auto_config`` (the measured defaults). variant: an id of
                  the list in csrc/w4a16_kernel.cuh (0 = the run-3 kernel; 1-7 differ in warps per CTA, intra-CTA
                  split-K, pipeline depth and stage-wide shared-memory reads; 8-12 are the direct kernel of
-                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; 13-25 the
+                 csrc/w4a16_direct.cuh, global -> register loads with no shared-memory pipeline; 13-27 the
                  stream-K kernel of csrc/w4a16_streamk.cuh, a persistent grid of the resident slots walking a
                  flattened tile x K space (13-18 with a register ring like 8-12, 19-22 with a per-warp
-                 shared-memory cp.async ring, 23-25 = 14/13/16 plus an L2 bulk prefetch 8 stages ahead);
+                 shared-memory cp.async ring, 23-25 = 14/13/16 plus an L2 bulk prefetch 8 stages ahead, 26-27
+                 one block a CTA with its warps interleaving 4 KB chunks);
                  M <= 16 only, larger M uses 0);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
@@ -139,8 +140,8 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 26
-STREAMK_VARIANTS = range(13, 26)
+N_VARIANTS = 28
+STREAMK_VARIANTS = range(13, 28)
 
 # Measured defaults (bench/int4_tune.py, H200 run 4, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N, M bucket)
@@ -166,7 +167,7 @@ def m_bucket(m: int) -> int:
 # Stream-K variants that multiply each dequantized weight by its scale in the activation dtype ("WSCALE", see
 # csrc/w4a16_streamk.cuh) -> their twin with fp32 group sums. fp16 products of (code - zero) and a scale below
 # ~6e-5 would be subnormal, so auto_config sends fp16 activations to the twin (bf16 has fp32's range).
-WSCALE_TWIN = {14: 13, 15: 16, 17: 13, 18: 16, 20: 19, 22: 19, 23: 24}
+WSCALE_TWIN = {14: 13, 15: 16, 17: 13, 18: 16, 20: 19, 22: 19, 23: 24, 27: 26}
 
 
 def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
@@ -209,8 +210,8 @@ def occupancy(m: int, group_size: int, config: int = 0, dtype=torch.bfloat16) ->
 
 def read_probe(x: torch.Tensor, layout: dict, kind: int = 0, ctas: int = 0) -> torch.Tensor:
     """Read-bandwidth probe over a CUDA layout's fragments (not a GEMM; the result is meaningless): kind 0 = the
-    whole qweight buffer read in order by a grid-stride kernel; 1-5 = the stream-K kernel's loads without the
-    arithmetic (csrc/w4a16_kernel.cuh P1-P5) on ``ctas`` CTAs (0 = the probe kernel's resident slots)."""
+    whole qweight buffer read in order by a grid-stride kernel; 1-6 = the stream-K kernel's loads without the
+    arithmetic (csrc/w4a16_kernel.cuh P1-P6) on ``ctas`` CTAs (0 = the probe kernel's resident slots)."""
     ext = extension()
     if ext is None:
         raise RuntimeError(f"int4_cuda unavailable: {_STATE.get('reason')}")

@@ -22,10 +22,10 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
-    # stream-K variants 13-25 and the five stream-K read probes: 2 x 2 x 18; the linear read probe once
+    # stream-K variants 13-27 and the six stream-K read probes: 2 x 2 x 21; the linear read probe once
     assert sum("w4a16_kernel" in ln for ln in kernels) == 76
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
-    assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 72
+    assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 84
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]

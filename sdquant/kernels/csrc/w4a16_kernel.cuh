@@ -472,8 +472,11 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // the same with a per-warp shared-memory ring of cp.async stages instead of the register ring (RING stages deep):
 //   19: 4, 8 stages, 4/2        20: 4, 8 stages, 4/3, WSCALE        21: 8, 6 stages, 2/1        22: 4, 12, 4/3, WSCALE
 // 14, 13 and 16 with an L2 bulk prefetch 8 stages (8 KB a warp) ahead: 23 (= 14), 24 (= 13), 25 (= 16)
+// one 64-feature block a CTA, its KWI warps taking 4-stage chunks round robin (one contiguous stream a CTA):
+//   26: 4 warps, 2 ahead, 3/2        27: 8 warps, 2 ahead, 2/1, WSCALE
 // probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
-// registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch); xor only
+// registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
+// xor only
 using V0 = Cfg<4, 1, 5, 0>;
 using V1 = Cfg<4, 1, 5, 1>;
 using V2 = Cfg<4, 2, 5, 1>;
@@ -500,12 +503,15 @@ using V22 = SKCfg<4, 0, 4, 3, 1, 0, 0, 4, 3, 12>;
 using V23 = SKCfg<4, 2, 4, 2, 1, 0, 0, 3, 2, 0, 8>;
 using V24 = SKCfg<4, 3, 3, 2, 0, 0, 0, 2, 2, 0, 8>;
 using V25 = SKCfg<2, 2, 6, 3, 0, 1, 0, 6, 3, 0, 8>;
+using V26 = SKCfg<1, 2, 3, 2, 0, 0, 0, 2, 2, 0, 0, 4>;
+using V27 = SKCfg<1, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0, 8>;
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
+using P6 = SKCfg<1, 2, 3, 2, 0, 0, 1, 3, 2, 0, 0, 4>;  // V26's loads
 using P5 = SKCfg<4, 2, 4, 2, 1, 0, 1, 3, 2, 0, 8>;  // V23's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 26;
+constexpr int N_VARIANTS = 28;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
@@ -616,6 +622,9 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 24: return run_op<T, V24, NT, 2>(op, p, stream);
     case 25: return run_op<T, V25, NT, 2>(op, p, stream);
     case PROBE_BASE + 5: return run_op<T, P5, NT, 2>(op, p, stream);
+    case PROBE_BASE + 6: return run_op<T, P6, NT, 2>(op, p, stream);
+    case 26: return run_op<T, V26, NT, 2>(op, p, stream);
+    case 27: return run_op<T, V27, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

@@ -18,7 +18,7 @@
 // PROBE = 1: the same loads in the same order, but only an xor of the loaded words (no dequantize, no MMA, no
 // output): the read-bandwidth ceiling of this access pattern (bench/int4_tune.py reports it; not a GEMM).
 template <int WNN_, int DEPTH_, int MINB_, int MINB2_, int WSCALE_, int TSPLIT_, int PROBE_ = 0, int HMINB_ = MINB_,
-          int HMINB2_ = MINB2_, int RING_ = 0, int PF_ = 0>
+          int HMINB2_ = MINB2_, int RING_ = 0, int PF_ = 0, int KWI_ = 1>
 struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles (HMINB*: the same for fp16, which
                 // holds 8 more registers of zero pairs and can spill where bf16 fits)
   static constexpr int WNN = WNN_, KW = 1, DEPTH = DEPTH_, MINB = MINB_, MINB2 = MINB2_, WSCALE = WSCALE_;
@@ -31,6 +31,11 @@ struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token ti
   // (cp.async.bulk.prefetch.L2, one instruction per 4 stages): DRAM reads in flight that hold no registers and no
   // shared memory; the ring's own loads then hit L2.
   static constexpr int PF = PF_;
+  // KWI > 1: a CTA is KWI warps on ONE 64-feature block (WNN must be 1) that take the 4-stage (4 KB) chunks of the
+  // CTA's K range round robin, so a CTA reads KWI * 4 KB of one contiguous stream at a time (the others read one
+  // stream per warp); summed through shared memory at the end of each segment.
+  static constexpr int KWI = KWI_;
+  static_assert(KWI == 1 || (WNN == 1 && RING == 0 && TSPLIT == 0 && PF == 0), "KWI: one block a CTA, register ring");
   static_assert(RING == 0 || TSPLIT == 0, "a shared-memory ring is per warp: no token-split warps");
   static constexpr int WARPS = WNN;  // at one token tile; TSPLIT doubles it at two (sk_threads)
   static constexpr int THREADS = 32 * WARPS;
@@ -45,9 +50,11 @@ struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token ti
 template <typename C, int NT>
 constexpr int sk_tt() { return (C::TSPLIT && NT == 2) ? 2 : 1; }  // warps per block
 template <typename C, int NT>
-constexpr int sk_threads() { return 32 * C::WNN * sk_tt<C, NT>(); }
+constexpr int sk_threads() { return 32 * C::WNN * sk_tt<C, NT>() * C::KWI; }
 template <typename C, int NT>
-constexpr int sk_smem() { return C::RING * 2 * 512 * C::WNN * sk_tt<C, NT>(); }  // RING stages of 2 K steps a warp
+constexpr int sk_smem() {  // RING stages of 2 K steps a warp, or the KWI warps' reduction buffer
+  return C::RING * 2 * 512 * C::WNN * sk_tt<C, NT>() + (C::KWI - 1) * NT * 16 * 32 * 4;
+}
 
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
@@ -89,7 +96,13 @@ __device__ __forceinline__ int sk_owner(long long U, int G, long long u) {
 // One warp: acc = sum over stages [kb, kb + iters) of its block nb (iters = 0 for an inactive warp).
 template <typename T, typename C, int NT, bool L1>
 __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)[NT][4][4], uint32_t& probe, int nb,
-                                           int kb, int iters, int tok0, uint4* ring) {
+                                           int kb, int iters, int tok0, uint4* ring, int kw = 0, int ke = 0) {
+  // KWI: this warp's i-th stage is stage sabs(i) of the block (chunks kw, kw + KWI, ... of 4 stages from kb)
+  constexpr int KWI = C::KWI;
+  auto sabs = [&](int i) -> int {
+    if constexpr (KWI == 1) return kb + i;
+    else return kb + 4 * (kw + KWI * (i >> 2)) + (i & 3);
+  };
   constexpr int D = C::RING > 0 ? C::RING : C::DEPTH, KS = 2;
   using O = Ops<T>;
   const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
@@ -108,7 +121,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int r = tok0 + nt * 8 + g8;
-        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
+        const T* xr = xsrc + static_cast<size_t>(r) * p.k + (sabs(s) - kb) * KS * 16 + kk * 16;
         xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
         xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
       }
@@ -122,7 +135,8 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
     cp_async_commit();
   };
   auto issue = [&](int s, uint4 (&w)[KS], uint32_t (&xx)[KS][NT][2]) {
-    const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
+    const int so = sabs(s) - kb;
+    const uint4* src = wsrc + static_cast<size_t>(so) * KS * 32;
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) w[kk] = L1 ? ldg_l1_16(src + kk * 32) : ldg_stream16(src + kk * 32);
 #pragma unroll
@@ -130,7 +144,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int r = tok0 + nt * 8 + g8;
-        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
+        const T* xr = xsrc + static_cast<size_t>(r) * p.k + so * KS * 16 + kk * 16;
         xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
         xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
       }
@@ -173,7 +187,8 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
     z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
   };
 
-  int rem = kb % gs_st, grp = kb / gs_st;
+  int rem = kb % gs_st, grp = (KWI == 1 ? kb : kb + 4 * kw) / gs_st;
+  int g_end = 0;  // KWI: the stage where the current group ends
   bool first = true;
   if constexpr (C::RING > 0) {
 #pragma unroll
@@ -198,7 +213,10 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
     for (int j = 0; j < D; ++j) {
       const int it = base + j;
       if (it < iters) {
-        if (rem == 0 || first) {
+        bool newg;
+        if constexpr (KWI == 1) newg = rem == 0 || first;
+        else newg = first || sabs(it) >= g_end;
+        if (newg) {
           if (!first) flush();
           const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
           const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
@@ -216,7 +234,15 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
             O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
             O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
           }
-          if ((grp + 1) * gs_st < kb + iters) load_sz(grp + 1);
+          if constexpr (KWI == 1) {
+            if ((grp + 1) * gs_st < kb + iters) load_sz(grp + 1);
+          } else {  // the group of this warp's next stage after this group: in this chunk, or the next chunk's start
+            const int sa = sabs(it), g = sa / gs_st;
+            g_end = (g + 1) * gs_st;
+            const int chunk_end = kb + 4 * (kw + KWI * (it >> 2)) + 4;
+            const int nxt = g_end < chunk_end ? g_end : chunk_end - 4 + 4 * KWI;
+            if (nxt < ke) load_sz(nxt / gs_st);
+          }
         }
         if constexpr (C::PF > 0) {
           if ((it & 3) == 0) prefetch(it + C::PF, it + C::PF + 4);
@@ -300,7 +326,9 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
   __shared__ int s_last;
   extern __shared__ __align__(16) uint8_t sk_dyn[];
   uint4* ring = reinterpret_cast<uint4*>(sk_dyn) + (threadIdx.x / 32) * (C::RING * 2 * 32) + threadIdx.x % 32;
-  const int warp = threadIdx.x / 32 % WNN, tok0 = threadIdx.x / 32 / WNN * 8, lane = threadIdx.x % 32;
+  constexpr int KWI = C::KWI;
+  const int warp = KWI > 1 ? 0 : threadIdx.x / 32 % WNN, tok0 = KWI > 1 ? 0 : threadIdx.x / 32 / WNN * 8;
+  const int kw = KWI > 1 ? threadIdx.x / 32 : 0, lane = threadIdx.x % 32;
   const int g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64, n = p.n, m = p.m;
   const SKSpace sp = sk_space(p.n, p.k, WNN);
@@ -318,10 +346,23 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
     const int nb = t * WNN + warp;
     const bool active = nb < nblk;
     float acc[NTW][4][4];
-    sk_segment<T, C, NTW, (TT > 1)>(p, acc, probe, active ? nb : 0, kb, active ? ke - kb : 0, tok0, ring);
+    int iters = active ? ke - kb : 0;
+    if constexpr (KWI > 1) {  // this warp's chunks: kw, kw + KWI, ... of the ceil(L / 4) 4-stage chunks
+      const int L = ke - kb, nch = (L + 3) / 4;
+      iters = 0;
+      if (active && kw < nch) {
+        iters = 4 * ((nch - 1 - kw) / KWI + 1);
+        if ((nch - 1) % KWI == kw) iters -= 4 * nch - L;  // the last, partial chunk is this warp's
+      }
+    }
+    sk_segment<T, C, NTW, (TT > 1)>(p, acc, probe, active ? nb : 0, kb, iters, tok0, ring, kw, ke);
     if constexpr (C::PROBE) continue;
+    if constexpr (KWI > 1) {  // fold the KWI warps into warp 0 (shared memory; free again after the barrier)
+      reduce_k_warps<NTW, 1, KWI>(acc, sk_dyn, kw, 0, lane);
+      __syncthreads();
+    }
     if (kb == 0 && ke == sp.S) {  // the whole K of this tile: write y
-      if (active) {
+      if (active && kw == 0) {
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
@@ -338,7 +379,7 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
     // a split tile: write this segment's partial, count it; the last of the tile's segments sums them in order
     const int which = t == first_tile ? 0 : 1;
     float* part = p.partial + (static_cast<size_t>(c) * 2 + which) * m * TW;
-    if (active) {
+    if (active && kw == 0) {
 #pragma unroll
       for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
