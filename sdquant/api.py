@@ -260,8 +260,10 @@ def load(path: Union[str, Path], device: Union[str, torch.device] = "cpu", dtype
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = _build_model(family, arch, dtype)
         _materialize(model, floats, qlayers, dtype, aliases)
-    model.to(device)
+    # quantized layers first: each copies its canonical tensors to the device only while it repacks them, so the
+    # device never holds the whole model's canonical tensors and its layouts at once; then everything else
     _prepare_kernels(model, device, dtype, kernels)
+    model.to(device)
     model.eval()
     if files:
         from sdquant.models.hf import tokenizer_from_files
