@@ -48,12 +48,15 @@ TC_CONFIGS = {
     "tc128": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
     "tc128w4": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
     "tc256": {"kernel": "tc", "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "waves": 2.0},
+    "tc256w1": {"kernel": "tc", "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 1.0},
     "tc64": {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0},
     "tc128k64": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "waves": 2.0},
+    "tc128ns": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
+                "SWAP": False},
     "tc128u1": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
                 "UNPACK": 1},
     "tc128u3": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
-                "UNPACK": 3},
+                "UNPACK": 3, "SWAP": False},
 }
 GEMV_CONFIGS = {
     "gv512k32": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "waves": 3.0},

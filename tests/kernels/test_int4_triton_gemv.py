@@ -55,11 +55,12 @@ GEMV = {"kernel": "gemv", "BLOCK_N": 128, "BLOCK_K": 64}
 
 @pytest.mark.parametrize("k,n,gs,sym,act,dtype", CASES)
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_tc_matches_reference(interpret, k, n, gs, sym, act, dtype, m):
+@pytest.mark.parametrize("swap", [True, False])
+def test_tc_matches_reference(interpret, k, n, gs, sym, act, dtype, m, swap):
     qw = make_qw(n, k, gs, sym, act, seed=k + n + m)
     lay = L.repack_triton(qw, dtype)
     x = torch.randn(m, k).to(dtype)
-    y = run(x, lay, TC)
+    y = run(x, lay, {**TC, "SWAP": swap})
     assert y.shape == (m, n) and y.dtype == dtype
     assert rel(y, reference(x, qw)) < BOUND[dtype]
 
@@ -75,14 +76,14 @@ def test_gemv_matches_reference(interpret, k, n, gs, sym, act, dtype, m):
     assert rel(y, reference(x, qw)) < BOUND[dtype]
 
 
-@pytest.mark.parametrize("unpack", [1, 3])
-def test_tc_fp16_magic_unpack(interpret, unpack):
+@pytest.mark.parametrize("unpack,swap", [(1, True), (1, False), (3, False)])
+def test_tc_fp16_magic_unpack(interpret, unpack, swap):
     """UNPACK=1/3 (the fp16 magic number 0x6400 | code = 1024 + code, bias folded into the zero term) run in the
     interpreter for fp16; the GPU path (UNPACK=2, inline PTX) computes the same values."""
     qw = make_qw(256, 512, 64, False, True, seed=11)
     lay = L.repack_triton(qw, torch.float16)
     x = torch.randn(5, 512).to(torch.float16)
-    y = run(x, lay, {**TC, "UNPACK": unpack})
+    y = run(x, lay, {**TC, "UNPACK": unpack, "SWAP": swap})
     assert rel(y, reference(x, qw)) < BOUND[torch.float16]
 
 
