@@ -142,6 +142,25 @@ def kernel_labels(rt):
     return out
 
 
+def check_attention(d, max_seq, dev, dtype) -> dict:
+    """sdquant::decode_attention on the GPU against masked fp64 attention over the whole cache, at the
+    model's head shapes, batch 2, positions 0 / middle / last: relative error per position."""
+    from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rep = d["n_heads"] // d["n_kv_heads"]
+    q = torch.randn(2, d["n_kv_heads"], rep, d["head_dim"], device=dev, generator=g).to(dtype)
+    k = torch.randn(2, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
+    v = torch.randn(2, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
+    out = {}
+    for pos in (0, max_seq // 2, max_seq - 1):
+        y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0, d["head_dim"] ** -0.5)
+        s = (q.double() @ k.double().transpose(-1, -2)) * d["head_dim"] ** -0.5
+        s[..., pos + 1:] = float("-inf")
+        ref = torch.softmax(s, -1) @ v.double()
+        out[f"pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
+    return out
+
+
 def check_layers(rt, dev, dtype):
     """Relative error of the prepared quantized layers against their own dequantized weights (fp32 matmul),
     at M = 1, 8, 32 and 2048: the kernels the plans picked must compute the same function."""
@@ -216,6 +235,12 @@ def run_variant(name, args, dev, dtype, dims):
     except Exception as e:
         res["kernel_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(f"  {name} kernels {res['kernels']} check {res['kernel_check_rel_err']}", flush=True)
+    if "triton" in args.attention:
+        try:
+            res["attention_check_rel_err"] = check_attention(dims, args.max_seq, dev, dtype)
+        except Exception as e:
+            res["attention_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name} decode_attention check {res['attention_check_rel_err']}", flush=True)
     if spec["compiled"]:
         rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block")
     graph = spec["graph"] and dev.type == "cuda"
@@ -287,7 +312,7 @@ def main(argv=None):
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager on CPU)")
     ap.add_argument("--attention", default="matmul",
                     help="decode attention implementations, comma-separated; the first gets every batch size, "
-                         "the others the first batch size only (matmul, sdpa, sdpa_gqa)")
+                         "the others the first batch size only (matmul, sdpa, sdpa_gqa, triton)")
     ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")

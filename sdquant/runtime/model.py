@@ -126,7 +126,7 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
-ATTENTION_IMPLS = ("matmul", "sdpa", "sdpa_gqa")
+ATTENTION_IMPLS = ("matmul", "sdpa", "sdpa_gqa", "triton")
 
 
 class Attention(nn.Module):
@@ -136,6 +136,9 @@ class Attention(nn.Module):
     "sdpa"     SDPA with the rep query heads of a KV head as rep query rows (no K/V repeat); with a mask SDPA
                uses its memory-efficient kernel, one block per (batch, KV head) at decode: few SMs busy.
     "sdpa_gqa" SDPA with enable_gqa=True on [B, nh, S, hd] queries.
+    "triton"   ``sdquant::decode_attention`` (sdquant/kernels/decode_attention.py): flash-decoding over the
+               live cache slots only (the position is read on the device, so CUDA graphs replay it), where the
+               other three read and mask all max_seq slots at every step.
     """
 
     def __init__(self, d: DecoderDims, wqkv: nn.Module, wo: nn.Module, q_norm=None, k_norm=None,
@@ -147,6 +150,9 @@ class Attention(nn.Module):
         self.register_buffer("q_norm", q_norm)
         self.register_buffer("k_norm", k_norm)
         self.kv_cache: Optional[KVCache] = None
+        self.window: Optional[int] = None        # the block's sliding window (set by Block)
+        if impl == "triton":
+            from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
     def forward(self, x, cos, sin, mask, input_pos):
         d = self.d
@@ -165,6 +171,11 @@ class Attention(nn.Module):
             scores = torch.matmul(q, k_all.transpose(-1, -2)).float() * d.head_dim ** -0.5    # [B, nkv, rep, T]
             p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
             return self.wo(torch.matmul(p, v_all).reshape(b, 1, d.q_size))                    # [B, 1, nh*hd]
+        if s == 1 and self.impl == "triton":
+            q = q.view(b, d.n_kv_heads, rep, d.head_dim)
+            y = torch.ops.sdquant.decode_attention(q, k_all, v_all, input_pos, self.window or 0,
+                                                   d.head_dim ** -0.5)                   # [B, nkv, rep, hd]
+            return self.wo(y.reshape(b, 1, d.q_size))
         if s == 1 and self.impl == "sdpa_gqa":
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
                                                enable_gqa=True)                               # [B, nh, 1, hd]
@@ -222,6 +233,7 @@ class Block(nn.Module):
         self.register_buffer("attn_norm", attn_norm)
         self.register_buffer("ffn_norm", ffn_norm)
         self.window = window
+        attn.window = window
 
     def forward(self, x, cos, sin, mask, input_pos):
         h = x + self.attn(rms_norm(x, self.attn_norm, self.d.rms_eps), cos, sin, mask, input_pos)
@@ -320,6 +332,10 @@ class Transformer(nn.Module):
         """Choose the decode attention implementation (see ``Attention``) for every layer."""
         if impl not in ATTENTION_IMPLS:
             raise ConfigError("attention", f"must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}")
+        if impl == "triton":
+            from sdquant.kernels import decode_attention
+            if not decode_attention.available():
+                raise ConfigError("attention", "'triton' needs the triton package")
         for blk in self.layers:
             blk.attn.impl = impl
         return self

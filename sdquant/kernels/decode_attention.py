@@ -1,0 +1,210 @@
+"""Length-aware decode attention over the runtime's static KV cache, as the op ``sdquant::decode_attention``.
+
+    y = torch.ops.sdquant.decode_attention(q, k_cache, v_cache, input_pos, window, scale)
+        q          [B, nkv, rep, hd]   one query token per sequence: the rep query heads of each KV head
+        k/v_cache  [B, nkv, T, hd]     the static cache (already holding this step's key and value)
+        input_pos  int [1]             the slot this step wrote; slot t is attended when
+                                       pos − window < t ≤ pos (window 0: no sliding window)
+        scale      float               softmax scale (head_dim ** −0.5)
+        y          [B, nkv, rep, hd]   q.dtype; softmax in fp32
+
+Why: a static cache of T slots attended "in full with a mask" (gpt-fast's way, the runtime's ``matmul``
+implementation) reads all T slots at every step, however few are live. This op reads only the live slots, so
+a step costs what the sequence length costs, not what ``max_seq`` costs. The position is read on the device,
+so one captured CUDA graph replays correctly at every position.
+
+Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); program (bh, s) owns slots
+[s·CHUNK, (s+1)·CHUNK) and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
+query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
+running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
+partials of each (bh) in a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
+same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them).
+"""
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import torch
+
+from sdquant.errors import ShapeError
+
+try:  # Triton is optional (CPU-only installs): the op then runs the PyTorch reference on CPU only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+CHUNK = 128          # slots per program: at T = 2176 that is 17 programs per (batch, KV head)
+BLOCK_T = 64         # slots per inner tile
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+# Only Triton builtins and the combine functions below (jitted per interpreter mode with the kernels): the
+# library's own @jit functions (tl.sum, tl.max, tl.zeros) were wrapped when triton was imported and cannot run
+# in an interpreter switched on later in the same process (how the CPU tests run the kernels).
+def _add(a, b):
+    return a + b
+
+
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
+                    sq_bh, sq_r, sk_bh, sk_t, sv_bh, sv_t,
+                    HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
+                    CDT: tl.constexpr):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
+    start = tl.maximum(sp * CHUNK_T, lo)
+    end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+    offs_r = tl.arange(0, REP_P)
+    offs_d = tl.arange(0, HD)
+    r_mask = offs_r < REP
+    q = tl.load(q_ptr + bh * sq_bh + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(CDT)
+    m_i = tl.full((REP_P,), float("-inf"), tl.float32)
+    l_i = tl.full((REP_P,), 0.0, tl.float32)
+    acc = tl.full((REP_P, HD), 0.0, tl.float32)
+    # an empty range (start >= end) runs no tile and leaves the empty partial (m = -inf, l = 0, acc = 0)
+    for t0 in range(start, end, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        t_mask = offs_t < end
+        k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
+        m_i = m_new
+    part = bh * SPLITS + sp
+    tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc)
+    tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
+    tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
+
+
+def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
+                  HD: tl.constexpr, REP_P: tl.constexpr):
+    bh = tl.program_id(0)
+    offs_r = tl.arange(0, REP_P)
+    offs_d = tl.arange(0, HD)
+    m = tl.full((REP_P,), float("-inf"), tl.float32)
+    for s in range(0, SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptr + ((bh * SPLITS + s) * 2) * REP_P + offs_r))
+    l_tot = tl.full((REP_P,), 0.0, tl.float32)
+    acc = tl.full((REP_P, HD), 0.0, tl.float32)
+    for s in range(0, SPLITS):
+        part = bh * SPLITS + s
+        m_s = tl.load(ml_ptr + (part * 2) * REP_P + offs_r)
+        l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + offs_r)
+        w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                               # empty partials weigh 0
+        l_tot += l_s * w
+        acc += tl.load(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :]) * w[:, None]
+    y = acc / l_tot[:, None]
+    tl.store(out_ptr + bh * so_bh + offs_r[:, None] * so_r + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=(offs_r < REP)[:, None])
+
+
+_KERNELS: dict = {}
+
+
+def _kernels():
+    """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler).
+    A kernel resolves the functions it calls by name in its globals, so each mode gets its own namespace."""
+    mode = _interpret()
+    if mode not in _KERNELS:
+        ns = dict(globals())
+
+        def clone(f):
+            h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
+            h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
+            return triton.jit(h)
+        ns["_add"], ns["_max"] = clone(_add), clone(_max)
+        _KERNELS[mode] = (clone(_partial_kernel), clone(_merge_kernel))
+    return _KERNELS[mode]
+
+
+# ---------------------------------------------------------------------------------------------- the op
+def _check(q, k, v, input_pos, window):
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ShapeError(f"decode_attention: q must be [B, nkv, rep, hd] and k/v [B, nkv, T, hd] of one shape, "
+                         f"got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    b, nkv, _, hd = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, nkv, hd):
+        raise ShapeError(f"decode_attention: cache {list(k.shape)} does not match q {list(q.shape)}")
+    if hd & (hd - 1) or hd < 16:
+        raise ShapeError(f"decode_attention: head_dim {hd} must be a power of two >= 16")
+    if input_pos.numel() != 1:
+        raise ShapeError(f"decode_attention: input_pos must hold one position (decode), got {input_pos.numel()}")
+    if window < 0:
+        raise ShapeError(f"decode_attention: window must be >= 0, got {window}")
+
+
+def reference(q, k, v, input_pos, window: int, scale: float) -> torch.Tensor:
+    """The op's maths in PyTorch (fp32 softmax): what the kernels are tested against and what CPU runs."""
+    t = torch.arange(k.shape[2], device=k.device)
+    pos = input_pos.reshape(()).to(k.device)
+    live = t <= pos
+    if window > 0:
+        live &= t > pos - window
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale                   # [B, nkv, rep, T]
+    p = torch.softmax(s.masked_fill(~live, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
+@torch.library.custom_op("sdquant::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, window: int,
+                     scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale over the live slots)·v; see the module docstring."""
+    _check(q, k, v, input_pos, window)
+    if triton is None or (q.device.type == "cpu" and not _interpret()):
+        return reference(q, k, v, input_pos, window, scale)
+    b, nkv, rep, hd = q.shape
+    T = k.shape[2]
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(0) != nkv * k.stride(1) or \
+            v.stride(0) != nkv * v.stride(1):
+        k, v = k.contiguous(), v.contiguous()
+    if q.stride(0) != nkv * q.stride(1):
+        q = q.contiguous()
+    rep_p = max(16, triton.next_power_of_2(rep))
+    splits = triton.cdiv(T, CHUNK)
+    acc = torch.empty((b * nkv, splits, rep_p, hd), dtype=torch.float32, device=q.device)
+    ml = torch.empty((b * nkv, splits, 2, rep_p), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    # the interpreter computes bf16 arithmetic wrongly: evaluate it in fp32 there (CPU tests only)
+    cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
+        tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
+    partial, merge = _kernels()
+    pos = input_pos.reshape(1)
+    win = int(window) if window > 0 else T + 1
+    partial[(b * nkv, splits)](q, k, v, pos, acc, ml, float(scale), T, rep, win, splits,
+                               q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, num_warps=4)
+    merge[(b * nkv,)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p, num_warps=4)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k, v, input_pos, window, scale):
+    return torch.empty_like(q)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
