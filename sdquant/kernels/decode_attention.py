@@ -134,6 +134,7 @@ def _kernels():
         def clone(f):
             h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
             h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
+            h.__annotations__ = dict(f.__annotations__)          # the tl.constexpr marks live here
             return triton.jit(h)
         ns["_add"], ns["_max"] = clone(_add), clone(_max)
         _KERNELS[mode] = (clone(_partial_kernel), clone(_merge_kernel))
