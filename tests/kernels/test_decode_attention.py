@@ -114,3 +114,10 @@ def test_runtime_triton_attention_equals_matmul(interpret):
                 ids = logits.argmax(-1, keepdim=True)
         outs[impl] = torch.stack(steps)
     assert torch.allclose(outs["triton"], outs["matmul"], atol=1e-4, rtol=1e-4)
+
+
+def test_kernels_keep_their_constexpr_parameters(interpret):
+    """The per-mode clones must keep the tl.constexpr marks (a GPU launch fails without them; the interpreter
+    does not notice)."""
+    partial, merge = da._kernels()
+    assert len(partial.constexprs) == 5 and len(merge.constexprs) == 2
