@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import math
 import os
-import types
 
 import torch
 
 from sdquant.errors import ShapeError
+from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional (CPU-only installs): the op then runs the PyTorch reference on CPU only
     import triton
@@ -50,9 +50,7 @@ def _interpret() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# Only Triton builtins and the combine functions below (jitted per interpreter mode with the kernels): the
-# library's own @jit functions (tl.sum, tl.max, tl.zeros) were wrapped when triton was imported and cannot run
-# in an interpreter switched on later in the same process (how the CPU tests run the kernels).
+# Only Triton builtins and the combine functions below: see sdquant.kernels.triton_jit.
 def _add(a, b):
     return a + b
 
@@ -125,19 +123,10 @@ _KERNELS: dict = {}
 
 
 def _kernels():
-    """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler).
-    A kernel resolves the functions it calls by name in its globals, so each mode gets its own namespace."""
+    """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        ns = dict(globals())
-
-        def clone(f):
-            h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
-            h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
-            h.__annotations__ = dict(f.__annotations__)          # the tl.constexpr marks live here
-            return triton.jit(h)
-        ns["_add"], ns["_max"] = clone(_add), clone(_max)
-        _KERNELS[mode] = (clone(_partial_kernel), clone(_merge_kernel))
+        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max))
     return _KERNELS[mode]
 
 
