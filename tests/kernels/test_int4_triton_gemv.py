@@ -161,3 +161,22 @@ def test_odd_shapes_rejected(interpret):
     with pytest.raises(ShapeError, match="M=5"):
         int4_triton.w4a16_triton_impl(torch.randn(5, 128).half(), lay["qweight"], lay["scales"], lay["zs"], None,
                                       None, force_path="gemv")
+
+
+def test_bench_dry_run(tmp_path):
+    """bench/triton_small_m.py --dry: checks, timing loop, plan choice and JSON on CPU (interpreter, child process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "bench" / "triton_small_m.py"), "--dry", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "triton_small_m.json").read_text())
+    assert res["meta"]["dry"] and res["chosen"] is not None
+    assert all(c["pass"] for c in res["check"])
+    kernels = {row["kernel"] for row in res["rows"]}
+    assert {"bf16", "old", "tc128", "gv512k32"} <= kernels
