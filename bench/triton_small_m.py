@@ -48,6 +48,7 @@ TC_CONFIGS = {
     "tc128": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
     "tc128w4": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
     "tc128w1": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 1.0},
+    "tc128n8": {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 2.0},
     "tc256": {"kernel": "tc", "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "waves": 2.0},
     "tc256w1": {"kernel": "tc", "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 1.0},
     "tc64": {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0},
