@@ -143,18 +143,24 @@ def evict_first_works() -> bool:
 N_VARIANTS = 28
 STREAMK_VARIANTS = range(13, 28)
 
-# Measured defaults (bench/int4_tune.py, H200 run 4, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
-# tuning (run 4)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N, M bucket)
-# the shapes whose own winner beat that default by > 3% in the same run. A config is variant + 16 * target (see
-# the module docstring); 0 = the run-3 kernel. M <= 8: variant 10 (direct loads, 2 blocks x 4 K-warps) was
+# Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
+# tuning (run 4)" / "(run 5)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N,
+# M bucket) the shapes whose own winner beat that default by > 3% in the same run. A config is variant + 64 * target
+# (see the module docstring); 0 = the run-3 kernel. M <= 8: variant 10 (direct loads, 2 blocks x 4 K-warps) was
 # fastest or within 3-7% everywhere and never slower than variant 0; M = 9-16: variant 2 (4 blocks x 2 K-warps)
 # had the best mean, but was slower than variant 0 on 8192x28672 and 8192x10240 (overridden below).
+# Run 5 (stream-K variants 13-27) changed three points, each faster than run 4's config in both of its passes:
+# 8192x28672 M=1 -> 17 (stream-K, 8 blocks a CTA, per-weight scale: 48.5 / 49.6 us vs v5 49.7 / 50.4),
+# 4096x6144 M=1 -> 11 (10.1 / 10.2 vs v1 10.2 / 10.6), 8192x10240 M=9-16 -> 0 (34.4 / 34.2 vs v1 34.6 / 34.5).
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
-    (8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
+    (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-    (8192, 10240, 16): 1, (4096, 6144, 16): 4,
+    (8192, 10240, 16): 0, (4096, 6144, 16): 4,
 }
+# fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): run 4's config, since the
+# fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)
+FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
 
 
 def m_bucket(m: int) -> int:
@@ -177,7 +183,7 @@ def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
         return 0
     c = SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
     if dtype == torch.float16 and c % 64 in WSCALE_TWIN:
-        c = WSCALE_TWIN[c % 64] + 64 * (c // 64)
+        c = FP16_SHAPE_CONFIGS.get((k, n, b), WSCALE_TWIN[c % 64] + 64 * (c // 64))
     return c
 
 
