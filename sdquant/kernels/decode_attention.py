@@ -17,7 +17,7 @@ Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); prog
 [s·CHUNK, (s+1)·CHUNK) and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
 query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
 running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
-partials of each (bh) in a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
+partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
 same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them).
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
 
-CHUNK = 128          # slots per program: at T = 2176 that is 17 programs per (batch, KV head)
-BLOCK_T = 64         # slots per inner tile
+CHUNK = 64           # slots per program: at T = 2176 that is 34 programs per (batch, KV head)
+BLOCK_T = 64         # slots per inner tile (CHUNK = BLOCK_T: one tile, its K and V loads issued together)
 
 
 def available() -> bool:
@@ -82,13 +82,13 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scale, T, REP
         offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
         k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
     part = bh * SPLITS + sp
@@ -98,25 +98,23 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scale, T, REP
 
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
-                  HD: tl.constexpr, REP_P: tl.constexpr):
-    bh = tl.program_id(0)
-    offs_r = tl.arange(0, REP_P)
-    offs_d = tl.arange(0, HD)
-    m = tl.full((REP_P,), float("-inf"), tl.float32)
-    for s in range(0, SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptr + ((bh * SPLITS + s) * 2) * REP_P + offs_r))
-    l_tot = tl.full((REP_P,), 0.0, tl.float32)
-    acc = tl.full((REP_P, HD), 0.0, tl.float32)
-    for s in range(0, SPLITS):
-        part = bh * SPLITS + s
-        m_s = tl.load(ml_ptr + (part * 2) * REP_P + offs_r)
-        l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + offs_r)
-        w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                               # empty partials weigh 0
-        l_tot += l_s * w
-        acc += tl.load(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :]) * w[:, None]
-    y = acc / l_tot[:, None]
-    tl.store(out_ptr + bh * so_bh + offs_r[:, None] * so_r + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=(offs_r < REP)[:, None])
+                  HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr):
+    # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
+    # trip), then combined with the log-sum-exp weights in a fixed order
+    pid = tl.program_id(0)
+    bh = pid // REP
+    r = pid % REP
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    s_mask = offs_s < SPLITS
+    part = bh * SPLITS + offs_s
+    m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
+    a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m = tl.reduce(m_s, 0, _max)
+    w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
+    y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
+    tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
 _KERNELS: dict = {}
@@ -187,7 +185,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     partial[(b * nkv, splits)](q, k, v, pos, acc, ml, float(scale), T, rep, win, splits,
                                q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, num_warps=4)
-    merge[(b * nkv,)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p, num_warps=4)
+    bd = min(hd, 32)
+    merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
+                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, num_warps=4)
     return out
 
 
