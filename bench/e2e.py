@@ -255,7 +255,8 @@ def run_variant(name, args, dev, dtype, dims):
             out = res["decode"] = {}
         else:
             out = res["decode_other_attention"][impl] = {}
-        for b in args.batches if j == 0 else args.batches[:1]:   # other implementations: first batch only
+        # other implementations: first batch only, unless --attention-all-batches
+        for b in args.batches if j == 0 or args.attention_all_batches else args.batches[:1]:
             try:
                 out[str(b)] = bench_decode(rt, b, args, dev, graph)
             except Exception as e:  # keep the other measurements; say what broke
@@ -313,6 +314,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="matmul",
                     help="decode attention implementations, comma-separated; the first gets every batch size, "
                          "the others the first batch size only (matmul, sdpa, sdpa_gqa, triton)")
+    ap.add_argument("--attention-all-batches", action="store_true",
+                    help="time every attention implementation at every batch size (same-run baselines)")
     ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
