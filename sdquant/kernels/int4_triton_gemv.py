@@ -337,6 +337,7 @@ def _kernels():
         def clone(f):
             h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
             h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
+            h.__annotations__ = dict(f.__annotations__)  # (lead) the tl.constexpr marks: without them no constexprs
             return triton.jit(h)
         for name in _HELPERS:
             ns[name] = clone(globals()[name])
