@@ -171,14 +171,21 @@ def _kernels():
 # ({"kernel": "tc" | "gemv", tile sizes, split}), or None for _splitk_kernel. Chosen from the H200 sweep of
 # bench/triton_small_m.py (only where faster than the old kernel in the same run); SHAPE_PLAN holds
 # per-(K, N, bucket) overrides for the measured Llama shapes.
-SMALL_M_PLAN: dict = {
-    1: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    2: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    4: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    8: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    16: {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+_GV512K64 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0}
+_GV256K32 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 6.0}
+_TC64 = {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0}
+_TC128K64 = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "waves": 2.0}
+# H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
+# kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time)
+SMALL_M_PLAN: dict = {1: _GV512K64, 2: _GV512K64, 4: _TC64, 8: _TC64, 16: _TC64}
+# per (K, N, bucket): the measured winner where it beats the bucket default by > 2%; None = the old kernel where
+# it was the fastest in that run
+SHAPE_PLAN: dict = {
+    (4096, 4096, 4): None, (4096, 4096, 8): None, (4096, 4096, 16): None,
+    (4096, 28672, 4): None, (4096, 28672, 8): None, (14336, 4096, 4): None, (14336, 4096, 8): None,
+    (4096, 6144, 4): _TC128K64, (4096, 6144, 8): _TC128K64, (4096, 6144, 16): _TC128K64,
+    (8192, 10240, 4): _GV256K32,
 }
-SHAPE_PLAN: dict = {}   # (K, N, bucket) -> config
 
 
 def m_bucket(m: int) -> int:
