@@ -32,12 +32,12 @@ groups of 32/64/128/... (multiples of 32 dividing K) or per-channel, and accumul
 from __future__ import annotations
 
 import os
-import types
 from typing import Optional
 
 import torch
 
 from sdquant.errors import ShapeError
+from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional; int4_triton checks availability before calling here
     import triton
@@ -327,21 +327,13 @@ _KERNELS: dict = {}
 
 
 def _kernels():
-    """{"tc", "gemv", "reduce"} jitted for the current interpreter mode, built on first use, one set per mode.
-    triton.jit reads TRITON_INTERPRET when it wraps a function, and a kernel resolves the helpers it calls by
-    name in its globals at compile time: so each mode gets its own namespace of jitted helpers and kernels."""
+    """{"tc", "gemv", "reduce"} jitted for the current interpreter mode, built on first use, one set per mode
+    (see sdquant.kernels.triton_jit)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        ns = dict(globals())
-
-        def clone(f):
-            h = types.FunctionType(f.__code__, ns, f.__name__, f.__defaults__, f.__closure__)
-            h.__module__, h.__qualname__, h.__doc__ = f.__module__, f.__qualname__, f.__doc__
-            h.__annotations__ = dict(f.__annotations__)  # (lead) the tl.constexpr marks: without them no constexprs
-            return triton.jit(h)
-        for name in _HELPERS:
-            ns[name] = clone(globals()[name])
-        _KERNELS[mode] = {"tc": clone(_tc_kernel), "gemv": clone(_gemv_kernel), "reduce": clone(_reduce_kernel)}
+        tc, gemv, reduce = jit_in_namespace(globals(), (_tc_kernel, _gemv_kernel, _reduce_kernel),
+                                            [globals()[name] for name in _HELPERS])
+        _KERNELS[mode] = {"tc": tc, "gemv": gemv, "reduce": reduce}
     return _KERNELS[mode]
 
 
