@@ -311,7 +311,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="auto", help="QuantLinear.prepare kernels= (auto, cuda, triton, torch)")
     ap.add_argument("--mode", default="default", help="torch.compile mode for the block (CUDA graph is ours)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager on CPU)")
-    ap.add_argument("--attention", default="matmul",
+    ap.add_argument("--attention", default="auto",
                     help="decode attention implementations, comma-separated; the first gets every batch size, "
                          "the others the first batch size only (matmul, sdpa, sdpa_gqa, triton)")
     ap.add_argument("--attention-all-batches", action="store_true",

@@ -117,7 +117,22 @@ def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
     assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]
 
 
-@pytest.mark.parametrize("impl", ["matmul", "sdpa", "sdpa_gqa"])
+def test_auto_attention_resolves_by_device_and_head_dim(monkeypatch):
+    from types import SimpleNamespace
+
+    from sdquant.kernels import decode_attention
+    from sdquant.runtime import model as rm
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    gpu, cpu = SimpleNamespace(is_cuda=True), torch.zeros(1)
+    assert rm._resolve_attention("auto", gpu, 128) == "triton"
+    assert rm._resolve_attention("auto", gpu, 80) == "matmul"       # not a power of two: the kernel refuses it
+    assert rm._resolve_attention("auto", cpu, 128) == "matmul"
+    assert rm._resolve_attention("sdpa", gpu, 128) == "sdpa"        # an explicit choice is kept
+    monkeypatch.setattr(decode_attention, "available", lambda: False)
+    assert rm._resolve_attention("auto", gpu, 128) == "matmul"
+
+
+@pytest.mark.parametrize("impl", ["auto", "matmul", "sdpa", "sdpa_gqa"])
 def test_decode_attention_implementations_agree(impl):
     model = tiny("mistral", dict(bits=4, group_size=32))     # sliding window 6 < 12 positions: mask exercised
     rt = Transformer.from_hf(model, max_seq_len=64).set_attention(impl)
