@@ -14,7 +14,10 @@ shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
   M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN`` (``SHAPE_PLAN`` overrides per K x N), set from
   ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md, "Triton small-M kernels"). A bucket whose plan
   is None runs ``_splitk_kernel``.
-* ``_splitk_kernel`` for M <= 32 (decode) where no small-M plan applies: a 16/32-row tensor-core tile per program over BLOCK_N columns and
+* M = 17 ... 512 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
+  GEMM of ``int4_triton_midm`` (weights on the MMA's wide side, tokens on the narrow one, the int4 tile dequantized
+  in registers, split-K where the tiles do not fill the SMs). A bucket whose plan is None runs the old kernels.
+* ``_splitk_kernel`` for M <= 32 (decode) where no small-M or mid-M plan applies: a 16/32-row tensor-core tile per program over BLOCK_N columns and
   one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets work even at M = 1 on K >> N
   shapes. With SPLIT_K > 1 each program stores its fp32 partial and ``_reduce_kernel`` sums them in a fixed
   order (deterministic; no memset, no atomics).
@@ -39,6 +42,7 @@ import torch
 from sdquant.errors import ShapeError
 from sdquant.kernels import int4_layout
 from sdquant.kernels import int4_triton_gemv as small_m
+from sdquant.kernels import int4_triton_midm as mid_m
 
 try:  # Triton is optional (CPU-only installs, macOS); the op then uses the PyTorch path on CPU only
     import triton
@@ -188,6 +192,14 @@ SHAPE_PLAN: dict = {
 }
 
 
+# Mid-M plan per M bucket (M rounded up to a power of two, 32..1024): a config of int4_triton_midm.run (the
+# swap-AB tensor-core GEMM), or None for the old kernels (_splitk_kernel at M <= 32, _gemm_kernel above);
+# MID_SHAPE_PLAN holds per-(K, N, bucket) overrides. Provisional until the H200 sweep of bench/triton_mid_m.py.
+MID_M_PLAN: dict = {32: mid_m.default_config(32), 64: mid_m.default_config(64), 128: mid_m.default_config(128),
+                    256: mid_m.default_config(256), 512: mid_m.default_config(512)}
+MID_SHAPE_PLAN: dict = {}
+
+
 def m_bucket(m: int) -> int:
     b = 1
     while b < m:
@@ -204,6 +216,15 @@ def small_m_plan(m: int, n: int, k: int) -> Optional[dict]:
     if cfg is not None and cfg.get("kernel") == "gemv" and m > 4:
         return None
     return cfg
+
+
+def mid_m_plan(m: int, n: int, k: int) -> Optional[dict]:
+    """The mid-M config for this call (M > 16), or None (use _splitk_kernel / _gemm_kernel)."""
+    if m <= 16:
+        return None
+    b = m_bucket(m)
+    key = (k, n, b)
+    return MID_SHAPE_PLAN[key] if key in MID_SHAPE_PLAN else MID_M_PLAN.get(b)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -261,8 +282,9 @@ def _check(x, qweight, scales, zs, perm):
 
 def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None,
                       config: Optional[dict] = None):
-    """The op's body. ``force_path`` ("splitk"|"gemm"|"tc"|"gemv"|"small") and ``config`` (overrides of the
-    chosen tile config) exist for tests and the benchmarks' sweeps; "small" = ``small_m_plan``."""
+    """The op's body. ``force_path`` ("splitk"|"gemm"|"tc"|"gemv"|"small"|"midm") and ``config`` (overrides of
+    the chosen tile config) exist for tests and the benchmarks' sweeps; "small" = ``small_m_plan``, "midm" =
+    ``mid_m_plan`` (or ``int4_triton_midm.default_config`` where the plan has none)."""
     k, n, gs = _check(x, qweight, scales, zs, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -282,8 +304,12 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight  # never read when HAS_PERM is False
     plan = small_m_plan(m, n, k)
-    path = force_path or ("small" if plan is not None else ("splitk" if m <= 32 else "gemm"))
-    if path in ("tc", "gemv", "small") and m > 0:
+    mid = mid_m_plan(m, n, k) if plan is None else None
+    path = force_path or ("small" if plan is not None else "midm" if mid is not None else
+                          "splitk" if m <= 32 else "gemm")
+    if path == "midm" and m > 0:
+        out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})})
+    elif path in ("tc", "gemv", "small") and m > 0:
         if path == "small":
             cfg = {**(plan or small_m.DEFAULT_TC), **(config or {})}
         else:

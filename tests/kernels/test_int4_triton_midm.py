@@ -1,0 +1,113 @@
+"""The mid-M swap-AB Triton W4A16 GEMM (sdquant.kernels.int4_triton_midm) through Triton's interpreter on CPU.
+
+Reference: x @ W.T in float64 with W = QuantizedWeight.dequantize() (the op sdquant::int_linear), and the layout's
+own meaning (int4_layout.dequantize_triton + F.linear in float64). TRITON_INTERPRET is set per test with
+monkeypatch; the module jits its kernels per interpreter mode, so nothing leaks into other tests.
+"""
+import pytest
+import torch
+
+from sdquant.errors import ShapeError
+from sdquant.kernels import int4_layout as L
+from sdquant.kernels import ops  # noqa: F401  (reference op)
+
+int4_triton = pytest.importorskip("sdquant.kernels.int4_triton")
+if not int4_triton.available():
+    pytest.skip("triton not installed", allow_module_level=True)
+from sdquant.kernels import int4_triton_midm as MM  # noqa: E402
+
+from test_int4_layout import make_qw  # noqa: E402
+
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def reference(x, qw):
+    y = torch.ops.sdquant.int_linear(x.double(), qw.qweight, qw.scales, qw.zeros, qw.g_idx, None, 4,
+                                     qw.group_size, qw.in_features)
+    return y.float()
+
+
+def layout_reference(x, lay):
+    return torch.nn.functional.linear(x.double(), L.dequantize_triton(lay).double()).float()
+
+
+def rel(y, ref):
+    assert torch.isfinite(y).all()
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def run(x, lay, cfg=None):
+    k = x.shape[-1]
+    return MM.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], k // lay["scales"].shape[0], cfg)
+
+
+# (K, N, group, symmetric, act_order, dtype, M, config overrides): odd and Llama-like ratios, small enough for the
+# interpreter; split-K forced on (2, 3, 4) and off (1); the smallest BLOCK_M / BLOCK_N / BLOCK_K that still take
+# several tiles of each
+CASES = [
+    (512, 256, 128, True, False, torch.bfloat16, 17, {"SPLIT_K": 1}),
+    (512, 256, 32, False, True, torch.bfloat16, 33, {"SPLIT_K": 2, "BLOCK_K": 64}),
+    (1024, 128, 64, False, False, torch.float16, 64, {"SPLIT_K": 4, "BLOCK_M": 32}),
+    (768, 96, -1, True, False, torch.float16, 45, {}),                       # per-channel, odd N/32 and M
+    (768, 256, 128, False, True, torch.float16, 100, {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_K": 3}),
+    (384, 160, 32, True, True, torch.bfloat16, 64, {"BLOCK_K": 128, "BLOCK_N": 32}),  # groups smaller than BK
+]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act,dtype,m,cfg", CASES)
+def test_matches_reference(interpret, k, n, gs, sym, act, dtype, m, cfg):
+    qw = make_qw(n, k, gs, sym, act, seed=k + n + m)
+    lay = L.repack_triton(qw, dtype)
+    x = torch.randn(m, k).to(dtype)
+    y = run(x, lay, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel(y, reference(x, qw)) < BOUND[dtype]
+    assert rel(y, layout_reference(x, lay)) < BOUND[dtype]
+
+
+def test_resolve_splits_k_when_tiles_do_not_fill_the_sms():
+    # 14336 x 4096 at M = 64: 32 tiles of 128 features; split-K brings it to at least one wave of 132 SMs
+    c = MM.resolve(MM.default_config(64), 64, 4096, 14336, 128, 132)
+    assert c["SPLIT_K"] > 1 and (14336 // c["BLOCK_K"]) % c["SPLIT_K"] == 0
+    assert (4096 // c["BLOCK_N"]) * c["SPLIT_K"] >= 132
+    # 8192 x 28672 at M = 64: 224 tiles already fill them
+    assert MM.resolve(MM.default_config(64), 64, 28672, 8192, 128, 132)["SPLIT_K"] == 1
+    # BLOCK_M shrinks to what M needs; BLOCK_K stays inside a group larger than it (192 -> 64), and smaller
+    # groups are gathered per word (64 < 128 keeps 128)
+    c = MM.resolve({"BLOCK_M": 128, "BLOCK_K": 128}, 20, 4096, 4608, 192, 132)
+    assert c["BLOCK_M"] == 32 and c["BLOCK_K"] == 64
+    assert MM.resolve({"BLOCK_K": 128}, 20, 4096, 4096, 64, 132)["BLOCK_K"] == 128
+
+
+def test_op_routes_mid_m_here(interpret, monkeypatch):
+    # the op's dispatch runs this kernel for a planned bucket; bias and batch dims go through the op
+    monkeypatch.setitem(int4_triton.MID_M_PLAN, 64, {**MM.default_config(64), "SPLIT_K": 2})
+    calls = []
+    real = MM.run
+    monkeypatch.setattr(MM, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qw = make_qw(128, 256, 64, False, True, seed=3)
+    lay = L.repack_triton(qw, torch.float16)
+    x = torch.randn(2, 20, 256).to(torch.float16)
+    bias = torch.randn(128).to(torch.float16)
+    y = int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], bias)
+    assert calls and y.shape == (2, 20, 128)
+    ref = reference(x.reshape(40, 256), qw) + bias.float()
+    assert rel(y.reshape(40, 128), ref) < BOUND[torch.float16]
+
+
+def test_shapes_that_do_not_divide(interpret):
+    lay = L.repack_triton(make_qw(64, 256, 128, True, False), torch.float16)
+    bad = dict(lay, qweight=lay["qweight"][:, :48])            # N = 48: not a multiple of 32
+    with pytest.raises(ShapeError, match="multiples of 32"):
+        int4_triton.w4a16_triton_impl(torch.randn(40, 256).half(), bad["qweight"], bad["scales"], bad["zs"],
+                                      None, None, force_path="midm")
+    with pytest.raises(ShapeError, match="SPLIT_K=3"):
+        run(torch.randn(40, 256).half(), lay, {"SPLIT_K": 3, "BLOCK_K": 128})   # 2 K tiles
+    with pytest.raises(ShapeError, match="do not divide"):
+        MM.run(torch.randn(40, 256).half(), lay["qweight"][:, :48], lay["scales"][:, :48], lay["zs"][:, :48],
+               None, 128, {"BLOCK_N": 32})
