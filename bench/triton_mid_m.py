@@ -49,14 +49,20 @@ GS = 128
 CONFIGS = {
     "m32": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     "n64m32": {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 6},
+    "m32s": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SCALE_ACC": True},
     "m64": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     "m64k64": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     "m64w8": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    "m64sw8": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "SCALE_ACC": True},
     "m128": {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
     "m128k64": {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     "m256": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
 }
-FULL_CHECK = {"m64", "m128"}
+# the M range each config is timed at (BLOCK_M far below or above M only wastes the run's time)
+CONFIG_MS = {"m32": (16, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 256), "m64k64": (17, 256),
+             "m64w8": (33, 256), "m64sw8": (33, 128), "m128": (64, 1024), "m128k64": (64, 1024),
+             "m256": (128, 1024)}
+FULL_CHECK = {"m64", "m128", "m32s"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
 CHECK_CASES = [
     (4096, 4096, 128, True, False, "bfloat16", (17, 64, 200), (0, 2)),
@@ -213,6 +219,9 @@ def sweep(dev, shapes, ms, configs: dict, copy_bw: float, budget_s: float, dry: 
                                                                         tiny[i % len(tiny)][1]), len(tiny), int4_bytes)
             seen, alias = {}, {}
             for name, cfg in configs.items():
+                lo, hi = CONFIG_MS.get(name, (0, 1 << 30))
+                if not lo <= m <= hi:
+                    continue
                 r = MM.resolve({**MM.default_config(m), **cfg}, m, n, k, GS, sms)
                 key = json.dumps(r, sort_keys=True)
                 if key in seen:

@@ -55,9 +55,14 @@ def _interpret() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS):
-    """[BN, R] uint32 words -> [BN, 8R] CDT weights code * s + zs (k = 8r + j contiguous in a thread).
-    ``s`` / ``z``: CDT, [BN, 1] (one group over the tile) or [BN, R] (the group of each word)."""
+def _add(a, b):
+    return a + b
+
+
+def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS, SCALE):
+    """[BN, R] uint32 words -> [BN, 8R] CDT weights code * s + zs (k = 8r + j contiguous in a thread), or with
+    SCALE False the raw BIAS + code. ``s`` / ``z``: CDT, [BN, 1] (one group over the tile) or [BN, R] (the group
+    of each word)."""
     if UNPACK == 2:
         o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wt, CDT)
     else:
@@ -69,14 +74,15 @@ def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS):
         o5 = _nib16(wt, 20, CDT, UNPACK)
         o6 = _nib16(wt, 24, CDT, UNPACK)
         o7 = _nib16(wt, 28, CDT, UNPACK)
-    o0 = (o0 - BIAS) * s + z
-    o1 = (o1 - BIAS) * s + z
-    o2 = (o2 - BIAS) * s + z
-    o3 = (o3 - BIAS) * s + z
-    o4 = (o4 - BIAS) * s + z
-    o5 = (o5 - BIAS) * s + z
-    o6 = (o6 - BIAS) * s + z
-    o7 = (o7 - BIAS) * s + z
+    if SCALE:
+        o0 = (o0 - BIAS) * s + z
+        o1 = (o1 - BIAS) * s + z
+        o2 = (o2 - BIAS) * s + z
+        o3 = (o3 - BIAS) * s + z
+        o4 = (o4 - BIAS) * s + z
+        o5 = (o5 - BIAS) * s + z
+        o6 = (o6 - BIAS) * s + z
+        o7 = (o7 - BIAS) * s + z
     # join appends a trailing axis: [BN, R, a, b, c] with j = 4a + 2b + c
     t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
     return tl.reshape(t, (BN, 8 * R))
@@ -86,7 +92,7 @@ def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS):
 def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT,
                  GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr, UNPACK: tl.constexpr,
-                 BIAS: tl.constexpr):
+                 BIAS: tl.constexpr, SCALE_ACC: tl.constexpr):
     pid_m = tl.program_id(0)     # token tiles of one weight tile are neighbours: the tile is read once from HBM
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -112,18 +118,28 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
         xt = tl.load(x_cols + kx[:, None], mask=m_mask[None, :], other=0.0)             # [BK, BM]
         wq = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * N + offs_n[None, :])       # [R, BN] int32
         wt = tl.trans(wq).to(tl.uint32, bitcast=True)                                   # [BN, R]
-        if GS >= BLOCK_K:
-            s = s_nx.to(CDT)[:, None]
-            z = z_nx.to(CDT)[:, None]
+        if SCALE_ACC:   # exact BIAS + code into the MMA; the group's scale applied once to its fp32 product
+            sf = s_nx.to(tl.float32)
+            zb = z_nx.to(tl.float32) - BIAS * sf
             more = (offs_n * 0 + kt + BLOCK_K) < K_SPLIT
             s_nx = tl.load(s_ptr + ((k0 + BLOCK_K) // GS) * N + offs_n, mask=more, other=0.0)
             z_nx = tl.load(zs_ptr + ((k0 + BLOCK_K) // GS) * N + offs_n, mask=more, other=0.0)
+            d = tl.dot(_deq_nk(wt, sf, zb, R, BLOCK_N, CDT, UNPACK, BIAS, False), xt.to(CDT))
+            xsum = tl.reduce(xt.to(tl.float32), 0, _add)                                  # [BM]
+            acc += d * sf[:, None] + zb[:, None] * xsum[None, :]
         else:
-            rows = (k0 + offs_r * 8) // GS
-            s = tl.trans(tl.load(s_ptr + rows[:, None] * N + offs_n[None, :]).to(CDT))    # [BN, R]
-            z = tl.trans(tl.load(zs_ptr + rows[:, None] * N + offs_n[None, :]).to(CDT))
-        w = _deq_nk(wt, s, z, R, BLOCK_N, CDT, UNPACK, BIAS)                            # [BN, BK]
-        acc = tl.dot(w, xt.to(CDT), acc)
+            if GS >= BLOCK_K:
+                s = s_nx.to(CDT)[:, None]
+                z = z_nx.to(CDT)[:, None]
+                more = (offs_n * 0 + kt + BLOCK_K) < K_SPLIT
+                s_nx = tl.load(s_ptr + ((k0 + BLOCK_K) // GS) * N + offs_n, mask=more, other=0.0)
+                z_nx = tl.load(zs_ptr + ((k0 + BLOCK_K) // GS) * N + offs_n, mask=more, other=0.0)
+            else:
+                rows = (k0 + offs_r * 8) // GS
+                s = tl.trans(tl.load(s_ptr + rows[:, None] * N + offs_n[None, :]).to(CDT))    # [BN, R]
+                z = tl.trans(tl.load(zs_ptr + rows[:, None] * N + offs_n[None, :]).to(CDT))
+            w = _deq_nk(wt, s, z, R, BLOCK_N, CDT, UNPACK, BIAS, True)                      # [BN, BK]
+            acc = tl.dot(w, xt.to(CDT), acc)
     if PARTIAL:
         tl.store(part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=m_mask[None, :])
     else:
@@ -131,7 +147,7 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
                  mask=m_mask[None, :])
 
 
-_HELPERS = ("_asm_unpack8", "_nib16", "_deq_nk")
+_HELPERS = ("_asm_unpack8", "_nib16", "_add", "_deq_nk")
 _KERNELS: dict = {}
 
 
@@ -146,7 +162,7 @@ def _kernels():
 
 # ---------------------------------------------------------------------------------------------- configs
 DEFAULT = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 0, "waves": 1.0, "num_warps": 4,
-           "num_stages": 4, "UNPACK": 2}
+           "num_stages": 4, "UNPACK": 2, "SCALE_ACC": False}
 
 
 def default_config(m: int) -> dict:
@@ -171,7 +187,8 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
     c = {**DEFAULT, **cfg}
     c["BLOCK_N"] = _fit(c["BLOCK_N"], n, 32)
     bk = c["BLOCK_K"]
-    while bk > 32 and (k % bk or (gs > bk and gs % bk)):
+    # SCALE_ACC scales a whole K tile's product at once: the tile must lie in one group
+    while bk > 32 and (k % bk or (gs > bk and gs % bk) or (c["SCALE_ACC"] and gs % bk)):
         bk //= 2
     c["BLOCK_K"] = bk
     bm = 16
@@ -213,7 +230,7 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     _kernels()["midm"][grid](x2, qweight, scales, zs, perm if has_perm else qweight, out, part, m, n, x2.stride(0),
                              k // split, GS=gs, BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"],
                              PARTIAL=split > 1, HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
-                             num_warps=c["num_warps"], num_stages=c["num_stages"])
+                             SCALE_ACC=bool(c["SCALE_ACC"]), num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
         block = 512
         small_m._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,

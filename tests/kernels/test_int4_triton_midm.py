@@ -56,6 +56,9 @@ CASES = [
     (768, 96, -1, True, False, torch.float16, 45, {}),                       # per-channel, odd N/32 and M
     (768, 256, 128, False, True, torch.float16, 100, {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_K": 3}),
     (384, 160, 32, True, True, torch.bfloat16, 64, {"BLOCK_K": 128, "BLOCK_N": 32}),  # groups smaller than BK
+    # SCALE_ACC: raw codes into the MMA, the scale applied to each K tile's product
+    (512, 256, 64, False, True, torch.bfloat16, 40, {"SCALE_ACC": True, "SPLIT_K": 2}),
+    (768, 128, -1, False, False, torch.float16, 19, {"SCALE_ACC": True}),
 ]
 
 
