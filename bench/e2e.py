@@ -41,6 +41,8 @@ VARIANTS = {
     "int4-compiled": dict(linears="int4", compiled=True, graph=True),
     "int4all-compiled": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True),
     "fp8-compiled": dict(linears="fp8", compiled=True, graph=True),
+    # the same-run baseline of Fp8Linear.fuse_act_quant: the quantize kernel inside the op, as before
+    "fp8-compiled-unfused": dict(linears="fp8", compiled=True, graph=True, fp8_fuse=False),
 }
 # cheap eager variants first (the CUDA int4 extension builds meanwhile), the baseline, then the quantized
 # ones; int4all right after int4 reuses its compiled block (same block, only embedding/lm_head differ)
@@ -208,9 +210,12 @@ def run_variant(name, args, dev, dtype, dims):
     spec = VARIANTS[name]
     # every variant compiles the same block function: when the block's linears change, start from an empty
     # dynamo cache so the previous variant's entries do not count against this one's recompile limit
-    if spec["compiled"] and _LAST_BLOCK["linears"] != spec["linears"]:
+    from sdquant.kernels.linear import Fp8Linear
+    Fp8Linear.fuse_act_quant = spec.get("fp8_fuse", True)
+    key = (spec["linears"], Fp8Linear.fuse_act_quant)
+    if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
-        _LAST_BLOCK["linears"] = spec["linears"]
+        _LAST_BLOCK["linears"] = key
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

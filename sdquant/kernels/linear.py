@@ -372,8 +372,13 @@ class QuantLinear(_Prepared):
 
 
 class Fp8Linear(_Prepared):
-    """W8A8 e4m3 linear: per-channel weight scales, static or dynamic per-token activation scales."""
+    """W8A8 e4m3 linear: per-channel weight scales, static or dynamic per-token activation scales.
+
+    ``fuse_act_quant`` (class default True): under torch.compile the activations are quantized by plain torch
+    ops that inductor fuses into the producing kernel, and only the GEMM is an sdquant op (see
+    ``_run_prequantized``); False keeps the quantize kernel inside the op (the same-run baseline of bench/e2e.py)."""
     kind = "fp8"
+    fuse_act_quant = True
 
     def __init__(self, fw: Fp8Weight, bias: Optional[torch.Tensor] = None, smooth: Optional[torch.Tensor] = None):
         super().__init__()
@@ -427,6 +432,8 @@ class Fp8Linear(_Prepared):
                 return torch.ops.sdquant.fp8_linear(x.float() / self.smooth.float(), self.weight,
                                                     self.weight_scale, self.input_scale, self.bias).to(x.dtype)
             return torch.ops.sdquant.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        if name in ("triton", "scaled_mm") and self.fuse_act_quant and torch.compiler.is_compiling():
+            return self._run_prequantized(name, x, cfg)
         if name == "triton":
             return torch.ops.sdquant.fp8_linear_triton(x, self.weight, self.weight_scale, self.input_scale,
                                                        self.bias, self.smooth, list(cfg))
@@ -440,6 +447,20 @@ class Fp8Linear(_Prepared):
                                               self.bias.to(x.dtype))
         return torch.ops.sdquant.fp8_linear_dequant(x, self.weight, self.weight_scale, self.input_scale,
                                                     self.bias, self.smooth)
+
+    def _run_prequantized(self, name: str, x: torch.Tensor, cfg) -> torch.Tensor:
+        """Under torch.compile: the activation quantization as plain torch ops (ops.quantize_act_torch), which
+        inductor fuses into the kernel that produced x, then the fp8 GEMM alone. Eager calls keep the fused
+        Triton quantize kernel (there the torch ops would be several launches)."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        xq, xs = ops.quantize_act_torch(x2, self.smooth, self.input_scale)
+        if name == "triton":
+            y = torch.ops.sdquant.fp8_gemm_triton(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype,
+                                                  list(cfg))
+        else:
+            y = torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         mode = "static" if self.input_scale is not None else "dynamic"

@@ -69,11 +69,60 @@ def _quantize_act(x2: torch.Tensor, smooth: Optional[torch.Tensor], input_scale:
         from sdquant.kernels import fp8_triton
         if fp8_triton.available():
             return fp8_triton.quantize_act(x2, smooth, input_scale)
+    return quantize_act_torch(x2, smooth, input_scale)
+
+
+def quantize_act_torch(x2: torch.Tensor, smooth: Optional[torch.Tensor], input_scale: Optional[torch.Tensor]):
+    """``_quantize_act``'s maths as plain torch ops (x2 [M, K] -> e4m3 [M, K], fp32 scale [M] or scalar).
+    Fp8Linear uses it under torch.compile, where inductor fuses it into the kernel that produced x (the
+    residual-add + RMSNorm before qkv and gate/up, the SiLU·up before down): no separate quantize launch."""
     xf = x2.float() if smooth is None else x2.float() / smooth.float()
     if input_scale is None:
         xq, xs = quantize_fp8_per_token(xf)
         return xq, xs.reshape(-1)
     return quantize_fp8_static(xf, input_scale), input_scale.float().reshape(())
+
+
+@torch.library.custom_op("sdquant::fp8_gemm_triton", mutates_args=())
+def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: Optional[torch.Tensor], out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
+    """out [M, N] = (xq [M, K] e4m3 @ weight [N, K]^T) * xs * weight_scale + bias in ``out_dtype``: the GEMM of
+    ``fp8_linear_triton`` on activations quantized elsewhere (``xs`` fp32 [M] per token, or a scalar)."""
+    from sdquant.kernels import fp8_triton
+    cfg = fp8_triton.GemmConfig.from_list(config) if config else None
+    return fp8_triton.gemm_swapab(xq, xs, weight, weight_scale, bias, out_dtype, cfg)
+
+
+@fp8_gemm_triton.register_fake
+def _(xq, xs, weight, weight_scale, bias, out_dtype, config):
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("sdquant::fp8_gemm_scaled_mm", mutates_args=())
+def fp8_gemm_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_linear_scaled_mm``'s GEMM (``torch._scaled_mm``, rowwise scales) on pre-quantized activations."""
+    m = xq.shape[0]
+    if m == 0:
+        return xq.new_empty((0, weight.shape[0]), dtype=out_dtype)
+    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype)
+
+
+@fp8_gemm_scaled_mm.register_fake
+def _(xq, xs, weight, weight_scale, bias, out_dtype):
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype):
+    m = xq.shape[0]
+    scale_a = xs.reshape(-1, 1) if xs.dim() == 1 else xs.reshape(1, 1).expand(m, 1).contiguous()
+    # cuBLASLt rowwise scaling writes bf16 only (torch 2.4-2.11); the CPU kernel writes any float type
+    mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
+    y = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=weight_scale.float().reshape(1, -1),
+                         out_dtype=mm_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(out_dtype)
 
 
 @torch.library.custom_op("sdquant::fp8_linear_triton", mutates_args=())
@@ -106,14 +155,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
     xq, xs = _quantize_act(x2.contiguous(), smooth, input_scale)
-    scale_a = xs.reshape(-1, 1) if xs.dim() == 1 else xs.reshape(1, 1).expand(m, 1).contiguous()
-    # cuBLASLt rowwise scaling writes bf16 only (torch 2.4-2.11); the CPU kernel writes any float type
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    y = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=weight_scale.float().reshape(1, -1),
-                         out_dtype=out_dtype)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
 
 
 @fp8_linear_scaled_mm.register_fake

@@ -98,6 +98,15 @@ for isc, cfg in ((None, []), (torch.tensor(0.02), [32, 16, 32, 2, 4, 4])):
                           (x, fw.weight, fw.weight_scale, isc, torch.randn(32, generator=g), None, cfg),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     out["opcheck"].append("fp8_linear_triton ok" + (" static" if isc is not None else ""))
+    # the GEMM alone on activations quantized by torch (Fp8Linear's path under torch.compile)
+    from sdquant.kernels.ops import quantize_act_torch
+    b32 = torch.randn(32, generator=g)
+    xq, xs = quantize_act_torch(x, None, isc)
+    args = (xq, xs, fw.weight, fw.weight_scale, b32, torch.float32, cfg)
+    torch.library.opcheck(torch.ops.sdquant.fp8_gemm_triton, args,
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    ref = torch.ops.sdquant.fp8_linear(x, fw.weight, fw.weight_scale, isc, b32)
+    out["opcheck"].append(f"fp8_gemm_triton ok rel={rel(torch.ops.sdquant.fp8_gemm_triton(*args), ref):.1e}")
 
 # the dispatch adapter over the int4 helper's Triton op (argument names read from its schema)
 try:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import sdquant.kernels.ops  # noqa: F401
+import sdquant.kernels.ops
 from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
 
 
@@ -80,3 +80,49 @@ def test_fp8_device_paths_match_reference_on_cpu(op):
 def test_int_dequant_op_matches_reference():
     args = _int_args(False, True, True)
     torch.testing.assert_close(torch.ops.sdquant.int_linear_dequant(*args), torch.ops.sdquant.int_linear(*args))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_opcheck_fp8_gemm_on_prequantized_activations(static):
+    x, w, ws, isc, b = _fp8_args(static, True)
+    xq, xs = sdquant.kernels.ops.quantize_act_torch(x.reshape(-1, x.shape[-1]), None, isc)
+    args = (xq, xs, w, ws, b, torch.float32)
+    torch.library.opcheck(torch.ops.sdquant.fp8_gemm_scaled_mm, args, test_utils=FP8_UTILS)
+    _check_no_mutation(torch.ops.sdquant.fp8_gemm_scaled_mm, args)
+    ref = torch.ops.sdquant.fp8_linear(x, w, ws, isc, b).reshape(-1, w.shape[0])
+    torch.testing.assert_close(torch.ops.sdquant.fp8_gemm_scaled_mm(*args), ref, rtol=1e-5, atol=1e-5)
+
+
+def _graph_ops(layer, x):
+    """Compile ``layer`` (fullgraph, aot_eager) and return the sdquant ops in its FX graph and its output."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "sdquant" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return seen, y
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_compiled_fp8_linear_quantizes_outside_the_op(smooth, monkeypatch):
+    """Under torch.compile, Fp8Linear leaves the activation quantization to plain torch ops (which inductor fuses
+    into the producer) and calls only the GEMM op; eager calls and fuse_act_quant=False keep the whole-layer op.
+    Both give the same numbers."""
+    from sdquant.kernels.linear import Fp8Linear
+    from sdquant.quant.qtensor import Fp8Weight
+    x, w, ws, isc, b = _fp8_args(False, True)
+    sm = torch.rand(x.shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5 if smooth else None
+    layer = Fp8Linear(Fp8Weight(w, ws, isc), bias=b, smooth=sm).prepare("cpu", torch.float32, kernels="cuda")
+    assert layer.kernel.endswith(":scaled_mm")
+    eager = layer(x)
+    ops_fused, y = _graph_ops(layer, x)
+    assert any("fp8_gemm_scaled_mm" in t for t in ops_fused) and not any("fp8_linear" in t for t in ops_fused)
+    torch.testing.assert_close(y, eager, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(Fp8Linear, "fuse_act_quant", False)
+    ops_op, y2 = _graph_ops(layer, x)
+    assert any("fp8_linear_scaled_mm" in t for t in ops_op) and not any("fp8_gemm" in t for t in ops_op)
+    torch.testing.assert_close(y2, eager, rtol=0, atol=0)
