@@ -348,6 +348,79 @@ def table(rows, chosen) -> str:
     return "\n".join(out)
 
 
+def precompile(names) -> None:
+    """Child process: compile the timed variants (bf16, group 128, no act-order, with and without split-K) of the
+    given configs into Triton's on-disk cache, at every BLOCK_M the sweep clips them to, so the parent's sweep
+    finds them compiled (the parent runs its checks meanwhile)."""
+    import torch
+
+    import gemm
+    from sdquant.kernels import int4_layout
+    from sdquant.kernels import int4_triton_midm as MM
+    k, n = 1024, 512
+    lay = int4_layout.repack_triton(gemm.random_int4(n, k, GS, device="cuda", seed=1), torch.bfloat16)
+    for name in names:
+        lo, hi = CONFIG_MS[name]
+        for bm in sorted({MM.resolve({**MM.default_config(m), **CONFIGS[name]}, m, n, k, GS, 132)["BLOCK_M"]
+                          for m in MS if lo <= m <= hi}):
+            x = torch.randn(bm, k, device="cuda", dtype=torch.bfloat16)
+            for split in (1, 2):
+                try:
+                    MM.run(x, lay["qweight"], lay["scales"], lay["zs"], None, GS, {**CONFIGS[name], "SPLIT_K": split})
+                except Exception as ex:  # noqa: BLE001 - the parent compiles (and reports) it again
+                    print(f"precompile {name} BM={bm} split={split}: {type(ex).__name__}: {str(ex)[:200]}")
+    torch.cuda.synchronize()
+
+
+def start_precompile(configs: dict, procs: int = 8) -> list:
+    import subprocess
+    names = [c for c in configs if c in CONFIG_MS]
+    chunks = [names[i::procs] for i in range(procs) if names[i::procs]]
+    return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--precompile", ",".join(c)],
+                             cwd=str(ROOT)) for c in chunks]
+
+
+def routed_name(k: int, n: int, m: int) -> str:
+    """The sweep's name for what ``w4a16_triton_impl`` runs now at this point: "small", "old" or a CONFIGS name."""
+    from sdquant.kernels import int4_triton
+    if m <= 16:
+        return "small" if int4_triton.small_m_plan(m, n, k) is not None else "old"
+    cfg = int4_triton.mid_m_plan(m, n, k)
+    if cfg is None:
+        return "old"
+    names = [c for c, v in CONFIGS.items() if v == cfg]
+    if not names:
+        raise ValueError(f"the mid-M plan at K={k} N={n} M={m} is no CONFIGS entry: {cfg}")
+    return names[0]
+
+
+def update_table(results: Path, table_path: Path) -> list:
+    """Write the times measured in a run for what the op routes to now (``routed_name``: the plan's config, or
+    the old / small-M kernels) into the "triton" column of the int4 entries of a crossover table, at the buckets
+    equal to a measured M; returns the changes made."""
+    from sdquant.kernels import dispatch
+    res = json.loads(results.read_text())
+    table = json.loads(table_path.read_text())
+    pts = _points(res["rows"])
+    changes = []
+    for e in table["entries"]:
+        if e["kind"] != "int4":
+            continue
+        for i, b in enumerate(table["buckets"]):
+            d = pts.get((e["K"], e["N"], b))
+            name = routed_name(e["K"], e["N"], b)
+            if d is None or d.get(name) is None:
+                continue
+            changes.append((e["K"], e["N"], b, e["us"]["triton"][i], d[name], name))
+            e["us"]["triton"][i] = d[name]
+    table["meta"]["int4_triton_mid_m"] = {"source": str(results.name), "commit": res["meta"]["commit"],
+                                          "date": res["meta"]["date"], "column": "triton",
+                                          "buckets": sorted({c[2] for c in changes}),
+                                          "how": "time of the kernel/config the op routes to now, same run"}
+    dispatch.write_table(table, table_path)
+    return changes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="CPU only: Triton's interpreter, tiny shapes")
@@ -356,7 +429,19 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(CONFIGS), help="mid-M configs to check and time")
+    ap.add_argument("--update-table", metavar="RESULTS_JSON", help="no run: write that run's dispatch times into "
+                    "the int4 'triton' columns of --table, then exit")
+    ap.add_argument("--table", default=str(ROOT / "sdquant" / "kernels" / "crossover_h200.json"))
+    ap.add_argument("--precompile", help=argparse.SUPPRESS)
+    ap.add_argument("--no-precompile", action="store_true", help="compile in the main process only")
     a = ap.parse_args(argv)
+    if a.precompile:
+        precompile(a.precompile.split(","))
+        return
+    if a.update_table:
+        for k, n, b, old, new, name in update_table(Path(a.update_table), Path(a.table)):
+            print(f"int4 {k}x{n} M<={b}: triton {old if old is None else round(old, 1)} -> {new:.1f} us ({name})")
+        return
     if a.dry:
         os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported (the library's @jit helpers)
     out = Path(a.out)
@@ -386,11 +471,18 @@ def main(argv=None):
         meta["sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
         copy_bw = gemm.copy_bandwidth(dev)
     meta["copy_TBps"] = copy_bw
+    kids = [] if (a.dry or a.no_precompile) else start_precompile(configs)
     log(f"device {meta['device']} torch {torch.__version__} triton {triton.__version__} commit {meta['commit']} "
         f"copy {copy_bw:.2f} TB/s [{elapsed():.0f} s]")
     passing, crows, csum = check_configs(dev, configs, a.dry)
     log(f"passing: {passing} [{elapsed():.0f} s]")
     timed = {kk: v for kk, v in configs.items() if kk in passing}
+    for p in kids:   # the compile children: give them a little longer, then go on regardless
+        try:
+            p.wait(timeout=max(1.0, 60 - elapsed()))
+        except Exception:  # noqa: BLE001
+            pass
+    log(f"compile children: {[p.poll() for p in kids]} [{elapsed():.0f} s]")
 
     def save(rows, chosen=None):
         tmp = out / "triton_mid_m.json.tmp"
