@@ -251,13 +251,23 @@ class Block(nn.Module):
         attn.window = window
 
     def forward(self, x, cos, sin, mask, input_pos):
+        h, mlp_out = self.forward_deferred(x, cos, sin, mask, input_pos, None)
+        return h + mlp_out
+
+    def forward_deferred(self, x, cos, sin, mask, input_pos, pending: Optional[torch.Tensor]):
+        """The block with its last residual add deferred: adds the previous block's ``pending`` MLP output to x
+        first (None: nothing pending) and returns (residual stream, this block's MLP output). Under a per-block
+        torch.compile the add then lands in the next block's first RMSNorm kernel instead of a kernel of its own
+        (the same bf16 add of the same operands: bit-identical results)."""
+        if pending is not None:
+            x = x + pending
         h = x + self.attn(rms_norm(x, self.attn_norm, self.d.rms_eps), cos, sin, mask, input_pos)
         g, u = self.w13(rms_norm(h, self.ffn_norm, self.d.rms_eps)).chunk(2, dim=-1)
-        return h + self.w2(F.silu(g) * u)
+        return h, self.w2(F.silu(g) * u)
 
 
-def _block_call(block: Block, x, cos, sin, mask, input_pos):
-    return block(x, cos, sin, mask, input_pos)
+def _block_call(block: Block, x, cos, sin, mask, input_pos, pending=None):
+    return block.forward_deferred(x, cos, sin, mask, input_pos, pending)
 
 
 class Transformer(nn.Module):
@@ -337,8 +347,11 @@ class Transformer(nn.Module):
         x = self.tok(idx)                                                                     # [B, S, H]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
         masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
+        pending = None  # each block's MLP output, added inside the next block's first RMSNorm (forward_deferred)
         for blk in self.layers:
-            x = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos)
+            x, pending = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
+        if pending is not None:
+            x = x + pending
         if last_only:
             x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
