@@ -67,17 +67,18 @@ CONFIG_MS = {"m32": (16, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 
              "m64w8": (33, 256), "m64sw8": (33, 128), "m128": (64, 1024), "m128k64": (64, 1024),
              "m256": (128, 1024), "n256m32": (17, 64), "n64m64": (33, 256), "m32sk64": (17, 64),
              "m256k128": (256, 1024)}
-FULL_CHECK = {"m64", "m128", "m32s"}
+FULL_CHECK = {"m64", "m32s"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
+# the last case (what is timed: bf16, group 128) is checked last, after the compile children had time to build it
 CHECK_CASES = [
-    (4096, 4096, 128, True, False, "bfloat16", (17, 64, 200), (0, 2)),
     (2048, 1024, 128, False, False, "float16", (33, 100), (0,)),
     (1536, 512, 32, False, True, "bfloat16", (24, 77), (0, 3)),
     (1536, 512, 64, True, True, "float16", (64,), (0,)),
     (2048, 1024, -1, False, False, "bfloat16", (40, 300), (0,)),
     (8192, 1024, 128, True, False, "float16", (129,), (0, 4)),
+    (4096, 4096, 128, True, False, "bfloat16", (17, 64, 200), (0, 2)),
 ]
-SUBSET = (0,)   # cases the non-default configs are checked on
+SUBSET = (5,)   # cases the non-default configs are checked on
 BASELINES = ("bf16", "old", "old_gemm", "small", "dequant", "tinygemm")
 
 
@@ -105,6 +106,9 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
                                          (256, 64, -1, True, False, "float16", (33,), (0,))]
     names = {"dispatch": None, **configs}
     for ci, (k, n, gs, sym, act, dtn, ms, splits) in enumerate(cases):
+        if elapsed() > 120 and not dry and ci not in SUBSET:
+            log(f"  check time guard: case {ci} skipped ({elapsed():.0f} s)")
+            continue
         dt = getattr(torch, dtn)
         qw = gemm.random_int4(n, k, gs, sym, act, device=dev, seed=k + n + gs)
         w = qw.dequantize(torch.float64)
@@ -146,9 +150,6 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
                             f"err={err:.3g} same={same} {note}")
                         failed.add(name)
                         break
-        if elapsed() > 150 and not dry:
-            log(f"  check time guard after case {ci} ({elapsed():.0f} s)")
-            break
     summary = {}
     for r in rows:
         d = summary.setdefault(r["config"], {"n": 0, "pass": 0, "worst": {}})
