@@ -115,15 +115,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache(nn.Module):
     def __init__(self, batch, n_kv, max_seq, head_dim, dtype, device):
         super().__init__()
-        shape = (batch, n_kv, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # keys and values in one buffer [2, B, nkv, T, hd]: one in-place write stores both, so under compile the
+        # key's RoPE and both cache writes are one kernel (two separate index_copy_ were two kernels)
+        shape = (2, batch, n_kv, max_seq, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[1]
 
     def update(self, input_pos, k, v):
         # k, v [B, nkv, S, hd] written at cache slots input_pos [S]; in place, so CUDA graphs can replay it
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+        self.kv.index_copy_(3, input_pos, torch.stack([k, v]))
+        return self.kv[0], self.kv[1]
 
 
 ATTENTION_IMPLS = ("auto", "matmul", "sdpa", "sdpa_gqa", "triton")
