@@ -59,7 +59,8 @@ CONFIGS = {
     "m256": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     "n256m32": {"BLOCK_N": 256, "BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
     "n64m64": {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    "m32sk64": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SCALE_ACC": True},
+    "n256m64": {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    "n256m128": {"BLOCK_N": 256, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     "m256k128": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2},
     "m32x2": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
     "m64k64x2": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
@@ -67,7 +68,8 @@ CONFIGS = {
 # the M range each config is timed at (BLOCK_M far below or above M only wastes the run's time)
 CONFIG_MS = {"m32": (16, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 256), "m64k64": (17, 256),
              "m64w8": (33, 256), "m64sw8": (33, 128), "m128": (64, 1024), "m128k64": (64, 1024),
-             "m256": (128, 1024), "n256m32": (17, 64), "n64m64": (33, 256), "m32sk64": (17, 64),
+             "m256": (128, 1024), "n256m32": (17, 64), "n64m64": (33, 256), "n256m64": (33, 256),
+             "n256m128": (128, 1024),
              "m256k128": (256, 1024), "m32x2": (17, 64), "m64k64x2": (33, 128)}
 FULL_CHECK = {"m64", "m32s"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
