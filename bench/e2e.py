@@ -43,6 +43,9 @@ VARIANTS = {
     "fp8-compiled": dict(linears="fp8", compiled=True, graph=True),
     # the same-run baseline of Fp8Linear.fuse_act_quant: the quantize kernel inside the op, as before
     "fp8-compiled-unfused": dict(linears="fp8", compiled=True, graph=True, fp8_fuse=False),
+    # inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl): its kernels start
+    # while the previous kernel drains and wait on the device for its results
+    "int4all-compiled-pdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True, pdl=True),
 }
 # cheap eager variants first (the CUDA int4 extension builds meanwhile), the baseline, then the quantized
 # ones; int4all right after int4 reuses its compiled block (same block, only embedding/lm_head differ)
@@ -212,7 +215,14 @@ def run_variant(name, args, dev, dtype, dims):
     # dynamo cache so the previous variant's entries do not count against this one's recompile limit
     from sdquant.kernels.linear import Fp8Linear
     Fp8Linear.fuse_act_quant = spec.get("fp8_fuse", True)
-    key = (spec["linears"], Fp8Linear.fuse_act_quant)
+    import torch._inductor.config as inductor_config
+    tcfg = inductor_config.triton
+    if spec.get("pdl") and not hasattr(tcfg, "enable_pdl"):
+        return {"variant": name, "skipped": f"torch {torch.__version__}: inductor has no triton.enable_pdl",
+                "decode": {}, "weights_gb": float("nan")}
+    if hasattr(tcfg, "enable_pdl"):
+        tcfg.enable_pdl = bool(spec.get("pdl", False))
+    key = (spec["linears"], Fp8Linear.fuse_act_quant, bool(spec.get("pdl", False)))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
