@@ -21,7 +21,9 @@ wrote variant + 16 * target).
 Run 5 adds the stream-K variants 13-18 and, at M = 1 and 16, the read-bandwidth probes (not GEMMs): "lin" reads
 the whole qweight buffer in order with a grid-stride kernel (the plain read ceiling for this many bytes), "P1@v13"
 / "P2@v15" / "P4@v19" / "P5@v23" / "P6@v26" issue exactly the loads of variants 13 / 15 / 19 / 23 / 26 on their
-grids without the arithmetic, "P3" the register-ring pattern 8 stages deep. The "old default" column is the run-4 auto_config (RUN4_*), timed in the same process.
+grids without the arithmetic, "P3" the register-ring pattern 8 stages deep.
+Run 6 adds the lean direct variants 28-37 (csrc/w4a16_lean.cuh) and the lm_head shape 4096x128256; the "prev default"
+column is run 5's auto_config (PREV_*), timed in the same process.
 """
 from __future__ import annotations
 
@@ -47,24 +49,28 @@ from sdquant.kernels import int4_layout  # noqa: E402
 T0 = time.time()
 LOG: list = []
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (28672, 8192), (8192, 10240), (4096, 6144)]
+RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (28672, 8192), (8192, 10240), (4096, 6144),
+             (4096, 128256)]
 MS = [1, 2, 4, 8, 16, 32]
 # variant ids: csrc/w4a16_kernel.cuh. 0 = the run-3 kernel (its own 2.5 CTAs/SM split rule); target 0 = the
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
 CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
            13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25,
-           26, 27]
+           26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
          11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
          16: "sk 2 d2 ts", 17: "sk 8 d2 ws", 18: "sk 2 d3 ws ts", 19: "sk 4 ring8", 20: "sk 4 ring8 ws",
          21: "sk 8 ring6", 22: "sk 4 ring12 ws", 23: "sk 4 d2 ws pf8", 24: "sk 4 d3 pf8", 25: "sk 2 d2 ts pf8",
-         26: "sk 1x4i d2", 27: "sk 1x8i d2 ws"}
-# run 4's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit 3691899): the "old default" of this run's table
-RUN4_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
-RUN4_SHAPE = {(8192, 28672, 1): 5, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 1,
+         26: "sk 1x4i d2", 27: "sk 1x8i d2 ws", 28: "lean 4x1 r4 ws", 29: "lean 4x1 r4", 30: "lean 1x8 r4 ws",
+         31: "lean 1x4 r4 ws", 32: "lean 2x2 r4 ws", 33: "lean 4x1 r8 ws", 34: "lean 4x1 r2 ws", 35: "lean 2x4 r4 ws",
+         36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl"}
+# the defaults before this run: run 5's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit aa746fb), the "prev
+# default" of this run's table (run 5 itself compared against run 4's: v5 / v1 where run 5 set v17 / v11 / v0)
+PREV_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
+PREV_SHAPE = {(8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
               (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-              (8192, 10240, 16): 1, (4096, 6144, 16): 4}
+              (8192, 10240, 16): 0, (4096, 6144, 16): 4}
 PROBE_MS = (1, 16)
 RISKY_VARIANTS = (23, 24, 25)  # cp.async.bulk.prefetch.L2: first use on this GPU
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
@@ -79,10 +85,10 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
 ]
 
 
-def run4_config(k: int, n: int, m: int) -> int:
+def prev_config(k: int, n: int, m: int) -> int:
     from sdquant.kernels.int4_cuda import m_bucket
     b = m_bucket(m)
-    return 0 if b > 16 else RUN4_SHAPE.get((k, n, b), RUN4_DEFAULTS.get(b, 0))
+    return 0 if b > 16 else PREV_SHAPE.get((k, n, b), PREV_DEFAULTS.get(b, 0))
 
 
 def cfg_name(c: int) -> str:
@@ -324,14 +330,14 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=Tr
             sd = {kk: v[0] for kk, v in res.items() if not isinstance(kk, str)}
             if sd:
                 best = min(sd, key=sd.get)
-                sk = {c: v for c, v in sd.items() if c % 64 >= 13}
+                sk = {c: v for c, v in sd.items() if c % 64 >= 28}
                 skb = min(sk, key=sk.get) if sk else None
                 prb = " ".join(f"{kk[6:]} {v[0]:.1f}" for kk, v in res.items() if str(kk).startswith("probe_"))
                 log(f"  {k}x{n} M={m}: bf16 {res.get('bf16', (float('nan'),))[0]:.1f} tinygemm "
                     f"{res.get('tinygemm', (float('nan'),))[0]:.1f} v0 {sd.get(0, float('nan')):.1f} "
-                    f"run4-default {sd.get(run4_config(k, n, m), float('nan')):.1f} "
+                    f"prev-default {sd.get(prev_config(k, n, m), float('nan')):.1f} "
                     f"best {cfg_name(best)} {sd[best]:.1f}"
-                    + (f" best-sk {cfg_name(skb)} {sk[skb]:.1f}" if skb is not None else "")
+                    + (f" best-lean {cfg_name(skb)} {sk[skb]:.1f}" if skb is not None else "")
                     + (f" | probes {prb}" if prb else "") + f" us  [{elapsed():.0f} s]")
         log(f"shape {k}x{n} done in {time.time() - t_shape:.1f} s")
         del lays, ctx, provs, w_ref
@@ -356,14 +362,14 @@ def confirm(dev, dtype, rows, chosen, passing, budget_s, copy_bw, dry) -> list:
             pts.setdefault((r["K"], r["N"], r["M"]), {})[r["config"]] = r["us"]
     for (k, n, m), d in pts.items():
         s = want.setdefault((k, n), set())
-        s.update(c for c in (_chosen_config(chosen, k, n, m), run4_config(k, n, m), min(d, key=d.get)) if c in passing)
+        s.update(c for c in (_chosen_config(chosen, k, n, m), prev_config(k, n, m), min(d, key=d.get)) if c in passing)
     shapes = [kn for kn in RUN_ORDER if kn in want] + [kn for kn in want if kn not in RUN_ORDER]
     log(f"confirm pass over {sum(len(v) for v in want.values())} (shape, config) pairs [{elapsed():.0f} s]")
     conf = sweep(dev, dtype, shapes, ms, {kn: sorted(v) for kn, v in want.items()}, budget_s, copy_bw, dry=dry,
                  full=False, tag=2)
     c2 = {(r["K"], r["N"], r["M"], r["config"]): r["us"] for r in conf}
     for (k, n, m) in pts:
-        c, old = _chosen_config(chosen, k, n, m), run4_config(k, n, m)
+        c, old = _chosen_config(chosen, k, n, m), prev_config(k, n, m)
         if c != old and (k, n, m, c) in c2 and (k, n, m, old) in c2 and c2[(k, n, m, c)] > c2[(k, n, m, old)]:
             from sdquant.kernels.int4_cuda import m_bucket
             chosen["SHAPE_CONFIGS"][(k, n, m_bucket(m))] = old
@@ -379,11 +385,11 @@ def confirm_table(rows, chosen) -> str:
             by.setdefault((r["K"], r["N"], r["M"], r["config"]), {})[r.get("pass", 1)] = r["us"]
     keys = sorted({(r["K"], r["N"], r["M"]) for r in rows if r.get("pass") == 2},
                   key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
-    out = ["| K×N | M | run-4 default µs (pass 1 / 2) | final default µs (pass 1 / 2) | final ÷ run-4 (both passes) |",
+    out = ["| K×N | M | prev default µs (pass 1 / 2) | final default µs (pass 1 / 2) | final ÷ prev (both passes) |",
            "|---|---|---|---|---|"]
     f = lambda d, p: f"{d[p]:.1f}" if p in d else "–"  # noqa: E731
     for (k, n, m) in keys:
-        c, old = _chosen_config(chosen, k, n, m), run4_config(k, n, m)
+        c, old = _chosen_config(chosen, k, n, m), prev_config(k, n, m)
         dn, do = by.get((k, n, m, c), {}), by.get((k, n, m, old), {})
         rat = " / ".join(f"{dn[p] / do[p]:.3f}" for p in (1, 2) if p in dn and p in do)
         out.append(f"| {k}×{n} | {m} | {f(do, 1)} / {f(do, 2)} ({cfg_name(old)}) | {f(dn, 1)} / {f(dn, 2)} "
@@ -393,8 +399,8 @@ def confirm_table(rows, chosen) -> str:
 
 def choose(rows, tol: float = 0.03) -> dict:
     """Per M bucket: the config with the best geometric-mean time ratio to each point's fastest config, over
-    the shapes measured (ties to run 4's default within tol); per (K, N, M): overrides where the shape's winner
-    beats that default by more than tol. Last, no measured point may get slower than run 4's default measured in
+    the shapes measured (ties to the previous default within tol); per (K, N, M): overrides where the shape's winner
+    beats that default by more than tol. Last, no measured point may get slower than the previous default measured in
     the same run: where the choice is, the point's fastest config overrides it."""
     from sdquant.kernels.int4_cuda import m_bucket
     pts = {}
@@ -413,7 +419,7 @@ def choose(rows, tol: float = 0.03) -> dict:
         if not scores:
             continue
         best = min(scores, key=scores.get)
-        old = RUN4_DEFAULTS.get(b, 0)
+        old = PREV_DEFAULTS.get(b, 0)
         if old in scores and scores[old] <= scores[best] * (1 + tol):
             best = old
         defaults[b] = best
@@ -428,7 +434,7 @@ def choose(rows, tol: float = 0.03) -> dict:
         if b > 16:
             continue
         c = overrides.get((k, n, b), defaults.get(b, 0))
-        old = run4_config(k, n, m)
+        old = prev_config(k, n, m)
         if old in d and (c not in d or d[c] > d[old]):
             w = min(d, key=d.get)
             overrides[(k, n, b)] = w
@@ -443,7 +449,7 @@ def table(rows, chosen) -> str:
     keys = sorted({(r["K"], r["N"], r["M"]) for r in rows},
                   key=lambda t: (RUN_ORDER.index((t[0], t[1])) if (t[0], t[1]) in RUN_ORDER else 99, t[2]))
     from sdquant.kernels.int4_cuda import m_bucket
-    out = ["| K×N | M | bf16 | tinygemm | run-4 default | new default | best of sweep | ×bf16 | ×tinygemm | ×run-4 | "
+    out = ["| K×N | M | bf16 | tinygemm | prev default | new default | best of sweep | ×bf16 | ×tinygemm | ×prev | "
            "TB/s (% of 4.3) | floor µs | read probe lin / P1@v13 / P2@v15 / P3 / P4@v19 / P5@v23 / P6@v26 µs |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
@@ -458,7 +464,7 @@ def table(rows, chosen) -> str:
         b = m_bucket(m)
         dflt = chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0)) if b <= 16 else 0
         dflt = dflt if dflt in sdq else best
-        old = run4_config(k, n, m)
+        old = prev_config(k, n, m)
         d_us, o_us = sdq[dflt]["us"], (sdq[old]["us"] if old in sdq else None)
         bf, tg = us("bf16"), us("tinygemm")
         floor = (n * k // 2 + n * (k // gemm.GS) * 4 + m * k * 2 + m * n * 2) / 4.3e12 * 1e6
@@ -514,7 +520,7 @@ def ncu_main(json_path, out, timeout: float = 400) -> None:
     items = []
     for (k, n, m) in NCU_POINTS:
         b = m_bucket(m)
-        for c in dict.fromkeys([shp.get((k, n, b), dflt.get(b, 0)), run4_config(k, n, m)]):
+        for c in dict.fromkeys([shp.get((k, n, b), dflt.get(b, 0)), prev_config(k, n, m)]):
             items.append((k, n, m, c))
         if m == 1:
             items += [(k, n, m, "probe0"), (k, n, m, "probe4")]
@@ -553,7 +559,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--then-ncu", type=float, default=0.0, help="after the sweep, profile its defaults with ncu if "
                     "this many seconds since the start leave >= 60 s for it (0: no)")
-    ap.add_argument("--ncu", default="", help="a sweep's int4_tune.json: profile its final defaults, run 4's and the "
+    ap.add_argument("--ncu", default="", help="a sweep's int4_tune.json: profile its final defaults, the previous ones and the "
                                               "read probes with Nsight Compute (ncu --clock-control none)")
     a = ap.parse_args(argv)
     os.environ.setdefault("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")
@@ -603,8 +609,8 @@ def main(argv=None):
         log(f"sweep aborted: {type(ex).__name__}: {str(ex)[:300]}")
     chosen = choose(rows)
     save(rows, None)
-    # confirm pass: the proposed default, run 4's default and the point's fastest config timed again in the same
-    # process; a point whose new default is slower than run 4's in either pass gets run 4's config back
+    # confirm pass: the proposed default, the previous default and the point's fastest config timed again in the same
+    # process; a point whose new default is slower than the previous one in either pass gets the previous config back
     conf_rows = []
     try:
         conf_rows = confirm(dev, dtype, rows, chosen, passing, a.budget_s + 60, copy_bw, a.dry)
@@ -617,7 +623,7 @@ def main(argv=None):
     log(f"scores (geo-mean time / best, per M bucket): {json.dumps(chosen['scores'])}")
     log(f"proposed DEFAULT_CONFIGS = {chosen['DEFAULT_CONFIGS']}")
     log(f"proposed SHAPE_CONFIGS = {chosen['SHAPE_CONFIGS']}")
-    log(f"guarded (choice was slower than the run-4 default there): {chosen['guarded']}")
+    log(f"guarded (choice was slower than the previous default there): {chosen['guarded']}")
     log(table([r for r in rows if r.get("pass", 1) == 1], chosen))
     log(confirm_table(rows, chosen))
     (out / "int4_tune.log").write_text("\n".join(LOG) + "\n")

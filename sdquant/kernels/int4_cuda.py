@@ -17,7 +17,10 @@
                  stream-K kernel of csrc/w4a16_streamk.cuh, a persistent grid of the resident slots walking a
                  flattened tile x K space (13-18 with a register ring like 8-12, 19-22 with a per-warp
                  shared-memory cp.async ring, 23-25 = 14/13/16 plus an L2 bulk prefetch 8 stages ahead, 26-27
-                 one block a CTA with its warps interleaving 4 KB chunks);
+                 one block a CTA with its warps interleaving 4 KB chunks; 28-37 the lean direct kernel of
+                 csrc/w4a16_lean.cuh, 64-96 registers for 20-32 warps per SM, a ring of single K steps, the
+                 group scale on the weights in bf16, and the splits of a tile reducing through distributed
+                 shared memory as one thread-block cluster);
                  M <= 16 only, larger M uses 0);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
@@ -140,8 +143,9 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 28
+N_VARIANTS = 38
 STREAMK_VARIANTS = range(13, 28)
+LEAN_VARIANTS = range(28, 38)  # per-weight scale in bf16 only (the kernel keeps fp32 group sums for fp16 itself)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)" / "(run 5)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N,

@@ -25,6 +25,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -455,6 +456,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 
 #include "w4a16_direct.cuh"  // the direct (no shared-memory pipeline) kernel, same namespace
 #include "w4a16_streamk.cuh"  // the stream-K direct kernel and the read probes, same namespace
+#include "w4a16_lean.cuh"     // the lean direct kernel (variants 28+), same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -474,6 +476,14 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // 14, 13 and 16 with an L2 bulk prefetch 8 stages (8 KB a warp) ahead: 23 (= 14), 24 (= 13), 25 (= 16)
 // one 64-feature block a CTA, its KWI warps taking 4-stage chunks round robin (one contiguous stream a CTA):
 //   26: 4 warps, 2 ahead, 3/2        27: 8 warps, 2 ahead, 2/1, WSCALE
+// lean direct kernel (w4a16_lean.cuh; grid = tiles x S splits, the splits of a tile one cluster reducing through
+// DSMEM when S <= 8): blocks x K-warps per CTA, ring of K steps in flight per warp, min CTAs/SM for ptxas (bf16 one
+// tile / two tiles / fp16 one tile), WSCALE (bf16 only):
+//   28: 4 x 1, ring 4, 6/3/5, WSCALE (24 warps/SM)      29: 4 x 1, ring 4, 5/3/5, group sums (20 warps/SM)
+//   30: 1 x 8, ring 4, 3/1/2, WSCALE                    31: 1 x 4, ring 4, 6/3/5, WSCALE
+//   32: 2 x 2, ring 4, 6/3/5, WSCALE                    33: 4 x 1, ring 8, 5/2/4, WSCALE (4 KB a warp in flight)
+//   34: 4 x 1, ring 2, 8/4/5, WSCALE (32 warps/SM)      35: 2 x 4, ring 4, 3/1/2, WSCALE
+//   36: 1 x 8, ring 2, 4/2/2, WSCALE (32 warps/SM)      37: = 30 without clusters (fp32 partials + lock)
 // probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
 // registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
 // xor only
@@ -505,19 +515,30 @@ using V24 = SKCfg<4, 3, 3, 2, 0, 0, 0, 2, 2, 0, 8>;
 using V25 = SKCfg<2, 2, 6, 3, 0, 1, 0, 6, 3, 0, 8>;
 using V26 = SKCfg<1, 2, 3, 2, 0, 0, 0, 2, 2, 0, 0, 4>;
 using V27 = SKCfg<1, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0, 8>;
+using V28 = LCfg<4, 1, 4, 6, 3, 5, 1>;
+using V29 = LCfg<4, 1, 4, 5, 3, 5, 0>;
+using V30 = LCfg<1, 8, 4, 3, 1, 2, 1>;
+using V31 = LCfg<1, 4, 4, 6, 3, 5, 1>;
+using V32 = LCfg<2, 2, 4, 6, 3, 5, 1>;
+using V33 = LCfg<4, 1, 8, 5, 2, 4, 1>;
+using V34 = LCfg<4, 1, 2, 8, 4, 5, 1>;
+using V35 = LCfg<2, 4, 4, 3, 1, 2, 1>;
+using V36 = LCfg<1, 8, 2, 4, 2, 2, 1>;
+using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
 using P6 = SKCfg<1, 2, 3, 2, 0, 0, 1, 3, 2, 0, 0, 4>;  // V26's loads
 using P5 = SKCfg<4, 2, 4, 2, 1, 0, 1, 3, 2, 0, 8>;  // V23's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 28;
+constexpr int N_VARIANTS = 38;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
     if constexpr (C::KIND == 2) return sk_smem<C, NT>();
+    else if constexpr (C::KIND == 3) return lean_smem<C, NT>();
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
   }();
@@ -527,6 +548,7 @@ struct Kern {
   }();
   static auto kernel() {
     if constexpr (C::KIND == 2) return w4a16_streamk_kernel<T, C, NT>;
+    else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
   }
@@ -542,6 +564,24 @@ struct Kern {
       SdqW4A16Params q = p;
       q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
+    } else if constexpr (C::KIND == 3) {  // lean: the S splits of a tile form one cluster when S <= CL
+      const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+      if (p.splits > 1 && p.splits <= C::CL) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(THREADS);
+        cfg.dynamicSmemBytes = SMEM;
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = 1;
+        attr[0].val.clusterDim.y = p.splits;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel(), p);
+      }
+      kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     } else {
       dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
@@ -553,6 +593,8 @@ struct Kern {
     if constexpr (C::KIND == 2) {
       const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       return g * 2 * p.m * C::WNN * 64;
+    } else if constexpr (C::KIND == 3) {  // partials only when the splits do not form a cluster
+      return (p.splits > 1 && p.splits > C::CL) ? static_cast<long long>(p.splits) * p.m * p.n : 0;
     } else {
       return p.splits > 1 ? static_cast<long long>(p.splits) * p.m * p.n : 0;
     }
@@ -573,7 +615,7 @@ struct Kern {
 };
 
 // op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA, 3 = scratch floats (clamped to 2^31 - 1),
-// 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size)
+// 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size), 2 if a lean kernel (w4a16_lean.cuh)
 template <typename T, typename C, int NT, int KS>
 int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   using K = Kern<T, C, NT, KS, false>;
@@ -583,7 +625,7 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     const long long f = K::scratch(p);
     return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
   }
-  if (op == 4) return C::KIND == 2 ? 1 : 0;
+  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? 2 : 0);
   return K::launch(p, stream);
 }
 
@@ -625,6 +667,16 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case PROBE_BASE + 6: return run_op<T, P6, NT, 2>(op, p, stream);
     case 26: return run_op<T, V26, NT, 2>(op, p, stream);
     case 27: return run_op<T, V27, NT, 2>(op, p, stream);
+    case 28: return run_op<T, V28, NT, 2>(op, p, stream);
+    case 29: return run_op<T, V29, NT, 2>(op, p, stream);
+    case 30: return run_op<T, V30, NT, 2>(op, p, stream);
+    case 31: return run_op<T, V31, NT, 2>(op, p, stream);
+    case 32: return run_op<T, V32, NT, 2>(op, p, stream);
+    case 33: return run_op<T, V33, NT, 2>(op, p, stream);
+    case 34: return run_op<T, V34, NT, 2>(op, p, stream);
+    case 35: return run_op<T, V35, NT, 2>(op, p, stream);
+    case 36: return run_op<T, V36, NT, 2>(op, p, stream);
+    case 37: return run_op<T, V37, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

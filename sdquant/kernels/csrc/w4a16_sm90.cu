@@ -102,7 +102,19 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   q.splits = 1;
   const int per_sm = dispatch_m(1, q, nullptr);
   const int wnn = dispatch_m(2, q, nullptr);
-  if (dispatch_m(4, q, nullptr) == 1) {
+  const int kind = dispatch_m(4, q, nullptr);
+  if (kind == 2) {
+    // lean kernel: the CTAs that fit at once (or target2 / 2 per SM), floor(CTAs / tiles) splits (a second partial
+    // wave would cost more than idle slots), at least 16 K steps a split; no divisor rounding (its warps split K
+    // steps, not stages)
+    const int tiles = (n / 64 + wnn - 1) / wnn;
+    const int slots = sms * (per_sm < 1 ? 1 : per_sm);
+    const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;
+    int splits = (want < slots ? want : slots) / tiles;
+    if (splits > k / 16 / 16) splits = k / 16 / 16;
+    return splits < 1 ? 1 : splits;
+  }
+  if (kind == 1) {
     // stream-K: the grid size G. Every resident slot (or target2 / 2 per SM), at least 2 stages (4 K steps) a CTA.
     const long long units = sdq_w4a16::sk_space(n, k, wnn).U;
     long long g = target2 > 0 ? (static_cast<long long>(target2) * sms + 1) / 2

@@ -1,0 +1,249 @@
+// sdquant W4A16 "lean" direct decode kernel (variants 28+). Included by w4a16_kernel.cuh inside its namespace, after
+// w4a16_streamk.cuh (uses Ops, ldg_stream16, reduce_k_warps, store_output).
+//
+// Why (bench/read_order.py, H200): streaming 8192x28672's fragments one warp per contiguous stream reads at
+// 29-33 us with ~14-27 warps/SM and 30-40+ us below that; what the GPU needs is many concurrent warps with a few KB
+// each in flight, not a particular read order. The direct kernels hold 16 warps/SM at 127 registers (the register
+// ring, two accumulator sets, zero/scale pairs fetched a group ahead). This kernel keeps the same fragment stream
+// (each warp one 64-feature block, a contiguous K range, 16-byte non-allocating loads) but trims registers so that
+// 20-24 warps fit per SM at <= 80-96 registers:
+// * a ring of R single K steps (R x 512 B a warp in flight), each slot refilled right after its MMAs, so the
+//   registers are R slots, not R + one stage being computed;
+// * WSCALE (bf16 only): each dequantized pair is multiplied by its group scale in bf16 (one mul a pair) and fed to
+//   the MMA, so there is one accumulator set (fp16 keeps fp32 group sums: (code - zero) * scale can be subnormal);
+// * scales/zeros are loaded when a group starts (no registers held a group ahead); their lines were prefetched to
+//   L2 up to 8 groups ahead, so the load is an L2 hit while the ring's loads keep DRAM busy;
+// * no activation ring: each K step's activations come one step ahead from L1 (every warp reads the same few KB).
+//   Rows past M are clamped to row M - 1 (no predicates): their MMA columns are junk that is never stored.
+// Split-K: grid (tiles, S); the S CTAs of a tile are launched as one thread-block cluster when S <= CL, and reduce
+// through distributed shared memory (every CTA sums a slice of the tile over the cluster's CTAs and K-warps in a
+// fixed order and writes it): no fp32 partials in global memory, no lock, no serial last-CTA tail. S > CL (or a
+// launch that cannot take a cluster) falls back to the fp32 partials + lock of store_output. Deterministic either way.
+template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8>
+struct LCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles in bf16; HMINB: fp16 at one tile
+  static constexpr int WNN = WNN_, KW = KW_, R = R_, MINB = MINB_, MINB2 = MINB2_, HMINB = HMINB_;
+  static constexpr int WSCALE = WSCALE_, CL = CL_;
+  static constexpr int WARPS = WNN * KW;
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int STAGES = 1, PRE = 1;
+  static constexpr bool DIRECT = false;
+  static constexpr int KIND = 3;
+};
+
+template <typename C, int NT>
+constexpr int lean_smem() { return C::WARPS * NT * 16 * 32 * 4; }  // every warp's accumulators, [warp][nt*16+r][lane]
+
+template <typename T, typename C, int NT>
+constexpr int lean_minb() {
+  return std::is_same<T, half>::value ? (NT == 1 ? C::HMINB : 1) : (NT == 1 ? C::MINB : C::MINB2);
+}
+
+__device__ __forceinline__ void prefetch_l2_line(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+__device__ __forceinline__ unsigned cluster_ctas() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+  return r;
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_kernel(const SdqW4A16Params p) {
+  constexpr int WNN = C::WNN, KW = C::KW, R = C::R, THREADS = C::THREADS;
+  constexpr bool WS = C::WSCALE && std::is_same<T, __nv_bfloat16>::value;
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t ln_dyn[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wn = warp % WNN, kw = warp / WNN;
+  const int g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WNN + wn;
+  const bool active = nb < nblk;
+  const int kb_total = p.k / 16;
+  const int S = p.splits, split = blockIdx.y;
+  const int qi = split * KW + kw, Q = S * KW;  // this warp's share of the tile's K steps: [a, b)
+  const int a = static_cast<int>((static_cast<long long>(kb_total) * qi) / Q);
+  const int b = static_cast<int>((static_cast<long long>(kb_total) * (qi + 1)) / Q);
+  const int iters = active ? b - a : 0;
+  const int m = p.m, gk = p.group_k16;
+
+  const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
+                      (static_cast<size_t>(active ? nb : 0) * kb_total + static_cast<size_t>(a)) * 32 + lane;
+  // activation rows past M are clamped to row M - 1: a token column of the MMA depends only on its own B column, so
+  // those columns hold finite junk that is never stored, and the loads need no predicate
+  const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * 16 + 2 * t4;
+
+  // scales / zeros of this warp's groups: L2 prefetch of the first 8 groups now (lanes 0-15: s, z of one group each)
+  int grp = a / gk, rem = a - grp * gk;
+  const int g_last = iters > 0 ? (a + iters - 1) / gk : grp - 1;
+  auto sz_off = [&](int g) { return (static_cast<size_t>(g) * nblk + nb) * 8; };  // uint4 index of (g, nb), 128 B
+  if (lane < 16 && grp + lane / 2 <= g_last)
+    prefetch_l2_line(reinterpret_cast<const uint4*>(lane & 1 ? p.zs : p.s) + sz_off(grp + lane / 2));
+
+  uint4 wq[R];
+  auto issue = [&](int s, uint4& w) { w = ldg_stream16(wsrc + static_cast<size_t>(s) * 32); };
+  auto load_x = [&](int s, uint32_t (&xx)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = min(nt * 8 + g8, m - 1);
+      const T* xr = xsrc + static_cast<size_t>(r) * p.k + static_cast<size_t>(s) * 16;
+      xx[nt][0] = __ldg(reinterpret_cast<const unsigned int*>(xr));
+      xx[nt][1] = __ldg(reinterpret_cast<const unsigned int*>(xr + 8));
+    }
+  };
+
+  constexpr int NG = WS ? 1 : NT;  // fp32 group sums (unused with WS)
+  float acc[NT][4][4], accg[NG][4][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < NG; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accg[i][j][e] = 0.f;
+  float sf[4][2] = {};     // fp32 scales (group-sum mode)
+  uint32_t s2[4][2] = {};  // scale pairs in T (WS)
+  uint32_t zl[4][2] = {}, zh[4][2] = {};
+  auto flush = [&]() {
+    if constexpr (!WS) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+            accg[i][w][e] = 0.f;
+          }
+    }
+  };
+
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+    if (j < iters) issue(j, wq[j]);
+  uint32_t xn[NT][2];
+  if (iters > 0) load_x(0, xn);
+  bool first = true;
+
+  for (int base = 0; base < iters; base += R) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int it = base + j;
+      if (it < iters) {
+        if (rem == 0 || first) {  // a new group: fold the last one in (group sums), fetch this one's scales/zeros
+          if (!first) flush();
+          const size_t o = sz_off(grp) + g8;
+          const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
+          const uint4 z4 = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
+          if (lane < 2 && grp + 8 <= g_last)
+            prefetch_l2_line(reinterpret_cast<const uint4*>(lane ? p.zs : p.s) + sz_off(grp + 8));
+          const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
+          const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+            if constexpr (WS) {
+              const typename O::T2 lo = O::pack(f.x, f.x), hi = O::pack(f.y, f.y);
+              s2[w][0] = *reinterpret_cast<const uint32_t*>(&lo);
+              s2[w][1] = *reinterpret_cast<const uint32_t*>(&hi);
+            } else {
+              sf[w][0] = f.x;
+              sf[w][1] = f.y;
+            }
+            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+          }
+          first = false;
+        }
+        uint32_t xc[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          xc[nt][0] = xn[nt][0];
+          xc[nt][1] = xn[nt][1];
+        }
+        load_x(min(it + 1, iters - 1), xn);  // one step ahead (the last step reloads itself: no branch)
+        const uint32_t q[4] = {wq[j].x, wq[j].y, wq[j].z, wq[j].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          uint32_t c[4];
+          O::codes(q[w], zl[w], zh[w], c);
+          if constexpr (WS) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] = O::mul2(c[i], s2[w][i >> 1]);
+          }
+          const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (WS) O::mma(acc[nt][w], af, xc[nt][0], xc[nt][1]);
+            else O::mma(accg[nt][w], af, xc[nt][0], xc[nt][1]);
+          }
+        }
+        if (it + R < iters) issue(it + R, wq[j]);  // the slot is free again: refill it R steps ahead
+        if (++rem == gk) {
+          rem = 0;
+          ++grp;
+        }
+      }
+    }
+  }
+  flush();
+
+  // ---- epilogue: sum the tile's S x KW warps per block in a fixed order (split-major, then K-warp)
+  const unsigned ncl = cluster_ctas();
+  if (S > 1 && ncl != static_cast<unsigned>(S)) {  // no cluster: K-warps through shared memory, then fp32 partials
+    if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, ln_dyn, kw, wn, lane);
+    store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
+    return;
+  }
+  float* red = reinterpret_cast<float*>(ln_dyn);  // [warp][NT * 16][32]
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[((warp * NT + nt) * 16 + w * 4 + e) * 32 + lane] = acc[nt][w][e];
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (S > 1) cluster.sync();  // every CTA's sums are in its shared memory (release / acquire across the cluster)
+  else __syncthreads();
+  // quads of 4 lanes: u -> (wn, r = nt * 16 + w * 4 + e, lanes 4g .. 4g + 3); this CTA sums quads [u0, u1)
+  constexpr int E4 = WNN * NT * 16 * 8;
+  const int rank = S > 1 ? static_cast<int>(cluster.block_rank()) : 0;
+  const int u0 = E4 * rank / S, u1 = E4 * (rank + 1) / S;
+  T* out = reinterpret_cast<T*>(p.c);
+  for (int u = u0 + static_cast<int>(threadIdx.x); u < u1; u += THREADS) {
+    const int uw = u / (NT * 16 * 8), r = (u / 8) % (NT * 16), g = u % 8;
+    const int nbo = blockIdx.x * WNN + uw;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int qq = 0; qq < S; ++qq) {
+      const float* src = S > 1 ? cluster.map_shared_rank(red, qq) : red;
+#pragma unroll
+      for (int k2 = 0; k2 < KW; ++k2) {
+        const float4 v = *reinterpret_cast<const float4*>(src + (((k2 * WNN + uw) * NT) * 16 + r) * 32 + 4 * g);
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+      }
+    }
+    if (nbo < nblk) {
+      const int nt = r / 16, w = (r / 4) % 4, e = r % 4;
+      const int col = nbo * 64 + 16 * w + 8 * (e >> 1) + g;
+      const float vv[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {  // lane 4g + l: token nt * 8 + 2l + (e & 1)
+        const int tok = nt * 8 + 2 * l + (e & 1);
+        if (tok < m) out[static_cast<size_t>(tok) * p.n + col] = O::one(vv[l]);
+      }
+    }
+  }
+  if (S > 1) cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
