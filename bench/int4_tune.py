@@ -22,7 +22,8 @@ Run 5 adds the stream-K variants 13-18 and, at M = 1 and 16, the read-bandwidth 
 the whole qweight buffer in order with a grid-stride kernel (the plain read ceiling for this many bytes), "P1@v13"
 / "P2@v15" / "P4@v19" / "P5@v23" / "P6@v26" issue exactly the loads of variants 13 / 15 / 19 / 23 / 26 on their
 grids without the arithmetic, "P3" the register-ring pattern 8 stages deep.
-Run 6 adds the lean direct variants 28-37 (csrc/w4a16_lean.cuh) and the lm_head shape 4096x128256; the "prev default"
+Run 6 adds the lean direct variants 28-44 and 46-49 (csrc/w4a16_lean.cuh), stream-K with raw codes (45) and the
+lm_head shape 4096x128256; the "prev default"
 column is run 5's auto_config (PREV_*), timed in the same process.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ MS = [1, 2, 4, 8, 16, 32]
 # variant's default (every resident slot); 16 * t: aim at t / 2 CTAs per SM.
 CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
            13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25,
-           26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37]
+           26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
          11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
@@ -64,7 +65,9 @@ NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2
          21: "sk 8 ring6", 22: "sk 4 ring12 ws", 23: "sk 4 d2 ws pf8", 24: "sk 4 d3 pf8", 25: "sk 2 d2 ts pf8",
          26: "sk 1x4i d2", 27: "sk 1x8i d2 ws", 28: "lean 4x1 r4 ws", 29: "lean 4x1 r4", 30: "lean 1x8 r4 ws",
          31: "lean 1x4 r4 ws", 32: "lean 2x2 r4 ws", 33: "lean 4x1 r8 ws", 34: "lean 4x1 r2 ws", 35: "lean 2x4 r4 ws",
-         36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl"}
+         36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl", 38: "raw 4x1 r4", 39: "raw 2x4 r4", 40: "raw 2x4 r8",
+         41: "raw 1x8 r4", 42: "lean 4x1 r4 ws nocl", 43: "raw 4x2 r4", 44: "raw 8x1 r4", 45: "sk 4 d2 raw",
+         46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws"}
 # the defaults before this run: run 5's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit aa746fb), the "prev
 # default" of this run's table (run 5 itself compared against run 4's: v5 / v1 where run 5 set v17 / v11 / v0)
 PREV_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
@@ -82,6 +85,12 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (2048, 1024, -1, False, False, torch.bfloat16, (4, 13)),
     (2048, 1024, 64, False, True, torch.float16, (1, 7)),
     (8192, 28672, 128, True, False, torch.bfloat16, (1, 16)),  # a timed shape: the grids and indices of the sweep
+]
+# run 6, lean variants only (older variants were never checked there): fewer K steps x blocks than a flat grid has
+# warps (its extra warps idle), and a block count that no tile width divides
+LEAN_CHECK_CASES = [
+    (64, 64, 64, True, False, torch.float16, (1, 2)),
+    (128, 192, 32, False, False, torch.bfloat16, (1, 9)),
 ]
 
 
@@ -182,6 +191,9 @@ def child_check(configs) -> None:
         return
     print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in (1, 16)] for c in configs}), flush=True)
     rows = check_configs(dev, configs, CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
+    lean = [c for c in configs if c % 64 >= 28]
+    if lean:
+        rows += check_configs(dev, lean, LEAN_CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
     print("ROWS " + json.dumps(rows), flush=True)
 
 

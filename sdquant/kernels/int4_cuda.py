@@ -19,8 +19,11 @@
                  shared-memory cp.async ring, 23-25 = 14/13/16 plus an L2 bulk prefetch 8 stages ahead, 26-27
                  one block a CTA with its warps interleaving 4 KB chunks; 28-37 the lean direct kernel of
                  csrc/w4a16_lean.cuh, 64-96 registers for 20-32 warps per SM, a ring of single K steps, the
-                 group scale on the weights in bf16, and the splits of a tile reducing through distributed
-                 shared memory as one thread-block cluster);
+                 group scale on the weights in bf16 (28-37, 42) or raw magic-number codes into the MMA with
+                 zero and scale applied per group in fp32 (38-41, 43-44), the splits of a tile reducing through
+                 distributed shared memory as one thread-block cluster (28-36) or fp32 partials (37-44); 45 the
+                 stream-K kernel with the raw codes; 46-49 the lean kernel on a flat grid of the resident slots,
+                 every warp an equal share of the flattened block x K-step space);
                  M <= 16 only, larger M uses 0);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
@@ -143,9 +146,9 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 38
-STREAMK_VARIANTS = range(13, 28)
-LEAN_VARIANTS = range(28, 38)  # per-weight scale in bf16 only (the kernel keeps fp32 group sums for fp16 itself)
+N_VARIANTS = 50
+STREAMK_VARIANTS = (*range(13, 28), 45)
+LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)" / "(run 5)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N,

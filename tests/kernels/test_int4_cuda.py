@@ -22,12 +22,14 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
-    # stream-K variants 13-27 and the six stream-K read probes: 2 x 2 x 21; lean variants 28-37: 2 x 2 x 10;
+    # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17;
+    # flat lean variants 46-49: 2 x 2 x 4;
     # the linear read probe once
     assert sum("w4a16_kernel" in ln for ln in kernels) == 76
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
-    assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 84
-    assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 40
+    assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
+    assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 68
+    assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
@@ -60,8 +62,8 @@ def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(-1) == (0, 0)
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
     assert int4_cuda.split_config(15) == (15, 0)         # a stream-K variant
-    assert int4_cuda.split_config(40) == (0, 0)          # unknown variant ids run the run-3 kernel
-    assert list(int4_cuda.STREAMK_VARIANTS) + list(int4_cuda.LEAN_VARIANTS) == list(range(13, int4_cuda.N_VARIANTS))
+    assert int4_cuda.split_config(63) == (0, 0)          # unknown variant ids run the run-3 kernel
+    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS]) == list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
     for m in (1, 2, 3, 8, 9, 16):
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))

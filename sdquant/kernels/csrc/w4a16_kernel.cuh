@@ -484,6 +484,17 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 //   32: 2 x 2, ring 4, 6/3/5, WSCALE                    33: 4 x 1, ring 8, 5/2/4, WSCALE (4 KB a warp in flight)
 //   34: 4 x 1, ring 2, 8/4/5, WSCALE (32 warps/SM)      35: 2 x 4, ring 4, 3/1/2, WSCALE
 //   36: 1 x 8, ring 2, 4/2/2, WSCALE (32 warps/SM)      37: = 30 without clusters (fp32 partials + lock)
+// (run 6 measured the clusters as a loss: e.g. 30 vs 37 on 4096x4096 M = 1, 14.8 vs 9.1 us; the ids below use none)
+// RAW codes (magic + code into the MMA, activation sums by a fifth MMA, zero and scale per group in fp32; both dtypes),
+// no clusters:
+//   38: 4 x 1, ring 4, 5/3/4          39: 2 x 4, ring 4, 2/1/2 (v10's geometry)     40: 2 x 4, ring 8, 2/1/2
+//   41: 1 x 8, ring 4, 2/1/2          42: = 28 without clusters (WSCALE, 24 warps/SM)  43: 4 x 2, ring 4, 2/1/2
+//   44: 8 x 1, ring 4, 2/1/2
+// stream-K with RAW codes (scales/zeros fetched when their group starts): 45: 4 blocks, 2 ahead, 3/2 (v14's geometry;
+// at v17's 8 blocks and 2 CTAs/SM it spills)
+// flat lean (w4a16_lean_flat_kernel: grid = resident slots, every warp W-th of the flattened block x K-step space):
+//   46: 4 warps, ring 4, RAW, 4/3/4        47: 8 warps, ring 4, RAW, 2/1/2        48: 4 warps, ring 8, RAW, 4/2/3
+//   49: 4 warps, ring 4, WSCALE, 5/3/4
 // probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
 // registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
 // xor only
@@ -525,19 +536,32 @@ using V34 = LCfg<4, 1, 2, 8, 4, 5, 1>;
 using V35 = LCfg<2, 4, 4, 3, 1, 2, 1>;
 using V36 = LCfg<1, 8, 2, 4, 2, 2, 1>;
 using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
+using V38 = LCfg<4, 1, 4, 5, 3, 4, 0, 0, 1>;
+using V39 = LCfg<2, 4, 4, 2, 1, 2, 0, 0, 1>;
+using V40 = LCfg<2, 4, 8, 2, 1, 2, 0, 0, 1>;
+using V41 = LCfg<1, 8, 4, 2, 1, 2, 0, 0, 1>;
+using V42 = LCfg<4, 1, 4, 6, 3, 5, 1, 0>;
+using V43 = LCfg<4, 2, 4, 2, 1, 2, 0, 0, 1>;
+using V44 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1>;
+using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;
+using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
+using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
+using V48 = LCfg<4, 1, 8, 4, 2, 3, 0, 0, 1, 1>;
+using V49 = LCfg<4, 1, 4, 5, 3, 4, 1, 0, 0, 1>;
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
 using P6 = SKCfg<1, 2, 3, 2, 0, 0, 1, 3, 2, 0, 0, 4>;  // V26's loads
 using P5 = SKCfg<4, 2, 4, 2, 1, 0, 1, 3, 2, 0, 8>;  // V23's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 38;
+constexpr int N_VARIANTS = 50;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
     if constexpr (C::KIND == 2) return sk_smem<C, NT>();
+    else if constexpr (lean_flat<C>()) return 0;
     else if constexpr (C::KIND == 3) return lean_smem<C, NT>();
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
@@ -548,6 +572,7 @@ struct Kern {
   }();
   static auto kernel() {
     if constexpr (C::KIND == 2) return w4a16_streamk_kernel<T, C, NT>;
+    else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
@@ -563,6 +588,10 @@ struct Kern {
     if constexpr (C::KIND == 2) {  // stream-K: a 1-D grid of G CTAs, passed to the kernel as p.splits
       SdqW4A16Params q = p;
       q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
+      kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
+    } else if constexpr (lean_flat<C>()) {  // flat lean: a 1-D grid of G CTAs, passed as p.splits
+      SdqW4A16Params q = p;
+      q.splits = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
     } else if constexpr (C::KIND == 3) {  // lean: the S splits of a tile form one cluster when S <= CL
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
@@ -593,6 +622,9 @@ struct Kern {
     if constexpr (C::KIND == 2) {
       const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       return g * 2 * p.m * C::WNN * 64;
+    } else if constexpr (lean_flat<C>()) {
+      const long long g = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
+      return g * C::WARPS * 2 * p.m * 64;
     } else if constexpr (C::KIND == 3) {  // partials only when the splits do not form a cluster
       return (p.splits > 1 && p.splits > C::CL) ? static_cast<long long>(p.splits) * p.m * p.n : 0;
     } else {
@@ -615,7 +647,8 @@ struct Kern {
 };
 
 // op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA, 3 = scratch floats (clamped to 2^31 - 1),
-// 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size), 2 if a lean kernel (w4a16_lean.cuh)
+// 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size), 2 if a lean kernel (w4a16_lean.cuh),
+// 3 if a flat lean kernel (p.splits is its grid size), 5 = warps per CTA (at one token tile)
 template <typename T, typename C, int NT, int KS>
 int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   using K = Kern<T, C, NT, KS, false>;
@@ -625,7 +658,8 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     const long long f = K::scratch(p);
     return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
   }
-  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? 2 : 0);
+  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : 0);
+  if (op == 5) return C::WARPS;
   return K::launch(p, stream);
 }
 
@@ -677,11 +711,24 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 35: return run_op<T, V35, NT, 2>(op, p, stream);
     case 36: return run_op<T, V36, NT, 2>(op, p, stream);
     case 37: return run_op<T, V37, NT, 2>(op, p, stream);
+    case 38: return run_op<T, V38, NT, 2>(op, p, stream);
+    case 39: return run_op<T, V39, NT, 2>(op, p, stream);
+    case 40: return run_op<T, V40, NT, 2>(op, p, stream);
+    case 41: return run_op<T, V41, NT, 2>(op, p, stream);
+    case 42: return run_op<T, V42, NT, 2>(op, p, stream);
+    case 43: return run_op<T, V43, NT, 2>(op, p, stream);
+    case 44: return run_op<T, V44, NT, 2>(op, p, stream);
+    case 45: return run_op<T, V45, NT, 2>(op, p, stream);
+    case 46: return run_op<T, V46, NT, 2>(op, p, stream);
+    case 47: return run_op<T, V47, NT, 2>(op, p, stream);
+    case 48: return run_op<T, V48, NT, 2>(op, p, stream);
+    case 49: return run_op<T, V49, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;
   if (op == 3) return p.splits > 1 ? p.splits * p.m * p.n : 0;
   if (op == 4) return 0;
+  if (op == 5) return V0::WARPS;
   if (op == 1) return p.evict_first ? Kern<T, V0, NT, KS, true>::per_sm() : Kern<T, V0, NT, KS, false>::per_sm();
   return p.evict_first ? Kern<T, V0, NT, KS, true>::launch(p, stream) : Kern<T, V0, NT, KS, false>::launch(p, stream);
 }

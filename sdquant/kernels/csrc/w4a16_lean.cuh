@@ -19,16 +19,30 @@
 // through distributed shared memory (every CTA sums a slice of the tile over the cluster's CTAs and K-warps in a
 // fixed order and writes it): no fp32 partials in global memory, no lock, no serial last-CTA tail. S > CL (or a
 // launch that cannot take a cluster) falls back to the fp32 partials + lock of store_output. Deterministic either way.
-template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8>
+// RAW = 1 (both dtypes; WSCALE ignored): the MMA takes the raw magic-number codes (128 + c in bf16, 1024 + c in fp16:
+// exact) with no zero subtraction, 7 instructions per 32-bit word instead of 11 (bf16); a fifth MMA per K step with
+// an all-ones A fragment sums the activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x),
+// in fp32. The cancellation costs ~5 (bf16) / ~8 (fp16) of fp32's 24 bits.
+// FLAT = 1 (KW = 1, no clusters): w4a16_lean_flat_kernel, a persistent grid of the resident slots whose W warps each
+// take W-th of the flattened (block, K step) space (see there).
+template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8, int RAW_ = 0,
+          int FLAT_ = 0>
 struct LCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles in bf16; HMINB: fp16 at one tile
   static constexpr int WNN = WNN_, KW = KW_, R = R_, MINB = MINB_, MINB2 = MINB2_, HMINB = HMINB_;
-  static constexpr int WSCALE = WSCALE_, CL = CL_;
+  static constexpr int WSCALE = WSCALE_, CL = CL_, RAW = RAW_, FLAT = FLAT_;
+  static_assert(FLAT == 0 || (KW == 1 && CL == 0), "FLAT: one warp a stream, fp32 partials");
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
   static constexpr bool DIRECT = false;
   static constexpr int KIND = 3;
 };
+
+template <typename C>
+constexpr bool lean_flat() {  // any kernel config: is it a flat lean one
+  if constexpr (C::KIND == 3) return C::FLAT != 0;
+  else return false;
+}
 
 template <typename C, int NT>
 constexpr int lean_smem() { return C::WARPS * NT * 16 * 32 * 4; }  // every warp's accumulators, [warp][nt*16+r][lane]
@@ -48,30 +62,19 @@ __device__ __forceinline__ unsigned cluster_ctas() {
   return r;
 }
 
+// One warp: acc = its block nb's sum over K steps [a, a + iters) (iters = 0: acc = 0, no loads).
 template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_kernel(const SdqW4A16Params p) {
-  constexpr int WNN = C::WNN, KW = C::KW, R = C::R, THREADS = C::THREADS;
-  constexpr bool WS = C::WSCALE && std::is_same<T, __nv_bfloat16>::value;
+__device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&acc)[NT][4][4], int nb, int a, int iters) {
+  constexpr int R = C::R;
+  constexpr bool RAW = C::RAW != 0;
+  constexpr bool WS = !RAW && C::WSCALE && std::is_same<T, __nv_bfloat16>::value;
+  constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
   using O = Ops<T>;
-  extern __shared__ __align__(16) uint8_t ln_dyn[];
-  __shared__ int s_last;
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wn = warp % WNN, kw = warp / WNN;
-  const int g8 = lane / 4, t4 = lane % 4;
-  const int nblk = p.n / 64;
-  const int nb = blockIdx.x * WNN + wn;
-  const bool active = nb < nblk;
-  const int kb_total = p.k / 16;
-  const int S = p.splits, split = blockIdx.y;
-  const int qi = split * KW + kw, Q = S * KW;  // this warp's share of the tile's K steps: [a, b)
-  const int a = static_cast<int>((static_cast<long long>(kb_total) * qi) / Q);
-  const int b = static_cast<int>((static_cast<long long>(kb_total) * (qi + 1)) / Q);
-  const int iters = active ? b - a : 0;
-  const int m = p.m, gk = p.group_k16;
+  const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64, kb_total = p.k / 16, m = p.m, gk = p.group_k16;
 
   const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
-                      (static_cast<size_t>(active ? nb : 0) * kb_total + static_cast<size_t>(a)) * 32 + lane;
+                      (static_cast<size_t>(nb) * kb_total + static_cast<size_t>(a)) * 32 + lane;
   // activation rows past M are clamped to row M - 1: a token column of the MMA depends only on its own B column, so
   // those columns hold finite junk that is never stored, and the loads need no predicate
   const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * 16 + 2 * t4;
@@ -96,7 +99,7 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
   };
 
   constexpr int NG = WS ? 1 : NT;  // fp32 group sums (unused with WS)
-  float acc[NT][4][4], accg[NG][4][4];
+  float accg[NG][4][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i)
 #pragma unroll
@@ -109,6 +112,12 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accg[i][j][e] = 0.f;
+  float xs[NT][4];         // RAW: this group's activation sums, xs[nt][e] = sum of x[token nt * 8 + 2t + (e & 1)]
+  float nz[4][2] = {};     // RAW: -s * (magic + z) of rows (w, h)
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
   float sf[4][2] = {};     // fp32 scales (group-sum mode)
   uint32_t s2[4][2] = {};  // scale pairs in T (WS)
   uint32_t zl[4][2] = {}, zh[4][2] = {};
@@ -121,8 +130,15 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+            if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
             accg[i][w][e] = 0.f;
           }
+      if constexpr (RAW) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
+      }
     }
   };
 
@@ -158,8 +174,14 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
               sf[w][0] = f.x;
               sf[w][1] = f.y;
             }
-            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+            if constexpr (RAW) {  // zeros are stored in T: (z_g, z_g+8)
+              const typename O::T2 zz = *reinterpret_cast<const typename O::T2*>(&zp[w]);
+              nz[w][0] = -f.x * (MAGIC + static_cast<float>(zz.x));
+              nz[w][1] = -f.y * (MAGIC + static_cast<float>(zz.y));
+            } else {
+              O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+              O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+            }
           }
           first = false;
         }
@@ -174,7 +196,8 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
           uint32_t c[4];
-          O::codes(q[w], zl[w], zh[w], c);
+          if constexpr (RAW) raw_codes<T>(q[w], c);
+          else O::codes(q[w], zl[w], zh[w], c);
           if constexpr (WS) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) c[i] = O::mul2(c[i], s2[w][i >> 1]);
@@ -186,6 +209,12 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
             else O::mma(accg[nt][w], af, xc[nt][0], xc[nt][1]);
           }
         }
+        if constexpr (RAW) {  // activation sums: an all-ones A (1.0 pairs) against this step's B fragments
+          constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
+          const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) O::mma(xs[nt], ones, xc[nt][0], xc[nt][1]);
+        }
         if (it + R < iters) issue(it + R, wq[j]);  // the slot is free again: refill it R steps ahead
         if (++rem == gk) {
           rem = 0;
@@ -195,6 +224,31 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
     }
   }
   flush();
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_kernel(const SdqW4A16Params p) {
+  constexpr int WNN = C::WNN, KW = C::KW, THREADS = C::THREADS;
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t ln_dyn[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wn = warp % WNN, kw = warp / WNN;
+  const int g8 = lane / 4, t4 = lane % 4;
+  const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WNN + wn;
+  const bool active = nb < nblk;
+  const int kb_total = p.k / 16;
+  const int S = p.splits, split = blockIdx.y;
+  const int qi = split * KW + kw, Q = S * KW;  // this warp's share of the tile's K steps: [a, b)
+  const int a = static_cast<int>((static_cast<long long>(kb_total) * qi) / Q);
+  const int b = static_cast<int>((static_cast<long long>(kb_total) * (qi + 1)) / Q);
+  const int iters = active ? b - a : 0;
+  const int m = p.m;
+
+  float acc[NT][4][4];
+  lean_segment<T, C, NT>(p, acc, active ? nb : 0, a, iters);
 
   // ---- epilogue: sum the tile's S x KW warps per block in a fixed order (split-major, then K-warp)
   const unsigned ncl = cluster_ctas();
@@ -246,4 +300,98 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
     }
   }
   if (S > 1) cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+// Flat lean kernel (FLAT = 1): the tiled grid above rounds blocks x splits onto the resident warps (8192x28672: 448
+// blocks -> 85% of the slots busy whatever the split); here the grid is G = p.splits CTAs (the resident slots) and warp
+// w of W = G * WARPS takes the K steps [w * U / W, (w + 1) * U / W) of the flattened (block, K step) space,
+// U = N/64 * K/16, block-major: every warp streams the same bytes (+-1 K step) -- stream-K at warp granularity. A warp
+// whose range covers a whole block writes y; the <= 2 partial segments of a warp go to fp32 partials
+// (p.partial[(w * 2 + first/last) * m * 64]), counted per block on p.locks[block]; the last of a block's segments to
+// arrive sums them in warp order (deterministic, no spin-wait) and resets the counter.
+__host__ __device__ __forceinline__ long long lean_units(int n, int k) {
+  return static_cast<long long>(n / 64) * (k / 16);
+}
+__host__ __device__ __forceinline__ int lean_flat_grid(int requested, long long units, int warps) {
+  long long g = requested < 1 ? 1 : requested;
+  if (g * warps > units) g = units / warps;  // every warp gets at least one K step
+  return g < 1 ? 1 : static_cast<int>(g);
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_flat_kernel(const SdqW4A16Params p) {
+  using O = Ops<T>;
+  const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  const int kbt = p.k / 16, m = p.m, n = p.n;
+  const long long U = lean_units(p.n, p.k);
+  // W <= U: no warp has an empty range (the launcher's grid ensures it unless U < WARPS; then the extra warps idle)
+  const int W = static_cast<int>(min(static_cast<long long>(p.splits) * C::WARPS, U));
+  if (static_cast<int>(blockIdx.x * C::WARPS + threadIdx.x / 32) >= W) return;  // no barriers below: warps are independent
+  const int u1 = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32 + 1));  // U < 2^31
+  T* out = reinterpret_cast<T*>(p.c);
+  for (int u = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32)); u < u1;) {
+    const int nb = u / kbt;
+    const int a = u - nb * kbt;
+    const int e = min(kbt, a + (u1 - u));
+    u += e - a;
+    float acc[NT][4][4];
+    lean_segment<T, C, NT>(p, acc, nb, a, e - a);
+    if (a == 0 && e == kbt) {  // the whole block: write y
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int w4 = 0; w4 < 4; ++w4)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int tok = nt * 8 + 2 * t4 + (q & 1);
+            if (tok < m) out[static_cast<size_t>(tok) * n + nb * 64 + 16 * w4 + 8 * (q >> 1) + g8] = O::one(acc[nt][w4][q]);
+          }
+      continue;
+    }
+    const int w = blockIdx.x * C::WARPS + threadIdx.x / 32;  // (recomputed: fewer registers across the segment)
+    const bool first_seg = nb == static_cast<int>(sk_begin(U, W, w) / kbt);
+    float* part = p.partial + (static_cast<size_t>(w) * 2 + (first_seg ? 0 : 1)) * m * 64;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int w4 = 0; w4 < 4; ++w4)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int tok = nt * 8 + 2 * t4 + (q & 1);
+          if (tok < m) __stcg(part + tok * 64 + 16 * w4 + 8 * (q >> 1) + g8, acc[nt][w4][q]);
+        }
+    const long long bu0 = static_cast<long long>(nb) * kbt;
+    const int c0 = sk_owner(U, W, bu0), c1 = sk_owner(U, W, bu0 + kbt - 1);  // the warps holding this block's segments
+    __threadfence();  // this lane's partials are visible device-wide before the warp is counted
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&p.locks[nb], 1) == c1 - c0;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) continue;
+    __threadfence();
+    const int c0_first = static_cast<int>(sk_begin(U, W, c0) / kbt);
+    for (int i = lane; i < m * 32; i += 32) {  // (token, column pair); warps c0..c1 in order, 8 loads in flight
+      const int row = i / 32, lc = 2 * (i % 32);
+      float2 sum = make_float2(0.f, 0.f);
+      for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
+        float2 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int cc = cc0 + j;
+          const int wh = (cc == c0 && c0_first != nb) ? 1 : 0;
+          v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * 64 + lc))
+                          : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (cc0 + j <= c1) {
+            sum.x += v[j].x;
+            sum.y += v[j].y;
+          }
+      }
+      *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + nb * 64 + lc) = O::pack(sum.x, sum.y);
+    }
+    __syncwarp();
+    if (lane == 0) p.locks[nb] = 0;  // every segment of this block has arrived: reset for the next call
+  }
 }

@@ -114,6 +114,13 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     if (splits > k / 16 / 16) splits = k / 16 / 16;
     return splits < 1 ? 1 : splits;
   }
+  if (kind == 3) {
+    // flat lean kernel: the grid G is every resident slot (or target2 / 2 per SM), every warp at least one K step
+    const long long units = sdq_w4a16::lean_units(n, k);
+    const int warps = dispatch_m(5, q, nullptr);
+    const int g = target2 > 0 ? (target2 * sms + 1) / 2 : sms * (per_sm < 1 ? 1 : per_sm);
+    return sdq_w4a16::lean_flat_grid(g, units, warps < 1 ? 1 : warps);
+  }
   if (kind == 1) {
     // stream-K: the grid size G. Every resident slot (or target2 / 2 per SM), at least 2 stages (4 K steps) a CTA.
     const long long units = sdq_w4a16::sk_space(n, k, wnn).U;

@@ -22,7 +22,7 @@
 // sweep of the same bytes (27.4 us), whatever the bytes in flight: the per-warp-stream read order is the first
 // limiter, the arithmetic (0.55-0.62 issued instructions per scheduler-cycle) the second.
 template <int WNN_, int DEPTH_, int MINB_, int MINB2_, int WSCALE_, int TSPLIT_, int PROBE_ = 0, int HMINB_ = MINB_,
-          int HMINB2_ = MINB2_, int RING_ = 0, int PF_ = 0, int KWI_ = 1>
+          int HMINB2_ = MINB2_, int RING_ = 0, int PF_ = 0, int KWI_ = 1, int RAW_ = 0>
 struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles (HMINB*: the same for fp16, which
                 // holds 8 more registers of zero pairs and can spill where bf16 fits)
   static constexpr int WNN = WNN_, KW = 1, DEPTH = DEPTH_, MINB = MINB_, MINB2 = MINB2_, WSCALE = WSCALE_;
@@ -39,6 +39,10 @@ struct SKCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token ti
   // CTA's K range round robin, so a CTA reads KWI * 4 KB of one contiguous stream at a time (the others read one
   // stream per warp); summed through shared memory at the end of each segment.
   static constexpr int KWI = KWI_;
+  // RAW = 1 (no WSCALE): raw magic-number codes into the MMA, activation sums by a fifth MMA per K step, zero and scale
+  // folded in per group in fp32 (see w4a16_lean.cuh's LCfg)
+  static constexpr int RAW = RAW_;
+  static_assert(RAW == 0 || (WSCALE_ == 0 && KWI == 1 && RING == 0), "RAW: fp32 group sums, register ring");
   static_assert(KWI == 1 || (WNN == 1 && RING == 0 && TSPLIT == 0 && PF == 0), "KWI: one block a CTA, register ring");
   static_assert(RING == 0 || TSPLIT == 0, "a shared-memory ring is per warp: no token-split warps");
   static constexpr int WARPS = WNN;  // at one token tile; TSPLIT doubles it at two (sk_threads)
@@ -95,6 +99,16 @@ __device__ __forceinline__ long long sk_begin(long long U, int G, int c) { retur
 // the CTA whose range holds unit u: the largest c with c*U/G <= u
 __device__ __forceinline__ int sk_owner(long long U, int G, long long u) {
   return static_cast<int>(((u + 1) * G + U - 1) / U - 1);
+}
+
+// RAW codes (lean variants 38+, stream-K 45+): o0 = (p0, p4) row g, o1 = (p1, p5) row g, o2 = (p2, p6) row g + 8,
+// o3 = (p3, p7) row g + 8 (as Ops::codes), each the exact magic + code (128 + c in bf16, 1024 + c in fp16) with no
+// zero subtracted; 3 shifts + 4 lop3 per 32-bit word
+template <typename T>
+__device__ __forceinline__ void raw_codes(uint32_t q, uint32_t (&o)[4]) {
+  constexpr uint32_t MAGIC = std::is_same<T, half>::value ? 0x64006400u : 0x43004300u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = lop3<AND_OR>(q >> (4 * i), 0x000f000fu, MAGIC);
 }
 
 // One warp: acc = sum over stages [kb, kb + iters) of its block nb (iters = 0 for an inactive warp).
@@ -168,6 +182,14 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accg[i][j][e] = 0.f;
+  constexpr bool RAW = C::RAW != 0;
+  constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
+  float xs[NT][4];          // RAW: the group's activation sums (per token column 2t + (e & 1))
+  float nz[4][2] = {};      // RAW: -s * (magic + z)
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
   float sf[4][2] = {};      // fp32 scales (group-sum mode)
   uint32_t s2[4][2] = {};   // scale pairs in T (WSCALE mode)
   uint32_t zl[4][2] = {}, zh[4][2] = {};
@@ -180,8 +202,15 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+            if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
             accg[i][w][e] = 0.f;
           }
+      if constexpr (RAW) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
+      }
     }
   };
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
@@ -203,7 +232,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
     for (int j = 0; j < D; ++j)
       if (j < iters) issue(j, wq[j], xq[j]);
   }
-  if (iters > 0) load_sz(grp);
+  if (!RAW && iters > 0) load_sz(grp);  // RAW: fetched when its group starts (8 fewer registers held)
   // L2 prefetch window: stages [0, PF) now, then every 4th stage it the stages [it + PF, it + PF + 4)
   auto prefetch = [&](int s0, int s1) {  // stages [s0, min(s1, iters)), lane 0
     if (s1 > iters) s1 = iters;
@@ -222,6 +251,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
         else newg = first || sabs(it) >= g_end;
         if (newg) {
           if (!first) flush();
+          if constexpr (RAW) load_sz(grp);
           const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
           const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
 #pragma unroll
@@ -235,11 +265,17 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
               sf[w][0] = f.x;
               sf[w][1] = f.y;
             }
-            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+            if constexpr (RAW) {  // zeros in T: (z_g, z_g+8)
+              const typename O::T2 zz = *reinterpret_cast<const typename O::T2*>(&zp[w]);
+              nz[w][0] = -f.x * (MAGIC + static_cast<float>(zz.x));
+              nz[w][1] = -f.y * (MAGIC + static_cast<float>(zz.y));
+            } else {
+              O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+              O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+            }
           }
           if constexpr (KWI == 1) {
-            if ((grp + 1) * gs_st < kb + iters) load_sz(grp + 1);
+            if (!RAW && (grp + 1) * gs_st < kb + iters) load_sz(grp + 1);
           } else {  // the group of this warp's next stage after this group: in this chunk, or the next chunk's start
             const int sa = sabs(it), g = sa / gs_st;
             g_end = (g + 1) * gs_st;
@@ -292,7 +328,8 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
               uint32_t c[4];
-              O::codes(q[w], zl[w], zh[w], c);
+              if constexpr (RAW) raw_codes<T>(q[w], c);
+              else O::codes(q[w], zl[w], zh[w], c);
               if constexpr (C::WSCALE) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) c[i] = O::mul2(c[i], s2[w][i >> 1]);
@@ -303,6 +340,12 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
                 if constexpr (C::WSCALE) O::mma(acc[nt][w], af, xc[kk][nt][0], xc[kk][nt][1]);
                 else O::mma(accg[nt][w], af, xc[kk][nt][0], xc[kk][nt][1]);
               }
+            }
+            if constexpr (RAW) {  // activation sums: all-ones A against this K step's B fragments
+              constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
+              const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) O::mma(xs[nt], ones, xc[kk][nt][0], xc[kk][nt][1]);
             }
           }
         }
