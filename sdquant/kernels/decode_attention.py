@@ -1,11 +1,15 @@
 """Length-aware decode attention over the runtime's static KV cache, as the op ``sdquant::decode_attention``.
 
-    y = torch.ops.sdquant.decode_attention(q, k_cache, v_cache, input_pos, window, scale)
+    y = torch.ops.sdquant.decode_attention(q, k_cache, v_cache, input_pos, window, scale, cos, sin)
         q          [B, nkv, rep, hd]   one query token per sequence: the rep query heads of each KV head
+                                       (any strides with a unit last one: a view into the qkv output works)
         k/v_cache  [B, nkv, T, hd]     the static cache (already holding this step's key and value)
         input_pos  int [1]             the slot this step wrote; slot t is attended when
                                        pos − window < t ≤ pos (window 0: no sliding window)
         scale      float               softmax scale (head_dim ** −0.5)
+        cos, sin   [hd] or None        RoPE rows of this position (HF layout, halves duplicated): when given,
+                                       q is rotated as it is loaded (fp32), q·cos + rotate_half(q)·sin, so the
+                                       runtime launches no separate kernel for the query's RoPE
         y          [B, nkv, rep, hd]   q.dtype; softmax in fp32
 
 Why: a static cache of T slots attended "in full with a mask" (gpt-fast's way, the runtime's ``matmul``
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -59,12 +64,13 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
-                    sq_bh, sq_r, sk_bh, sk_t, sv_bh, sv_t,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
+                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
+    q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
     pos = tl.load(pos_ptr).to(tl.int32)
     lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
     start = tl.maximum(sp * CHUNK_T, lo)
@@ -72,8 +78,15 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scale, T, REP
     offs_r = tl.arange(0, REP_P)
     offs_d = tl.arange(0, HD)
     r_mask = offs_r < REP
-    q = tl.load(q_ptr + bh * sq_bh + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0)
-    q = (q.to(tl.float32) * scale).to(CDT)
+    q = tl.load(q_base + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
+    if ROPE:  # q * cos + rotate_half(q) * sin, rotate_half(q) = [-q[hd/2:], q[:hd/2]]
+        offs_h = (offs_d + HD // 2) % HD
+        q_h = tl.load(q_base + offs_r[:, None] * sq_r + offs_h[None, :], mask=r_mask[:, None], other=0.0)
+        sign = tl.where(offs_d < HD // 2, -1.0, 1.0)
+        c = tl.load(cos_ptr + offs_d).to(tl.float32)
+        sn = tl.load(sin_ptr + offs_d).to(tl.float32)
+        q = q * c[None, :] + q_h.to(tl.float32) * (sign * sn)[None, :]
+    q = (q * scale).to(CDT)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.full((REP_P,), 0.0, tl.float32)
     acc = tl.full((REP_P, HD), 0.0, tl.float32)
@@ -129,7 +142,7 @@ def _kernels():
 
 
 # ---------------------------------------------------------------------------------------------- the op
-def _check(q, k, v, input_pos, window):
+def _check(q, k, v, input_pos, window, cos=None, sin=None):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ShapeError(f"decode_attention: q must be [B, nkv, rep, hd] and k/v [B, nkv, T, hd] of one shape, "
                          f"got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
@@ -142,10 +155,22 @@ def _check(q, k, v, input_pos, window):
         raise ShapeError(f"decode_attention: input_pos must hold one position (decode), got {input_pos.numel()}")
     if window < 0:
         raise ShapeError(f"decode_attention: window must be >= 0, got {window}")
+    if (cos is None) != (sin is None) or (cos is not None and (cos.numel() != hd or sin.numel() != hd)):
+        raise ShapeError(f"decode_attention: cos and sin must both be given with {hd} values (one position), "
+                         f"got {None if cos is None else list(cos.shape)} and {None if sin is None else list(sin.shape)}")
 
 
-def reference(q, k, v, input_pos, window: int, scale: float) -> torch.Tensor:
+def rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel's RoPE on load, in fp32: q·cos + rotate_half(q)·sin (HF layout), result in fp32."""
+    qf = q.float()
+    half = q.shape[-1] // 2
+    return qf * cos.float() + torch.cat([-qf[..., half:], qf[..., :half]], dim=-1) * sin.float()
+
+
+def reference(q, k, v, input_pos, window: int, scale: float, cos=None, sin=None) -> torch.Tensor:
     """The op's maths in PyTorch (fp32 softmax): what the kernels are tested against and what CPU runs."""
+    if cos is not None:
+        q = rope_q(q, cos, sin).to(q.dtype)
     t = torch.arange(k.shape[2], device=k.device)
     pos = input_pos.reshape(()).to(k.device)
     live = t <= pos
@@ -158,33 +183,36 @@ def reference(q, k, v, input_pos, window: int, scale: float) -> torch.Tensor:
 
 @torch.library.custom_op("sdquant::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, window: int,
-                     scale: float) -> torch.Tensor:
-    """softmax(q·kᵀ·scale over the live slots)·v; see the module docstring."""
-    _check(q, k, v, input_pos, window)
+                     scale: float, cos: Optional[torch.Tensor] = None,
+                     sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(rope(q)·kᵀ·scale over the live slots)·v; see the module docstring."""
+    _check(q, k, v, input_pos, window, cos, sin)
     if triton is None or (q.device.type == "cpu" and not _interpret()):
-        return reference(q, k, v, input_pos, window, scale)
+        return reference(q, k, v, input_pos, window, scale, cos, sin)
     b, nkv, rep, hd = q.shape
     T = k.shape[2]
     q = q.contiguous() if q.stride(-1) != 1 else q
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(0) != nkv * k.stride(1) or \
             v.stride(0) != nkv * v.stride(1):
         k, v = k.contiguous(), v.contiguous()
-    if q.stride(0) != nkv * q.stride(1):
-        q = q.contiguous()
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.reshape(hd).contiguous(), sin.reshape(hd).contiguous()
     rep_p = max(16, triton.next_power_of_2(rep))
     splits = triton.cdiv(T, CHUNK)
     acc = torch.empty((b * nkv, splits, rep_p, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * nkv, splits, 2, rep_p), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # contiguous, whatever q's strides
     # the interpreter computes bf16 arithmetic wrongly: evaluate it in fp32 there (CPU tests only)
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
-    partial[(b * nkv, splits)](q, k, v, pos, acc, ml, float(scale), T, rep, win, splits,
-                               q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, num_warps=4)
+    partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
+                               win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+                               v.stride(1), v.stride(2),
+                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, ROPE=rope, num_warps=4)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, num_warps=4)
@@ -192,8 +220,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
 
 
 @decode_attention.register_fake
-def _(q, k, v, input_pos, window, scale):
-    return torch.empty_like(q)
+def _(q, k, v, input_pos, window, scale, cos=None, sin=None):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def default_scale(head_dim: int) -> float:

@@ -186,9 +186,11 @@ class Attention(nn.Module):
         v = v.view(b, s, d.n_kv_heads, d.head_dim)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))   # [B, nkv, T, hd]
         impl = _resolve_attention(self.impl, x, d.head_dim) if s == 1 else "sdpa"
+        k = apply_rope(k, cos, sin)
+        if impl != "triton":  # the Triton kernel rotates q as it loads it (no kernel of its own)
+            q = apply_rope(q, cos, sin)
+        k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))   # [B, nkv, T, hd]
         if impl == "matmul":
             q = q.view(b, d.n_kv_heads, rep, d.head_dim)                                      # [B, nkv, rep, hd]
             scores = torch.matmul(q, k_all.transpose(-1, -2)).float() * d.head_dim ** -0.5    # [B, nkv, rep, T]
@@ -197,7 +199,7 @@ class Attention(nn.Module):
         if impl == "triton":
             q = q.view(b, d.n_kv_heads, rep, d.head_dim)
             y = torch.ops.sdquant.decode_attention(q, k_all, v_all, input_pos, self.window or 0,
-                                                   d.head_dim ** -0.5)                   # [B, nkv, rep, hd]
+                                                   d.head_dim ** -0.5, cos, sin)         # [B, nkv, rep, hd]
             return self.wo(y.reshape(b, 1, d.q_size))
         if impl == "sdpa_gqa":
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,

@@ -86,11 +86,47 @@ def test_bad_shapes_are_rejected():
         da.decode_attention(q, k, v, torch.tensor([3, 4]), 0, 1.0)
     with pytest.raises(ShapeError, match="does not match"):
         da.decode_attention(q, k[:1], v[:1], torch.tensor([3]), 0, 1.0)
+    with pytest.raises(ShapeError, match="cos and sin"):
+        da.decode_attention(q, k, v, torch.tensor([3]), 0, 1.0, torch.ones(32), None)
+    with pytest.raises(ShapeError, match="cos and sin"):
+        da.decode_attention(q, k, v, torch.tensor([3]), 0, 1.0, torch.ones(2, 32), torch.ones(2, 32))
 
 
 def test_opcheck():
     q, k, v = _case(T=40)
     torch.library.opcheck(torch.ops.sdquant.decode_attention.default, (q, k, v, torch.tensor([17]), 0, 0.3))
+    cos, sin = torch.randn(32), torch.randn(32)
+    torch.library.opcheck(torch.ops.sdquant.decode_attention.default,
+                          (q, k, v, torch.tensor([17]), 0, 0.3, cos, sin))
+
+
+def _rope_rows(hd, pos, dtype=torch.float32):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = pos * torch.cat([inv, inv])
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernel_rotates_q_on_load_from_a_strided_view(interpret, dtype, tol):
+    """q as the runtime passes it: an unrotated view into the fused qkv output (batch stride larger than
+    nkv * head stride), with this position's RoPE rows; equals attention of the rotated q."""
+    b, nkv, rep, T, hd, pos = 2, 2, 4, 100, 32, 61
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(b, 1, (nkv * rep + 2 * nkv) * hd, generator=g).to(dtype)
+    q = qkv[..., :nkv * rep * hd].view(b, nkv, rep, hd)
+    assert q.stride(0) != nkv * q.stride(1)
+    _, k, v = _case(b=b, nkv=nkv, rep=rep, T=T, hd=hd, dtype=dtype, seed=6)
+    cos, sin = _rope_rows(hd, pos, dtype)
+    y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), 0, 0.2, cos[None], sin[None])
+    q_rot = da.rope_q(q, cos, sin)
+    from sdquant.runtime.model import apply_rope   # rope_q is the runtime's rotation ([B, S, heads, hd] there)
+    torch.testing.assert_close(q_rot, apply_rope(q.float().reshape(b, 1, nkv * rep, hd), cos.float()[None],
+                                                 sin.float()[None]).view(b, nkv, rep, hd), rtol=1e-6, atol=1e-6)
+    ref = _masked_full(q_rot, k, v, pos, 0, 0.2)
+    assert y.shape == q.shape and y.is_contiguous()
+    assert float((y.double() - ref).norm() / ref.norm()) < tol
+    ref_op = da.reference(q, k, v, torch.tensor([pos]), 0, 0.2, cos, sin)
+    assert float((y.double() - ref_op.double()).norm() / ref_op.double().norm()) < tol
 
 
 def test_runtime_triton_attention_equals_matmul(interpret):
@@ -121,4 +157,4 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 5 and len(merge.constexprs) == 4
+    assert len(partial.constexprs) == 6 and len(merge.constexprs) == 4
