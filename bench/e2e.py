@@ -96,6 +96,28 @@ def bench_decode(rt, batch, args, dev, graph):
     return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "trials_ms": [t * 1e3 for t in trials]}
 
 
+def check_compiled(rt, args, dev, batch=2) -> float:
+    """Relative error of one compiled decode step's logits against the same step through the eager block
+    (``_block_call``) on the same cache state: checks what compilation changed (fused FP8 activation
+    quantization, RoPE in the attention kernel, ...), not the quantization itself."""
+    from sdquant.runtime.model import _block_call
+    rt.setup_caches(batch, args.max_seq)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randint(0, rt.d.vocab_size, (batch, 1), generator=g).to(dev)
+    with torch.no_grad():
+        for blk in rt.layers:   # a cache that holds something: random keys and values before the position
+            blk.attn.kv_cache.kv.normal_(generator=None)
+        pos = torch.tensor([args.max_seq // 2], device=dev)
+        compiled = rt._block_fn
+        yc = rt.decode_step(idx, pos).float()
+        rt._block_fn = _block_call
+        try:
+            ye = rt.decode_step(idx, pos).float()
+        finally:
+            rt._block_fn = compiled
+    return float((yc - ye).norm() / ye.norm())
+
+
 def bench_prefill(rt, args, dev):
     rt.setup_caches(1, args.max_seq)
     ids = torch.randint(0, rt.d.vocab_size, (1, args.prefill), device=dev)
@@ -258,6 +280,12 @@ def run_variant(name, args, dev, dtype, dims):
         print(f"  {name} decode_attention check {res['attention_check_rel_err']}", flush=True)
     if spec["compiled"]:
         rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block")
+        try:
+            res["compiled_vs_eager_rel_err"] = check_compiled(rt, args, dev)
+        except Exception as e:
+            res["compiled_vs_eager_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name} one decode step, compiled vs eager block: rel. error {res['compiled_vs_eager_rel_err']}",
+              flush=True)
     graph = spec["graph"] and dev.type == "cuda"
     from torch._dynamo.utils import counters
     graphs0 = counters["stats"]["unique_graphs"]
