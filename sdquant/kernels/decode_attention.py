@@ -105,7 +105,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
     part = bh * SPLITS + sp
-    tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc)
+    # only the REP real query rows (the merge never reads the padding rows of REP_P)
+    tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
     tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
     tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
 
