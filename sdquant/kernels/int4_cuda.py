@@ -63,6 +63,10 @@ KERNEL_SRCS = [KERNEL_SRC, *PART_SRCS]
 BINDING_SRC = CSRC / "w4a16_binding.cpp"
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *ARCH_FLAGS]
+# torch.utils.cpp_extension adds these to every nvcc call of the extension build (no implicit half/bf16 conversions
+# or operators); nvcc_compile passes them too, so the CI compile fails where the extension build would
+TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 _STATE: dict = {}
 
@@ -84,7 +88,7 @@ def nvcc_compile(out_dir: str, extra_flags: tuple = ()) -> subprocess.CompletedP
 
     def one(src: Path) -> subprocess.CompletedProcess:
         out = Path(out_dir) / (src.stem + ".o")
-        cmd = [nvcc, "-c", *NVCC_FLAGS, "-Xptxas", "-v", *extra_flags, str(src), "-o", str(out)]
+        cmd = [nvcc, "-c", *NVCC_FLAGS, *TORCH_NVCC_DEFINES, "-Xptxas", "-v", *extra_flags, str(src), "-o", str(out)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     with ThreadPoolExecutor(max_workers=max(1, min(len(KERNEL_SRCS), os.cpu_count() or 1))) as pool:
         results = list(pool.map(one, KERNEL_SRCS))

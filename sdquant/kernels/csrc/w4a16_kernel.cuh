@@ -479,9 +479,9 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // lean direct kernel (w4a16_lean.cuh; grid = tiles x S splits, the splits of a tile one cluster reducing through
 // DSMEM when S <= 8): blocks x K-warps per CTA, ring of K steps in flight per warp, min CTAs/SM for ptxas (bf16 one
 // tile / two tiles / fp16 one tile), WSCALE (bf16 only):
-//   28: 4 x 1, ring 4, 6/3/5, WSCALE (24 warps/SM)      29: 4 x 1, ring 4, 5/3/5, group sums (20 warps/SM)
-//   30: 1 x 8, ring 4, 3/1/2, WSCALE                    31: 1 x 4, ring 4, 6/3/5, WSCALE
-//   32: 2 x 2, ring 4, 6/3/5, WSCALE                    33: 4 x 1, ring 8, 5/2/4, WSCALE (4 KB a warp in flight)
+//   28: 4 x 1, ring 4, 6/3/4, WSCALE (24 warps/SM)      29: 4 x 1, ring 4, 5/3/4, group sums (20 warps/SM)
+//   30: 1 x 8, ring 4, 3/1/2, WSCALE                    31: 1 x 4, ring 4, 6/3/4, WSCALE
+//   32: 2 x 2, ring 4, 6/3/4, WSCALE                    33: 4 x 1, ring 8, 5/2/4, WSCALE (4 KB a warp in flight)
 //   34: 4 x 1, ring 2, 8/4/5, WSCALE (32 warps/SM)      35: 2 x 4, ring 4, 3/1/2, WSCALE
 //   36: 1 x 8, ring 2, 4/2/2, WSCALE (32 warps/SM)      37: = 30 without clusters (fp32 partials + lock)
 // (run 6 measured the clusters as a loss: e.g. 30 vs 37 on 4096x4096 M = 1, 14.8 vs 9.1 us; the ids below use none)
@@ -526,11 +526,11 @@ using V24 = SKCfg<4, 3, 3, 2, 0, 0, 0, 2, 2, 0, 8>;
 using V25 = SKCfg<2, 2, 6, 3, 0, 1, 0, 6, 3, 0, 8>;
 using V26 = SKCfg<1, 2, 3, 2, 0, 0, 0, 2, 2, 0, 0, 4>;
 using V27 = SKCfg<1, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0, 8>;
-using V28 = LCfg<4, 1, 4, 6, 3, 5, 1>;
-using V29 = LCfg<4, 1, 4, 5, 3, 5, 0>;
+using V28 = LCfg<4, 1, 4, 6, 3, 4, 1>;
+using V29 = LCfg<4, 1, 4, 5, 3, 4, 0>;
 using V30 = LCfg<1, 8, 4, 3, 1, 2, 1>;
-using V31 = LCfg<1, 4, 4, 6, 3, 5, 1>;
-using V32 = LCfg<2, 2, 4, 6, 3, 5, 1>;
+using V31 = LCfg<1, 4, 4, 6, 3, 4, 1>;
+using V32 = LCfg<2, 2, 4, 6, 3, 4, 1>;
 using V33 = LCfg<4, 1, 8, 5, 2, 4, 1>;
 using V34 = LCfg<4, 1, 2, 8, 4, 5, 1>;
 using V35 = LCfg<2, 4, 4, 3, 1, 2, 1>;
@@ -540,7 +540,7 @@ using V38 = LCfg<4, 1, 4, 5, 3, 4, 0, 0, 1>;
 using V39 = LCfg<2, 4, 4, 2, 1, 2, 0, 0, 1>;
 using V40 = LCfg<2, 4, 8, 2, 1, 2, 0, 0, 1>;
 using V41 = LCfg<1, 8, 4, 2, 1, 2, 0, 0, 1>;
-using V42 = LCfg<4, 1, 4, 6, 3, 5, 1, 0>;
+using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = LCfg<4, 2, 4, 2, 1, 2, 0, 0, 1>;
 using V44 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1>;
 using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;

@@ -25,6 +25,13 @@
 // in fp32. The cancellation costs ~5 (bf16) / ~8 (fp16) of fp32's 24 bits.
 // FLAT = 1 (KW = 1, no clusters): w4a16_lean_flat_kernel, a persistent grid of the resident slots whose W warps each
 // take W-th of the flattened (block, K step) space (see there).
+// Measured (H200, run 6, docs/bench_int4_cuda_run6.md; variants 28-37 at commit 16db4d8, before the RAW codes and the
+// step-loop trim): no WSCALE variant beat the direct kernel v10 at any M = 1-8 point except 4096x6144 M = 2-8 (v37,
+// 10.4-10.6 vs 10.8-11.5 us); more warps per SM at the same bytes per SM did not help (v34: 32 warps x 1 KB, 52.2 us
+// vs v10's 16 x 2 KB, 51.7, on 8192x28672); the cluster reduction was a large loss (v30 vs the same kernel without
+// clusters, v37: 14.8 vs 9.1 us on 4096x4096, 30.9 vs 18.2 on 14336x4096). Per K step (bf16, one token tile, ptxas
+// SASS, steady state without the group-start code): v10 84 instructions, v17 110, WSCALE lean 88, RAW lean 59-61,
+// flat RAW 61-64 -- the RAW and flat variants (38-49) are not yet timed on the GPU.
 template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8, int RAW_ = 0,
           int FLAT_ = 0>
 struct LCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles in bf16; HMINB: fp16 at one tile
@@ -73,14 +80,20 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
   const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64, kb_total = p.k / 16, m = p.m, gk = p.group_k16;
 
+  static_assert(R % 2 == 0, "the activation double buffer is indexed by the parity of the unrolled step");
   const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
                       (static_cast<size_t>(nb) * kb_total + static_cast<size_t>(a)) * 32 + lane;
   // activation rows past M are clamped to row M - 1: a token column of the MMA depends only on its own B column, so
   // those columns hold finite junk that is never stored, and the loads need no predicate
-  const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * 16 + 2 * t4;
+  const T* xr[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    xr[nt] = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(min(nt * 8 + g8, m - 1)) * p.k +
+             static_cast<size_t>(a) * 16 + 2 * t4;
 
-  // scales / zeros of this warp's groups: L2 prefetch of the first 8 groups now (lanes 0-15: s, z of one group each)
-  int grp = a / gk, rem = a - grp * gk;
+  // scales / zeros of this warp's groups: L2 prefetch of the first 8 groups now (lanes 0-15: s, z of one group each);
+  // the group changes before step `ngs` (relative), so the per-step test is one compare
+  int grp = a / gk, ngs = gk - (a - grp * gk);
   const int g_last = iters > 0 ? (a + iters - 1) / gk : grp - 1;
   auto sz_off = [&](int g) { return (static_cast<size_t>(g) * nblk + nb) * 8; };  // uint4 index of (g, nb), 128 B
   if (lane < 16 && grp + lane / 2 <= g_last)
@@ -91,10 +104,9 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
   auto load_x = [&](int s, uint32_t (&xx)[NT][2]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int r = min(nt * 8 + g8, m - 1);
-      const T* xr = xsrc + static_cast<size_t>(r) * p.k + static_cast<size_t>(s) * 16;
-      xx[nt][0] = __ldg(reinterpret_cast<const unsigned int*>(xr));
-      xx[nt][1] = __ldg(reinterpret_cast<const unsigned int*>(xr + 8));
+      const T* x = xr[nt] + s * 16;
+      xx[nt][0] = __ldg(reinterpret_cast<const unsigned int*>(x));
+      xx[nt][1] = __ldg(reinterpret_cast<const unsigned int*>(x + 8));
     }
   };
 
@@ -141,57 +153,57 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
       }
     }
   };
+  auto start_group = [&]() {  // this group's scales / zeros (an L2 hit: prefetched), the prefetch 8 groups ahead
+    const size_t o = sz_off(grp) + g8;
+    const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
+    const uint4 z4 = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
+    if (lane < 2 && grp + 8 <= g_last)
+      prefetch_l2_line(reinterpret_cast<const uint4*>(lane ? p.zs : p.s) + sz_off(grp + 8));
+    const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
+    const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+      if constexpr (WS) {
+        const typename O::T2 lo = O::pack(f.x, f.x), hi = O::pack(f.y, f.y);
+        s2[w][0] = *reinterpret_cast<const uint32_t*>(&lo);
+        s2[w][1] = *reinterpret_cast<const uint32_t*>(&hi);
+      } else {
+        sf[w][0] = f.x;
+        sf[w][1] = f.y;
+      }
+      if constexpr (RAW) {  // zeros are stored in T: (z_g, z_g+8)
+        const typename O::T2 zz = *reinterpret_cast<const typename O::T2*>(&zp[w]);
+        nz[w][0] = -f.x * (MAGIC + __low2float(zz));
+        nz[w][1] = -f.y * (MAGIC + __high2float(zz));
+      } else {
+        O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+        O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+      }
+    }
+  };
 
 #pragma unroll
   for (int j = 0; j < R; ++j)
     if (j < iters) issue(j, wq[j]);
-  uint32_t xn[NT][2];
-  if (iters > 0) load_x(0, xn);
-  bool first = true;
+  uint32_t xb[2][NT][2];  // activations of steps it (xb[it & 1]) and it + 1
+  if (iters > 0) {
+    load_x(0, xb[0]);
+    start_group();
+  }
 
-  for (int base = 0; base < iters; base += R) {
+  for (int base = 0; base < iters; base += R) {  // base is a multiple of R (even): the step's parity is j's
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int it = base + j;
       if (it < iters) {
-        if (rem == 0 || first) {  // a new group: fold the last one in (group sums), fetch this one's scales/zeros
-          if (!first) flush();
-          const size_t o = sz_off(grp) + g8;
-          const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
-          const uint4 z4 = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
-          if (lane < 2 && grp + 8 <= g_last)
-            prefetch_l2_line(reinterpret_cast<const uint4*>(lane ? p.zs : p.s) + sz_off(grp + 8));
-          const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
-          const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-            if constexpr (WS) {
-              const typename O::T2 lo = O::pack(f.x, f.x), hi = O::pack(f.y, f.y);
-              s2[w][0] = *reinterpret_cast<const uint32_t*>(&lo);
-              s2[w][1] = *reinterpret_cast<const uint32_t*>(&hi);
-            } else {
-              sf[w][0] = f.x;
-              sf[w][1] = f.y;
-            }
-            if constexpr (RAW) {  // zeros are stored in T: (z_g, z_g+8)
-              const typename O::T2 zz = *reinterpret_cast<const typename O::T2*>(&zp[w]);
-              nz[w][0] = -f.x * (MAGIC + static_cast<float>(zz.x));
-              nz[w][1] = -f.y * (MAGIC + static_cast<float>(zz.y));
-            } else {
-              O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-              O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-            }
-          }
-          first = false;
+        if (it == ngs) {  // a new group: fold the last one in (group sums), fetch this one's scales/zeros
+          flush();
+          ++grp;
+          ngs += gk;
+          start_group();
         }
-        uint32_t xc[NT][2];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          xc[nt][0] = xn[nt][0];
-          xc[nt][1] = xn[nt][1];
-        }
-        load_x(min(it + 1, iters - 1), xn);  // one step ahead (the last step reloads itself: no branch)
+        load_x(min(it + 1, iters - 1), xb[(j + 1) & 1]);  // one step ahead (the last step reloads itself)
         const uint32_t q[4] = {wq[j].x, wq[j].y, wq[j].z, wq[j].w};
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
@@ -205,21 +217,17 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
           const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            if constexpr (WS) O::mma(acc[nt][w], af, xc[nt][0], xc[nt][1]);
-            else O::mma(accg[nt][w], af, xc[nt][0], xc[nt][1]);
+            if constexpr (WS) O::mma(acc[nt][w], af, xb[j & 1][nt][0], xb[j & 1][nt][1]);
+            else O::mma(accg[nt][w], af, xb[j & 1][nt][0], xb[j & 1][nt][1]);
           }
         }
         if constexpr (RAW) {  // activation sums: an all-ones A (1.0 pairs) against this step's B fragments
           constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
           const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) O::mma(xs[nt], ones, xc[nt][0], xc[nt][1]);
+          for (int nt = 0; nt < NT; ++nt) O::mma(xs[nt], ones, xb[j & 1][nt][0], xb[j & 1][nt][1]);
         }
         if (it + R < iters) issue(it + R, wq[j]);  // the slot is free again: refill it R steps ahead
-        if (++rem == gk) {
-          rem = 0;
-          ++grp;
-        }
       }
     }
   }

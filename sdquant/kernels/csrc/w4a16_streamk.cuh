@@ -267,8 +267,8 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
             }
             if constexpr (RAW) {  // zeros in T: (z_g, z_g+8)
               const typename O::T2 zz = *reinterpret_cast<const typename O::T2*>(&zp[w]);
-              nz[w][0] = -f.x * (MAGIC + static_cast<float>(zz.x));
-              nz[w][1] = -f.y * (MAGIC + static_cast<float>(zz.y));
+              nz[w][0] = -f.x * (MAGIC + __low2float(zz));
+              nz[w][1] = -f.y * (MAGIC + __high2float(zz));
             } else {
               O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
               O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
