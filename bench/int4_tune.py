@@ -68,12 +68,13 @@ NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2
          36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl", 38: "raw 4x1 r4", 39: "raw 2x4 r4", 40: "raw 2x4 r8",
          41: "raw 1x8 r4", 42: "lean 4x1 r4 ws nocl", 43: "raw 4x2 r4", 44: "raw 8x1 r4", 45: "sk 4 d2 raw",
          46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws"}
-# the defaults before this run: run 5's int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS (commit aa746fb), the "prev
-# default" of this run's table (run 5 itself compared against run 4's: v5 / v1 where run 5 set v17 / v11 / v0)
+# the defaults before this sweep, the "prev default" of its table: int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS as of run
+# 6's first sweep (run 5's, commit aa746fb, plus the lm_head shape at M = 1-2 -> v17, which that sweep's confirm pass
+# set; bench/results/int4_tune_h200_run6.* compared against run 5's, without those two points)
 PREV_DEFAULTS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 PREV_SHAPE = {(8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
               (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-              (8192, 10240, 16): 0, (4096, 6144, 16): 4}
+              (8192, 10240, 16): 0, (4096, 6144, 16): 4, (4096, 128256, 1): 17, (4096, 128256, 2): 17}
 PROBE_MS = (1, 16)
 RISKY_VARIANTS = (23, 24, 25)  # cp.async.bulk.prefetch.L2: first use on this GPU
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)

@@ -163,15 +163,19 @@ LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only 
 # Run 5 (stream-K variants 13-27) changed three points, each faster than run 4's config in both of its passes:
 # 8192x28672 M=1 -> 17 (stream-K, 8 blocks a CTA, per-weight scale: 48.5 / 49.6 us vs v5 49.7 / 50.4),
 # 4096x6144 M=1 -> 11 (10.1 / 10.2 vs v1 10.2 / 10.6), 8192x10240 M=9-16 -> 0 (34.4 / 34.2 vs v1 34.6 / 34.5).
+# Run 6 (docs/bench_int4_cuda_run6.md, first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
+# shape 4096x128256 at M = 1 and 2 -> 17 (stream-K): 99.0 / 99.1 and 100.3 / 100.4 us vs v10 103.9 / 114.0 and
+# 104.0 / 114.2 in the two passes (v17's code is unchanged since: identical SASS).
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-    (8192, 10240, 16): 0, (4096, 6144, 16): 4,
+    (8192, 10240, 16): 0, (4096, 6144, 16): 4, (4096, 128256, 1): 17, (4096, 128256, 2): 17,
 }
-# fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): run 4's config, since the
-# fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)
-FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
+# fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
+# fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5; the lm_head
+# points were measured in bf16 only)
+FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5, (4096, 128256, 1): 10, (4096, 128256, 2): 10}
 
 
 def m_bucket(m: int) -> int:
