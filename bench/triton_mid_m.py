@@ -64,13 +64,24 @@ CONFIGS = {
     "m256k128": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2},
     "m32x2": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
     "m64k64x2": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    # run 2: fewer, longer K steps; a register cap for more programs per SM; shallower pipelines
+    "m32k256w8": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
+    "m32r128": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "maxnreg": 128},
+    "m32s3": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    "m32w8": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    "m64k256w8": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
+    "m64r168": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "maxnreg": 168},
+    "m128s4": {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    "m256s4": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
 }
 # the M range each config is timed at (BLOCK_M far below or above M only wastes the run's time)
 CONFIG_MS = {"m32": (16, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 256), "m64k64": (17, 256),
              "m64w8": (33, 256), "m64sw8": (33, 128), "m128": (64, 1024), "m128k64": (64, 1024),
              "m256": (128, 1024), "n256m32": (17, 64), "n64m64": (33, 256), "n256m64": (33, 256),
              "n256m128": (128, 1024),
-             "m256k128": (256, 1024), "m32x2": (17, 64), "m64k64x2": (33, 128)}
+             "m256k128": (256, 1024), "m32x2": (16, 64), "m64k64x2": (33, 128),
+             "m32k256w8": (16, 64), "m32r128": (16, 64), "m32s3": (16, 64), "m32w8": (16, 64),
+             "m64k256w8": (33, 128), "m64r168": (33, 128), "m128s4": (64, 1024), "m256s4": (128, 1024)}
 FULL_CHECK = {"m64", "m32s"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
 # the last case (what is timed: bf16, group 128) is checked last, after the compile children had time to build it
@@ -297,14 +308,14 @@ def _old_best(d: dict):
 
 
 def choose(rows, configs: dict, tol: float = 0.03) -> dict:
-    """Per M bucket (> 16): the config with the best geometric-mean time (a config missing at a point, as a
+    """Per M bucket (> 8): the config with the best geometric-mean time (a config missing at a point, as a
     duplicate after BLOCK_M clipping, counts with the time of its duplicate there... so only configs timed at
     every point of the bucket compete); kept only where it beats the old kernels at most points (else None).
     Per (K, N, bucket): the point's fastest config where it beats the bucket's choice by more than tol, or None
     where the old kernels beat every config."""
     by_b = {}
     for (k, n, m), d in _points(rows).items():
-        if m > 16:
+        if m > 8:
             by_b.setdefault(bucket(m), []).append(((k, n, m), d))
     plan, shape_plan, scores = {}, {}, {}
     for b, items in sorted(by_b.items()):
@@ -315,7 +326,7 @@ def choose(rows, configs: dict, tol: float = 0.03) -> dict:
         if not sc:
             plan[b] = None
             continue
-        best = min(sc, key=sc.get)
+        best = min(sc, key=lambda c: (sc[c], list(configs).index(c)))   # ties (the same launch): first listed
         wins = sum(1 for _, d in items if _old_best(d) is None or d[best] < _old_best(d))
         plan[b] = best if wins * 2 > len(items) else None
         for (k, n, m), d in items:
@@ -343,7 +354,7 @@ def table(rows, chosen) -> str:
     for (k, n, m) in sorted(pts, key=lambda t: (order.get((t[0], t[1]), 99), t[2])):
         d = pts[(k, n, m)]
         b = bucket(m)
-        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 16 else None
+        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 8 else None
         t = d.get(name) if name else None
         news = {kk: v for kk, v in d.items() if kk in CONFIGS}
         best = min(news, key=news.get) if news else None
@@ -393,11 +404,9 @@ def start_precompile(configs: dict, procs: int = 8) -> list:
 def routed_name(k: int, n: int, m: int) -> str:
     """The sweep's name for what ``w4a16_triton_impl`` runs now at this point: "small", "old" or a CONFIGS name."""
     from sdquant.kernels import int4_triton
-    if m <= 16:
-        return "small" if int4_triton.small_m_plan(m, n, k) is not None else "old"
     cfg = int4_triton.mid_m_plan(m, n, k)
     if cfg is None:
-        return "old"
+        return "small" if m <= 16 and int4_triton.small_m_plan(m, n, k) is not None else "old"
     names = [c for c, v in CONFIGS.items() if v == cfg]
     if not names:
         raise ValueError(f"the mid-M plan at K={k} N={n} M={m} is no CONFIGS entry: {cfg}")

@@ -9,18 +9,18 @@
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
 shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
-* M <= 16: the small-M kernels of ``int4_triton_gemv`` -- a tensor-core split-K kernel that unpacks codes with
-  magic numbers (no int->float conversion) and applies scales once per group, and a ``tl.dot``-free GEMV for
-  M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN`` (``SHAPE_PLAN`` overrides per K x N), set from
-  ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md, "Triton small-M kernels"). A bucket whose plan
-  is None runs ``_splitk_kernel``.
-* M = 17 ... 512 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
+* M <= 16 where no mid-M plan applies (M <= 8 always): the small-M kernels of ``int4_triton_gemv`` -- a
+  tensor-core split-K kernel that unpacks codes with magic numbers (no int->float conversion) and applies
+  scales once per group, and a ``tl.dot``-free GEMV for M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN``
+  (``SHAPE_PLAN`` overrides per K x N), set from ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md,
+  "Triton small-M kernels"). A bucket whose plan is None runs ``_splitk_kernel``.
+* M = 9 ... 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
   GEMM of ``int4_triton_midm`` (weights on the MMA's wide side, tokens on the narrow one, the int4 tile dequantized
   in registers, split-K where the tiles do not fill the SMs). A bucket whose plan is None runs the old kernels.
-* ``_splitk_kernel`` for M <= 32 (decode) where no small-M or mid-M plan applies: a 16/32-row tensor-core tile per program over BLOCK_N columns and
-  one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets work even at M = 1 on K >> N
-  shapes. With SPLIT_K > 1 each program stores its fp32 partial and ``_reduce_kernel`` sums them in a fixed
-  order (deterministic; no memset, no atomics).
+* ``_splitk_kernel`` for M <= 32 (decode) where no small-M or mid-M plan applies: a 16/32-row tensor-core tile
+  per program over BLOCK_N columns and one slice of K; the grid is (N / BLOCK_N, SPLIT_K) sized so every SM gets
+  work even at M = 1 on K >> N shapes. With SPLIT_K > 1 each program stores its fp32 partial and
+  ``_reduce_kernel`` sums them in a fixed order (deterministic; no memset, no atomics).
 * ``_gemm_kernel`` for larger M: a classic tiled GEMM (grouped program order for L2 reuse) whose B tile is
   dequantized in registers right after the load.
 Dequantization: the int32 tile [BLOCK_K/8, BLOCK_N] (16-byte loads along N) is unpacked by broadcasting 8
@@ -192,12 +192,30 @@ SHAPE_PLAN: dict = {
 }
 
 
-# Mid-M plan per M bucket (M rounded up to a power of two, 32..1024): a config of int4_triton_midm.run (the
-# swap-AB tensor-core GEMM), or None for the old kernels (_splitk_kernel at M <= 32, _gemm_kernel above);
-# MID_SHAPE_PLAN holds per-(K, N, bucket) overrides. Provisional until the H200 sweep of bench/triton_mid_m.py.
-MID_M_PLAN: dict = {32: mid_m.default_config(32), 64: mid_m.default_config(64), 128: mid_m.default_config(128),
-                    256: mid_m.default_config(256), 512: mid_m.default_config(512)}
-MID_SHAPE_PLAN: dict = {}
+# Mid-M plan per M bucket (M rounded up to a power of two, 16..1024; M <= 8 stays with the small-M plan): a
+# config of int4_triton_midm.run (the swap-AB tensor-core GEMM), or None for the other kernels (the small-M plan
+# at M <= 16, _splitk_kernel at M <= 32, _gemm_kernel above); MID_SHAPE_PLAN holds per-(K, N, bucket)
+# overrides (None = the other kernels). Chosen from the H200 sweep of bench/triton_mid_m.py (per bucket the best
+# geometric-mean config where it beats the old kernels; per shape the point's winner where it beats that by > 3%).
+_MM32 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+_MM32X2 = {**_MM32, "waves": 2.0}
+_MN256M32 = {"BLOCK_N": 256, "BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+_MM64 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+_MM64K64X2 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0}
+_MN64M64 = {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+_MM128 = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+_MM128K64 = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+_MM256 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+# H200 run 1 of bench/triton_mid_m.py (2026-12-01, commit 1f6a1dd, bench/results/triton_mid_m_h200_run1.json)
+MID_M_PLAN: dict = {16: _MM32, 32: _MM32, 64: _MM128, 128: _MM128K64, 256: _MM256, 512: _MM256, 1024: _MM256}
+MID_SHAPE_PLAN: dict = {
+    (8192, 10240, 16): None,
+    (14336, 4096, 32): _MN256M32, (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
+    (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,
+    (8192, 10240, 128): _MM64K64X2, (4096, 6144, 128): _MM64K64X2,
+    (14336, 4096, 256): _MM128K64, (4096, 4096, 256): _MN64M64, (4096, 6144, 256): _MM128K64,
+    (4096, 4096, 512): _MM128K64, (8192, 10240, 512): _MM128, (4096, 6144, 1024): _MM128,
+}
 
 
 def m_bucket(m: int) -> int:
@@ -219,8 +237,8 @@ def small_m_plan(m: int, n: int, k: int) -> Optional[dict]:
 
 
 def mid_m_plan(m: int, n: int, k: int) -> Optional[dict]:
-    """The mid-M config for this call (M > 16), or None (use _splitk_kernel / _gemm_kernel)."""
-    if m <= 16:
+    """The mid-M config for this call (M > 8), or None (the small-M plan, _splitk_kernel or _gemm_kernel)."""
+    if m <= 8:
         return None
     b = m_bucket(m)
     key = (k, n, b)
@@ -304,8 +322,8 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight  # never read when HAS_PERM is False
     plan = small_m_plan(m, n, k)
-    mid = mid_m_plan(m, n, k) if plan is None else None
-    path = force_path or ("small" if plan is not None else "midm" if mid is not None else
+    mid = mid_m_plan(m, n, k)
+    path = force_path or ("midm" if mid is not None else "small" if plan is not None else
                           "splitk" if m <= 32 else "gemm")
     if path == "midm" and m > 0:
         out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})})

@@ -227,10 +227,13 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
         cdt = tl.float16 if x2.dtype == torch.float16 else tl.bfloat16
     bias = 0.0 if unpack == 0 else (1024.0 if x2.dtype == torch.float16 else 128.0)
     grid = (triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)
+    # an optional register cap (ptxas maxnreg) trades spills for more programs per SM
+    extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") and not interp else {}
     _kernels()["midm"][grid](x2, qweight, scales, zs, perm if has_perm else qweight, out, part, m, n, x2.stride(0),
                              k // split, GS=gs, BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"],
                              PARTIAL=split > 1, HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
-                             SCALE_ACC=bool(c["SCALE_ACC"]), num_warps=c["num_warps"], num_stages=c["num_stages"])
+                             SCALE_ACC=bool(c["SCALE_ACC"]), num_warps=c["num_warps"], num_stages=c["num_stages"],
+                             **extra)
     if split > 1:
         block = 512
         small_m._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
