@@ -75,12 +75,12 @@ CONFIGS = {
     "m256s4": {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
 }
 # the M range each config is timed at (BLOCK_M far below or above M only wastes the run's time)
-CONFIG_MS = {"m32": (16, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 256), "m64k64": (17, 256),
+CONFIG_MS = {"m32": (1, 64), "n64m32": (17, 64), "m32s": (17, 64), "m64": (17, 256), "m64k64": (17, 256),
              "m64w8": (33, 256), "m64sw8": (33, 128), "m128": (64, 1024), "m128k64": (64, 1024),
              "m256": (128, 1024), "n256m32": (17, 64), "n64m64": (33, 256), "n256m64": (33, 256),
              "n256m128": (128, 1024),
-             "m256k128": (256, 1024), "m32x2": (16, 64), "m64k64x2": (33, 128),
-             "m32k256w8": (16, 64), "m32r128": (16, 64), "m32s3": (16, 64), "m32w8": (16, 64),
+             "m256k128": (256, 1024), "m32x2": (1, 64), "m64k64x2": (33, 128),
+             "m32k256w8": (16, 64), "m32r128": (16, 64), "m32s3": (16, 64), "m32w8": (1, 64),
              "m64k256w8": (33, 128), "m64r168": (33, 128), "m128s4": (64, 1024), "m256s4": (128, 1024)}
 FULL_CHECK = {"m64", "m32s"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
@@ -308,14 +308,14 @@ def _old_best(d: dict):
 
 
 def choose(rows, configs: dict, tol: float = 0.03) -> dict:
-    """Per M bucket (> 8): the config with the best geometric-mean time (a config missing at a point, as a
+    """Per M bucket (M > 4): the config with the best geometric-mean time (a config missing at a point, as a
     duplicate after BLOCK_M clipping, counts with the time of its duplicate there... so only configs timed at
     every point of the bucket compete); kept only where it beats the old kernels at most points (else None).
     Per (K, N, bucket): the point's fastest config where it beats the bucket's choice by more than tol, or None
     where the old kernels beat every config."""
     by_b = {}
     for (k, n, m), d in _points(rows).items():
-        if m > 8:
+        if m > 4:   # M <= 4 belongs to the small-M kernels (GEMV); from M = 5 the mid-M kernel competes
             by_b.setdefault(bucket(m), []).append(((k, n, m), d))
     plan, shape_plan, scores = {}, {}, {}
     for b, items in sorted(by_b.items()):
@@ -354,7 +354,7 @@ def table(rows, chosen) -> str:
     for (k, n, m) in sorted(pts, key=lambda t: (order.get((t[0], t[1]), 99), t[2])):
         d = pts[(k, n, m)]
         b = bucket(m)
-        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 8 else None
+        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 4 else None
         t = d.get(name) if name else None
         news = {kk: v for kk, v in d.items() if kk in CONFIGS}
         best = min(news, key=news.get) if news else None
