@@ -46,6 +46,9 @@ VARIANTS = {
     # inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl): its kernels start
     # while the previous kernel drains and wait on the device for its results
     "int4all-compiled-pdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True, pdl=True),
+    # int4all-compiled with the CUDA kernel configs proposed by a bench/int4_tune.py run (--int4-tuned JSON)
+    "int4all-compiled-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                   tuned=True),
 }
 # cheap eager variants first (the CUDA int4 extension builds meanwhile), the baseline, then the quantized
 # ones; int4all right after int4 reuses its compiled block (same block, only embedding/lm_head differ)
@@ -233,6 +236,22 @@ _LAST_BLOCK = {"linears": None}
 
 def run_variant(name, args, dev, dtype, dims):
     spec = VARIANTS[name]
+    if spec.get("tuned"):
+        from sdquant.kernels import int4_cuda
+        if not args.int4_tuned:
+            return {"variant": name, "skipped": "no --int4-tuned JSON", "decode": {}, "weights_gb": float("nan")}
+        old = int4_cuda.use_configs(*int4_cuda.tuned_configs(args.int4_tuned))
+        try:
+            res = _run_variant(name, spec, args, dev, dtype, dims)
+            res["int4_tuned"] = {"DEFAULT_CONFIGS": int4_cuda.DEFAULT_CONFIGS,
+                                 "SHAPE_CONFIGS": {f"{k}x{n}:M{b}": c for (k, n, b), c in int4_cuda.SHAPE_CONFIGS.items()}}
+            return res
+        finally:
+            int4_cuda.use_configs(*old)
+    return _run_variant(name, spec, args, dev, dtype, dims)
+
+
+def _run_variant(name, spec, args, dev, dtype, dims):
     # every variant compiles the same block function: when the block's linears change, start from an empty
     # dynamo cache so the previous variant's entries do not count against this one's recompile limit
     from sdquant.kernels.linear import Fp8Linear
@@ -362,6 +381,8 @@ def main(argv=None):
     ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
+    ap.add_argument("--int4-tuned", default=None, help="a bench/int4_tune.py JSON: its proposed CUDA kernel configs "
+                                                      "for the int4all-compiled-tuned variant")
     ap.add_argument("--commit", default=os.environ.get("SDQUANT_COMMIT", "unknown"))
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)

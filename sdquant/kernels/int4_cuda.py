@@ -191,6 +191,36 @@ def m_bucket(m: int) -> int:
 WSCALE_TWIN = {14: 13, 15: 16, 17: 13, 18: 16, 20: 19, 22: 19, 23: 24, 27: 26}
 
 
+def tuned_configs(path) -> tuple:
+    """(DEFAULT_CONFIGS, SHAPE_CONFIGS) proposed by a ``bench/int4_tune.py`` run (its JSON's "chosen" entry,
+    from the sweep's confirm pass), in this module's format. Raises ConfigError when the file holds none."""
+    import json
+    from pathlib import Path
+
+    from sdquant.errors import ConfigError
+    try:
+        chosen = json.loads(Path(path).read_text()).get("chosen") or {}
+        defaults = {int(b): int(c) for b, c in chosen["DEFAULT_CONFIGS"].items()}
+        shapes = {}
+        for key, c in chosen["SHAPE_CONFIGS"].items():
+            kn, b = key.split(":M")
+            k, n = (int(v) for v in kn.split("x"))
+            shapes[(k, n, int(b))] = int(c)
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise ConfigError("int4 tuned configs", f"{path}: no proposed defaults from bench/int4_tune.py "
+                                                f"({type(e).__name__}: {e})") from None
+    return defaults, shapes
+
+
+def use_configs(defaults: dict, shapes: dict) -> tuple:
+    """Make ``auto_config`` use these (DEFAULT_CONFIGS, SHAPE_CONFIGS) in this process (e.g. a fresh tuning
+    run's, before they are committed); returns the previous pair so that it can be restored."""
+    global DEFAULT_CONFIGS, SHAPE_CONFIGS
+    old = (DEFAULT_CONFIGS, SHAPE_CONFIGS)
+    DEFAULT_CONFIGS, SHAPE_CONFIGS = dict(defaults), dict(shapes)
+    return old
+
+
 def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
     """The kernel config the op uses when called with config=-1 (measured winners; 0 above M = 16)."""
     b = m_bucket(m)

@@ -115,3 +115,28 @@ def test_compile_fullgraph_traces_the_op():
     x = torch.randn(4, 128).half()
     got = torch.compile(f, fullgraph=True, backend="eager")(x)
     assert torch.equal(got, f(x))
+
+
+def test_tuned_configs_from_an_int4_tune_json(tmp_path):
+    """A bench/int4_tune.py run's proposed defaults can be used in-process (bench/e2e.py --int4-tuned) and put
+    back; a file without them is a one-line ConfigError."""
+    import json
+
+    from sdquant.errors import ConfigError
+    from sdquant.kernels import int4_cuda as ic
+    p = tmp_path / "int4_tune.json"
+    p.write_text(json.dumps({"chosen": {"DEFAULT_CONFIGS": {"1": 39, "2": 10}, "SHAPE_CONFIGS": {"4096x4096:M1": 46}}}))
+    defaults, shapes = ic.tuned_configs(p)
+    assert defaults == {1: 39, 2: 10} and shapes == {(4096, 4096, 1): 46}
+    before = ic.auto_config(1, 28672, 8192), ic.auto_config(1, 4096, 4096)
+    old = ic.use_configs(defaults, shapes)
+    try:
+        assert ic.auto_config(1, 4096, 4096) == 46 and ic.auto_config(1, 28672, 8192) == 39
+        assert ic.auto_config(2, 6144, 4096) == 10
+    finally:
+        ic.use_configs(*old)
+    assert (ic.auto_config(1, 28672, 8192), ic.auto_config(1, 4096, 4096)) == before
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"chosen": None}))
+    with pytest.raises(ConfigError, match="bad.json"):
+        ic.tuned_configs(bad)
