@@ -308,14 +308,14 @@ def _old_best(d: dict):
 
 
 def choose(rows, configs: dict, tol: float = 0.03) -> dict:
-    """Per M bucket (M > 4): the config with the best geometric-mean time (a config missing at a point, as a
+    """Per M bucket (M > 2): the config with the best geometric-mean time (a config missing at a point, as a
     duplicate after BLOCK_M clipping, counts with the time of its duplicate there... so only configs timed at
     every point of the bucket compete); kept only where it beats the old kernels at most points (else None).
     Per (K, N, bucket): the point's fastest config where it beats the bucket's choice by more than tol, or None
     where the old kernels beat every config."""
     by_b = {}
     for (k, n, m), d in _points(rows).items():
-        if m > 4:   # M <= 4 belongs to the small-M kernels (GEMV); from M = 5 the mid-M kernel competes
+        if m > 2:   # M <= 2 belongs to the GEMV of the small-M plan; from M = 3 the mid-M kernel competes
             by_b.setdefault(bucket(m), []).append(((k, n, m), d))
     plan, shape_plan, scores = {}, {}, {}
     for b, items in sorted(by_b.items()):
@@ -354,7 +354,7 @@ def table(rows, chosen) -> str:
     for (k, n, m) in sorted(pts, key=lambda t: (order.get((t[0], t[1]), 99), t[2])):
         d = pts[(k, n, m)]
         b = bucket(m)
-        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 4 else None
+        name = chosen["MID_SHAPE_PLAN"].get((k, n, b), chosen["MID_M_PLAN"].get(b)) if m > 2 else None
         t = d.get(name) if name else None
         news = {kk: v for kk, v in d.items() if kk in CONFIGS}
         best = min(news, key=news.get) if news else None

@@ -9,12 +9,12 @@
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
 shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
-* M <= 16 where no mid-M plan applies: the small-M kernels of ``int4_triton_gemv`` -- a
+* M <= 2 (and M <= 16 where no mid-M plan applies): the small-M kernels of ``int4_triton_gemv`` -- a
   tensor-core split-K kernel that unpacks codes with magic numbers (no int->float conversion) and applies
   scales once per group, and a ``tl.dot``-free GEMV for M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN``
   (``SHAPE_PLAN`` overrides per K x N), set from ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md,
   "Triton small-M kernels"). A bucket whose plan is None runs ``_splitk_kernel``.
-* M >= 9 up to 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
+* M = 3 ... 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
   GEMM of ``int4_triton_midm`` (weights on the MMA's wide side, tokens on the narrow one, the int4 tile dequantized
   in registers, split-K where the tiles do not fill the SMs). A bucket whose plan is None runs the old kernels.
 * ``_splitk_kernel`` for M <= 32 (decode) where no small-M or mid-M plan applies: a 16/32-row tensor-core tile
@@ -200,23 +200,24 @@ SHAPE_PLAN: dict = {
 _MM32W8 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
 _MM32X2 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MM64 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-_MM64W8 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
 _MM64K64X2 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MN64M64 = {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 _MM128 = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 _MM128K64 = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-# H200 run 2 of bench/triton_mid_m.py (2026-12-01, commit d9708d8, bench/results/triton_mid_m_h200.json): the
-# swap-AB kernel was the fastest Triton path at every measured point with M >= 16 (1.2-1.7x the small-M plan at
-# M = 16, 1.2-2.3x the old kernels at M = 32, 1.2-6.6x at M = 64-1024)
-MID_M_PLAN: dict = {16: _MM32W8, 32: _MM32W8, 64: _MM64W8, 128: _MM128K64, 256: _MM256S4, 512: _MM256S4,
-                    1024: _MM256S4}
+# H200 run 3 of bench/triton_mid_m.py (2026-12-01, commit 7307065, bench/results/triton_mid_m_h200.json; the
+# configs from the wider sweeps of runs 1-2, *_run1/_run2.json): the swap-AB kernel was the fastest Triton path at
+# every measured point with M >= 4 (1.2-1.7x the small-M plan at M = 4-16 -- its 16-row tile costs the same at
+# M = 3 as at 16 -- 1.2-2.3x the old kernels at M = 32, 1.2-6.7x at M = 64-1024); M <= 2 stays with the GEMV
+MID_M_PLAN: dict = {4: _MM32W8, 8: _MM32W8, 16: _MM32W8, 32: _MM32W8, 64: _MM128, 128: _MM128K64, 256: _MM256S4,
+                    512: _MM256S4, 1024: _MM256S4}
 MID_SHAPE_PLAN: dict = {
+    (8192, 10240, 4): _MM32X2, (4096, 6144, 4): _MM32X2, (8192, 10240, 8): _MM32X2, (4096, 6144, 8): _MM32X2,
     (8192, 10240, 16): _MM32X2, (4096, 6144, 16): _MM32X2, (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
-    (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (4096, 4096, 64): _MN64M64, (8192, 10240, 64): _MM64K64X2,
-    (4096, 6144, 64): _MM64K64X2, (8192, 10240, 128): _MM64K64X2, (4096, 6144, 128): _MM64K64X2,
+    (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,
+    (8192, 10240, 128): _MM64K64X2, (4096, 6144, 128): _MM64K64X2,
     (14336, 4096, 256): _MM128K64, (4096, 4096, 256): _MN64M64, (4096, 4096, 512): _MM128K64,
-    (8192, 10240, 512): _MM128, (4096, 6144, 1024): _MM128,
+    (8192, 10240, 512): _MM128,
 }
 
 

@@ -56,6 +56,8 @@ CASES = [
     (768, 96, -1, True, False, torch.float16, 45, {}),                       # per-channel, odd N/32 and M
     (768, 256, 128, False, True, torch.float16, 100, {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_K": 3}),
     (384, 160, 32, True, True, torch.bfloat16, 64, {"BLOCK_K": 128, "BLOCK_N": 32}),  # groups smaller than BK
+    (512, 128, 128, False, False, torch.float16, 3, {}),                     # M = 3..16: one 16-row tile
+    (256, 192, 64, True, True, torch.bfloat16, 9, {"SPLIT_K": 2}),
     # SCALE_ACC: raw codes into the MMA, the scale applied to each K tile's product
     (512, 256, 64, False, True, torch.bfloat16, 40, {"SCALE_ACC": True, "SPLIT_K": 2}),
     (768, 128, -1, False, False, torch.float16, 19, {"SCALE_ACC": True}),
@@ -101,6 +103,13 @@ def test_op_routes_mid_m_here(interpret, monkeypatch):
     assert calls and y.shape == (2, 20, 128)
     ref = reference(x.reshape(40, 256), qw) + bias.float()
     assert rel(y.reshape(40, 128), ref) < BOUND[torch.float16]
+
+
+def test_plan_leaves_m_le_2_to_the_gemv():
+    assert int4_triton.mid_m_plan(1, 4096, 4096) is None and int4_triton.mid_m_plan(2, 28672, 8192) is None
+    for m in (3, 17, 64, 300, 1024):
+        cfg = int4_triton.mid_m_plan(m, 28672, 8192)
+        assert cfg is not None and MM.resolve(cfg, m, 28672, 8192, 128, 132)["BLOCK_M"] >= 16
 
 
 def test_shapes_that_do_not_divide(interpret):
