@@ -166,16 +166,21 @@ LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only 
 # Run 6 (docs/bench_int4_cuda_run6.md, first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
 # shape 4096x128256 at M = 1 and 2 -> 17 (stream-K): 99.0 / 99.1 and 100.3 / 100.4 us vs v10 103.9 / 114.0 and
 # 104.0 / 114.2 in the two passes (v17's code is unchanged since: identical SASS).
+# Run 6b (second sweep at 688daaf, variants 37-49 against these defaults, bench/results/int4_tune_h200_run6b.*)
+# changed seven points, each faster than the previous default in both passes: the lm_head shape 4096x128256 at
+# M = 1-8 -> 5 (95.1 / 98.6 us vs v17 100.8 / 101.5 at M = 1; 97.2-101.5 vs 102.4-106.1 at M = 2-8) and
+# 4096x6144 at M = 2-8 -> 37 (lean, 1 block x 8 K-warps: 10.5-10.8 vs v10 10.8-11.7).
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-    (8192, 10240, 16): 0, (4096, 6144, 16): 4, (4096, 128256, 1): 17, (4096, 128256, 2): 17,
+    (8192, 10240, 16): 0, (4096, 6144, 16): 4,
+    (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5,
+    (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
-# fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5; the lm_head
-# points were measured in bf16 only)
-FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5, (4096, 128256, 1): 10, (4096, 128256, 2): 10}
+# fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)
+FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
 
 
 def m_bucket(m: int) -> int:

@@ -268,7 +268,8 @@ class Block(nn.Module):
         """The block with its last residual add deferred: adds the previous block's ``pending`` MLP output to x
         first (None: nothing pending) and returns (residual stream, this block's MLP output). Under a per-block
         torch.compile the add then lands in the next block's first RMSNorm kernel instead of a kernel of its own
-        (the same bf16 add of the same operands: bit-identical results)."""
+        (the same add of the same operands: the same values; the runtime passes zeros to its first block, which
+        can only turn an exact -0.0 of the embedding into +0.0)."""
         if pending is not None:
             x = x + pending
         h = x + self.attn(rms_norm(x, self.attn_norm, self.d.rms_eps), cos, sin, mask, input_pos)
@@ -357,11 +358,12 @@ class Transformer(nn.Module):
         x = self.tok(idx)                                                                     # [B, S, H]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
         masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
-        pending = None  # each block's MLP output, added inside the next block's first RMSNorm (forward_deferred)
+        # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
+        # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
+        pending = torch.zeros_like(x)
         for blk in self.layers:
             x, pending = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
-        if pending is not None:
-            x = x + pending
+        x = x + pending
         if last_only:
             x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
