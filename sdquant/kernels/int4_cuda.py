@@ -163,7 +163,7 @@ LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only 
 # Run 5 (stream-K variants 13-27) changed three points, each faster than run 4's config in both of its passes:
 # 8192x28672 M=1 -> 17 (stream-K, 8 blocks a CTA, per-weight scale: 48.5 / 49.6 us vs v5 49.7 / 50.4),
 # 4096x6144 M=1 -> 11 (10.1 / 10.2 vs v1 10.2 / 10.6), 8192x10240 M=9-16 -> 0 (34.4 / 34.2 vs v1 34.6 / 34.5).
-# Run 6 (docs/bench_int4_cuda_run6.md, first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
+# Run 6 (docs/BENCHMARKS.md "INT4 CUDA kernel tuning (run 6 ...)", first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
 # shape 4096x128256 at M = 1 and 2 -> 17 (stream-K): 99.0 / 99.1 and 100.3 / 100.4 us vs v10 103.9 / 114.0 and
 # 104.0 / 114.2 in the two passes (v17's code is unchanged since: identical SASS).
 # Run 6b (second sweep at 688daaf, variants 37-49 against these defaults, bench/results/int4_tune_h200_run6b.*)

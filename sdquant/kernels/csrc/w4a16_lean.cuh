@@ -25,13 +25,14 @@
 // in fp32. The cancellation costs ~5 (bf16) / ~8 (fp16) of fp32's 24 bits.
 // FLAT = 1 (KW = 1, no clusters): w4a16_lean_flat_kernel, a persistent grid of the resident slots whose W warps each
 // take W-th of the flattened (block, K step) space (see there).
-// Measured (H200, run 6, docs/bench_int4_cuda_run6.md; variants 28-37 at commit 16db4d8, before the RAW codes and the
+// Measured (H200, run 6, docs/BENCHMARKS.md "INT4 CUDA kernel tuning (run 6 ...)"; variants 28-37 at commit 16db4d8, before the RAW codes and the
 // step-loop trim): no WSCALE variant beat the direct kernel v10 at any M = 1-8 point except 4096x6144 M = 2-8 (v37,
 // 10.4-10.6 vs 10.8-11.5 us); more warps per SM at the same bytes per SM did not help (v34: 32 warps x 1 KB, 52.2 us
 // vs v10's 16 x 2 KB, 51.7, on 8192x28672); the cluster reduction was a large loss (v30 vs the same kernel without
 // clusters, v37: 14.8 vs 9.1 us on 4096x4096, 30.9 vs 18.2 on 14336x4096). Per K step (bf16, one token tile, ptxas
 // SASS, steady state without the group-start code): v10 84 instructions, v17 110, WSCALE lean 88, RAW lean 59-61,
-// flat RAW 61-64 -- the RAW and flat variants (38-49) are not yet timed on the GPU.
+// flat RAW 61-64. Run 6b (688daaf) timed the RAW and flat variants (38-49): none won at any shape or M = 1-8 (geo-mean
+// time / best at M = 1: v10 1.03, v39 RAW 1.22, v45 1.25); v37 won 4096x6144 at M = 2-8 and is its default there.
 template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8, int RAW_ = 0,
           int FLAT_ = 0>
 struct LCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles in bf16; HMINB: fp16 at one tile
