@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from triton_small_m import bucket, time_cpu  # noqa: E402  (shared helpers of the small-M sweep)
+from triton_small_m import bucket, check_layout_configs, time_cpu  # noqa: E402  (shared with the small-M sweep)
 
 T0 = time.time()
 LOG: list = []
@@ -110,73 +110,26 @@ def elapsed() -> float:
 # ------------------------------------------------------------------------------------------------ checks
 def check_configs(dev, configs: dict, dry: bool) -> tuple:
     """Every config (and "dispatch", the op as routed) against the float64 reference; (passing, rows, summary)."""
-    import torch
-
-    import gemm
-    from sdquant.kernels import int4_layout, int4_triton
+    from sdquant.kernels import int4_triton
     from sdquant.kernels import int4_triton_midm as MM
-    bound = {"bfloat16": 1e-2, "float16": 2e-3}
-    rows, failed = [], set()
     cases = CHECK_CASES if not dry else [(256, 128, 64, False, True, "bfloat16", (17, 40), (0, 2)),
                                          (256, 64, -1, True, False, "float16", (33,), (0,))]
-    names = {"dispatch": None, **configs}
-    for ci, (k, n, gs, sym, act, dtn, ms, splits) in enumerate(cases):
+
+    def run(x, lay, g, cfg, sp):
+        if cfg is None:
+            return int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None)
+        return MM.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g, {**cfg, "SPLIT_K": sp})
+
+    def skip(name, cfg, m, ci):
+        return not dry and name not in FULL_CHECK and name != "dispatch" and ci not in SUBSET
+
+    def guard(ci):
         if elapsed() > 120 and not dry and ci not in SUBSET:
             log(f"  check time guard: case {ci} skipped ({elapsed():.0f} s)")
-            continue
-        dt = getattr(torch, dtn)
-        qw = gemm.random_int4(n, k, gs, sym, act, device=dev, seed=k + n + gs)
-        w = qw.dequantize(torch.float64)
-        lay = int4_layout.repack_triton(qw, dt)
-        g = k // lay["scales"].shape[0]
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            ref = (x.double() @ w.t()).float()
-            for name, cfg in names.items():
-                if name in failed:
-                    continue
-                if not dry and name not in FULL_CHECK and name != "dispatch" and ci not in SUBSET:
-                    continue
-                for sp in (splits if cfg is not None else (0,)):
-                    try:
-                        ys = []
-                        for _ in range(2):
-                            if not dry:   # poison the allocator's next blocks
-                                torch.full((m, n), float("nan"), device=dev, dtype=dt)
-                            if cfg is None:
-                                ys.append(int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"],
-                                                                        lay["perm"], None))
-                            else:
-                                ys.append(MM.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g,
-                                                 {**cfg, "SPLIT_K": sp}))
-                        if not dry:
-                            torch.cuda.synchronize()
-                        err = gemm.rel_err(ys[0], ref)
-                        same = bool(torch.equal(ys[0], ys[1]))
-                        ok = err == err and err <= bound[dtn] and same
-                        note = ""
-                    except Exception as ex:  # noqa: BLE001 - reported; the config is then not timed
-                        err, same, ok, note = float("nan"), False, False, f"{type(ex).__name__}: {str(ex)[:400]}"
-                    rows.append({"config": name, "K": k, "N": n, "gs": gs, "sym": sym, "act": act, "dtype": dtn,
-                                 "M": m, "splits": sp, "rel_err": err, "deterministic": same, "pass": ok,
-                                 "note": note})
-                    if not ok:
-                        log(f"  FAIL {name} K={k} N={n} gs={gs} sym={sym} act={act} {dtn} M={m} split={sp}: "
-                            f"err={err:.3g} same={same} {note}")
-                        failed.add(name)
-                        break
-    summary = {}
-    for r in rows:
-        d = summary.setdefault(r["config"], {"n": 0, "pass": 0, "worst": {}})
-        d["n"] += 1
-        d["pass"] += bool(r["pass"])
-        e = r["rel_err"] if r["rel_err"] == r["rel_err"] else 1e9
-        d["worst"][r["dtype"]] = max(d["worst"].get(r["dtype"], 0.0), e)
-    for name, d in summary.items():
-        log(f"  check {name}: {d['pass']}/{d['n']} pass, worst " +
-            ", ".join(f"{kk} {v:.2e}" for kk, v in sorted(d["worst"].items())))
-    passing = [c for c in names if c in summary and c not in failed]
-    return passing, rows, summary
+            return True
+        return False
+
+    return check_layout_configs(dev, {"dispatch": None, **configs}, cases, run, skip, log, guard)
 
 
 # ------------------------------------------------------------------------------------------------ timing

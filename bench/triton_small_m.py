@@ -130,17 +130,23 @@ def finish_cuda_child(proc, timeout: float) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def check_configs(dev, configs: dict, dry: bool) -> tuple:
+def check_layout_configs(dev, configs: dict, cases, run, skip, log_fn, guard=None, none_splits: bool = False) -> tuple:
+    """Every config against the float64 reference on the Triton layout of each case; each call twice into a
+    NaN-poisoned allocator and required bit-identical. ``cases``: (K, N, group, sym, act-order, dtype name, Ms,
+    splits); ``run(x, layout, group, cfg, split)`` computes y (``cfg`` None: the op's own path, run with split 0
+    only unless ``none_splits``); ``skip(name, cfg, m, case_index)`` leaves a point out; ``guard(case_index)`` True
+    skips a whole case.
+    Shared by bench/triton_small_m.py and bench/triton_mid_m.py. Returns (passing names, rows, summary)."""
     import torch
 
     import gemm
-    from sdquant.kernels import int4_layout, int4_triton
-    from sdquant.kernels import int4_triton_gemv as G
+    from sdquant.kernels import int4_layout
     bound = {"bfloat16": 1e-2, "float16": 2e-3}
     rows, failed = [], set()
-    cases = CHECK_CASES if not dry else [(256, 128, 64, False, True, "bfloat16", (1, 3, 16), (0, 2)),
-                                         (256, 64, -1, True, False, "float16", (2,), (0,))]
+    dry = dev.type == "cpu"
     for ci, (k, n, gs, sym, act, dtn, ms, splits) in enumerate(cases):
+        if guard is not None and guard(ci):
+            continue
         dt = getattr(torch, dtn)
         qw = gemm.random_int4(n, k, gs, sym, act, device=dev, seed=k + n + gs)
         w = qw.dequantize(torch.float64)
@@ -150,23 +156,15 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
             x = torch.randn(m, k, device=dev, dtype=dt)
             ref = (x.double() @ w.t()).float()
             for name, cfg in configs.items():
-                if name in failed or (cfg is not None and cfg["kernel"] == "gemv" and m > 4):
+                if name in failed or skip(name, cfg, m, ci):
                     continue
-                if not dry and name not in FULL_CHECK and ci not in SUBSET:
-                    continue
-                for sp in splits:
+                for sp in (splits if cfg is not None or none_splits else (0,)):
                     try:
                         ys = []
                         for _ in range(2):
-                            if not dry:
+                            if not dry:   # poison the allocator's next blocks
                                 torch.full((m, n), float("nan"), device=dev, dtype=dt)
-                            if cfg is None:
-                                ys.append(int4_triton.w4a16_triton_impl(
-                                    x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None, force_path="splitk",
-                                    config={"SPLIT_K": sp} if sp else None))
-                            else:
-                                ys.append(G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g,
-                                                {**cfg, "SPLIT_K": sp}))
+                            ys.append(run(x, lay, g, cfg, sp))
                         if not dry:
                             torch.cuda.synchronize()
                         err = gemm.rel_err(ys[0], ref)
@@ -179,8 +177,8 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
                                  "M": m, "splits": sp, "rel_err": err, "deterministic": same, "pass": ok,
                                  "note": note})
                     if not ok:
-                        log(f"  FAIL {name} K={k} N={n} gs={gs} sym={sym} act={act} {dtn} M={m} split={sp}: "
-                            f"err={err:.3g} same={same} {note}")
+                        log_fn(f"  FAIL {name} K={k} N={n} gs={gs} sym={sym} act={act} {dtn} M={m} split={sp}: "
+                               f"err={err:.3g} same={same} {note}")
                         failed.add(name)
                         break
     summary = {}
@@ -191,13 +189,31 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
         e = r["rel_err"] if r["rel_err"] == r["rel_err"] else 1e9
         d["worst"][r["dtype"]] = max(d["worst"].get(r["dtype"], 0.0), e)
     for name, d in summary.items():
-        log(f"  check {name}: {d['pass']}/{d['n']} pass, worst " +
-            ", ".join(f"{kk} {v:.2e}" for kk, v in sorted(d["worst"].items())))
+        log_fn(f"  check {name}: {d['pass']}/{d['n']} pass, worst " +
+               ", ".join(f"{kk} {v:.2e}" for kk, v in sorted(d["worst"].items())))
     passing = [c for c in configs if c in summary and c not in failed]
     return passing, rows, summary
 
 
-# ------------------------------------------------------------------------------------------------ timing
+def check_configs(dev, configs: dict, dry: bool) -> tuple:
+    from sdquant.kernels import int4_triton
+    from sdquant.kernels import int4_triton_gemv as G
+    cases = CHECK_CASES if not dry else [(256, 128, 64, False, True, "bfloat16", (1, 3, 16), (0, 2)),
+                                         (256, 64, -1, True, False, "float16", (2,), (0,))]
+
+    def run(x, lay, g, cfg, sp):
+        if cfg is None:
+            return int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None,
+                                                 force_path="splitk", config={"SPLIT_K": sp} if sp else None)
+        return G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g, {**cfg, "SPLIT_K": sp})
+
+    def skip(name, cfg, m, ci):
+        return (cfg is not None and cfg["kernel"] == "gemv" and m > 4) or \
+            (not dry and name not in FULL_CHECK and ci not in SUBSET)
+
+    return check_layout_configs(dev, configs, cases, run, skip, log, none_splits=True)
+
+
 def time_cpu(call, n_rot: int, trials: int = 3) -> float:
     ts = []
     for _ in range(trials):
