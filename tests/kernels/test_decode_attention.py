@@ -13,11 +13,6 @@ if not da.available():
     pytest.skip("triton not installed", allow_module_level=True)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def _case(b=2, nkv=2, rep=4, T=200, hd=32, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, nkv, rep, hd, generator=g).to(dtype)

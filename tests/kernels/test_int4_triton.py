@@ -23,11 +23,6 @@ from test_int4_layout import make_qw  # noqa: E402
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def run(x, lay, bias=None, path=None):
     return int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], bias,
                                          force_path=path)

@@ -21,11 +21,6 @@ from test_int4_layout import make_qw  # noqa: E402
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def reference(x, qw):
     y = torch.ops.sdquant.int_linear(x.double(), qw.qweight, qw.scales, qw.zeros, qw.g_idx, None, 4,
                                      qw.group_size, qw.in_features)
