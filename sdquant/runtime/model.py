@@ -152,7 +152,8 @@ def _resolve_attention(impl: str, x: torch.Tensor, head_dim: int) -> str:
 
 class Attention(nn.Module):
     """impl (decode steps; prefill always uses "sdpa"):
-    "auto"     (default) "triton" for CUDA tensors where triton is installed, otherwise "matmul".
+    "auto"     (default) "triton" for CUDA tensors where triton is installed and head_dim is a power of two >= 16,
+               otherwise "matmul" (``_resolve_attention``).
     "matmul"   q.k^T, masked fp32 softmax, p.v as plain ops: cuBLAS spreads the two small batched GEMMs over
                all SMs, inductor fuses the mask into the softmax (flash-decoding-like parallelism).
     "sdpa"     SDPA with the rep query heads of a KV head as rep query rows (no K/V repeat); with a mask SDPA
