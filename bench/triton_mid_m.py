@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from triton_small_m import bucket, check_layout_configs, time_cpu  # noqa: E402  (shared with the small-M sweep)
+from triton_small_m import bucket, check_layout_configs, shape_setup, time_calls, time_cpu  # noqa: E402  (shared)
 
 T0 = time.time()
 LOG: list = []
@@ -138,7 +138,7 @@ def sweep(dev, shapes, ms, configs: dict, copy_bw: float, budget_s: float, dry: 
     import torch
 
     import gemm
-    from sdquant.kernels import int4_layout, int4_triton
+    from sdquant.kernels import int4_triton
     from sdquant.kernels import int4_triton_midm as MM
     from sdquant.kernels import layout_dequant  # noqa: F401  (registers sdquant::w4a16_dequant_triton)
     dtype = torch.bfloat16
@@ -151,14 +151,7 @@ def sweep(dev, shapes, ms, configs: dict, copy_bw: float, budget_s: float, dry: 
             log(f"time guard: stop before {k}x{n} at {elapsed():.0f} s")
             break
         t_shape = time.time()
-        qw = gemm.random_int4(n, k, GS, device=dev, seed=k + n)
-        w_ref = qw.dequantize(dtype)
-        int4_bytes = n * k // 2 + n * (k // GS) * 2 * 2
-        n_int4 = 2 if dry else gemm.n_copies(int4_bytes)
-        base = int4_layout.repack_triton(qw, dtype)
-        tlays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
-        n_bf = 2 if dry else gemm.n_copies(n * k * 2)
-        wcopies = [w_ref] + [w_ref.clone() for _ in range(n_bf - 1)]
+        qw, w_ref, int4_bytes, tlays, wcopies, n_int4 = shape_setup(k, n, dev, dtype, dry)
         tiny = []
         if not dry:
             try:
@@ -207,25 +200,9 @@ def sweep(dev, shapes, ms, configs: dict, copy_bw: float, budget_s: float, dry: 
             if dispatch_ok:
                 calls["dispatch"] = (lay_call(lambda c: int4_triton.w4a16_triton_impl(
                     x, c["qweight"], c["scales"], c["zs"], None, None)), len(tlays), int4_bytes)
-            res = {}
-            for name, (call, nrot, wbytes) in calls.items():
-                try:
-                    err = gemm.rel_err(call(0), ref)
-                    if not (err == err and err <= 1e-2):
-                        log(f"  {name} {k}x{n} M={m}: WRONG rel err {err:.3g}; not timed")
-                        continue
-                    us = timer(call, nrot)
-                    nbytes = wbytes + m * k * 2 + m * n * 2
-                    tbs = nbytes / (us * 1e-6) / 1e12
-                    split = None
-                    if name in configs:
-                        split = MM.resolve({**MM.default_config(m), **configs[name]}, m, n, k, GS, sms)["SPLIT_K"]
-                    res[name] = us
-                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 3), "rel_err": err,
-                                 "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
-                                 "TFLOPs": round(2 * m * n * k / (us * 1e-6) / 1e12, 1), "split": split})
-                except Exception as ex:  # noqa: BLE001
-                    log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+            res = time_calls(calls, ref, k, n, m, timer, copy_bw, rows,
+                             lambda name: MM.resolve({**MM.default_config(m), **configs[name]}, m, n, k, GS,
+                                                     sms)["SPLIT_K"] if name in configs else None)
             for name, same in alias.items():   # the same launch as an earlier config: its time, marked
                 if same in res:
                     res[name] = res[same]

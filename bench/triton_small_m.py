@@ -224,6 +224,45 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
     return statistics.median(ts)
 
 
+def shape_setup(k: int, n: int, dev, dtype, dry: bool) -> tuple:
+    """One timed shape's random int4 weight (group GS) and the copies the timings rotate through (past 3x the L2
+    on a GPU, 2 in --dry): (qw, w_ref, int4_bytes, Triton layouts, bf16 weights, copies per int4 layout)."""
+    import gemm
+    from sdquant.kernels import int4_layout
+    qw = gemm.random_int4(n, k, GS, device=dev, seed=k + n)
+    w_ref = qw.dequantize(dtype)
+    int4_bytes = n * k // 2 + n * (k // GS) * 2 * 2
+    n_int4 = 2 if dry else gemm.n_copies(int4_bytes)
+    base = int4_layout.repack_triton(qw, dtype)
+    tlays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
+    n_bf = 2 if dry else gemm.n_copies(n * k * 2)
+    wcopies = [w_ref] + [w_ref.clone() for _ in range(n_bf - 1)]
+    return qw, w_ref, int4_bytes, tlays, wcopies, n_int4
+
+
+def time_calls(calls: dict, ref, k: int, n: int, m: int, timer, copy_bw: float, rows: list, split_of) -> dict:
+    """Each call (name -> (call(i), copies, weight bytes)) checked against ``ref`` (rel. error <= 1e-2, else not
+    timed), then timed; one row per timed call appended to ``rows`` (``split_of(name)``: its split-K or None).
+    Returns {name: us}."""
+    import gemm
+    res = {}
+    for name, (call, nrot, wbytes) in calls.items():
+        try:
+            err = gemm.rel_err(call(0), ref)
+            if not (err == err and err <= 1e-2):
+                log(f"  {name} {k}x{n} M={m}: WRONG rel err {err:.3g}; not timed")
+                continue
+            us = timer(call, nrot)
+            tbs = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e12
+            res[name] = us
+            rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 3), "rel_err": err,
+                         "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
+                         "TFLOPs": round(2 * m * n * k / (us * 1e-6) / 1e12, 1), "split": split_of(name)})
+        except Exception as ex:  # noqa: BLE001
+            log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+    return res
+
+
 def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget_s: float, dry: bool,
           on_shape=None) -> list:
     import torch
@@ -240,14 +279,7 @@ def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget
             log(f"time guard: stop before {k}x{n} at {elapsed():.0f} s")
             break
         t_shape = time.time()
-        qw = gemm.random_int4(n, k, GS, device=dev, seed=k + n)
-        w_ref = qw.dequantize(dtype)
-        int4_bytes = n * k // 2 + n * (k // GS) * 2 * 2
-        n_int4 = 2 if dry else gemm.n_copies(int4_bytes)
-        base = int4_layout.repack_triton(qw, dtype)
-        tlays = [base] + [{kk: (None if v is None else v.clone()) for kk, v in base.items()} for _ in range(n_int4 - 1)]
-        n_bf = 2 if dry else gemm.n_copies(n * k * 2)
-        wcopies = [w_ref] + [w_ref.clone() for _ in range(n_bf - 1)]
+        qw, w_ref, int4_bytes, tlays, wcopies, n_int4 = shape_setup(k, n, dev, dtype, dry)
         clays = []
         if use_cuda:
             try:
@@ -283,25 +315,10 @@ def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget
                     c = tlays[i % len(tlays)]
                     return G.run(x, c["qweight"], c["scales"], c["zs"], None, GS, cfg)
                 calls[name] = (new_call, len(tlays), int4_bytes)
-            res = {}
-            for name, (call, nrot, wbytes) in calls.items():
-                try:
-                    err = gemm.rel_err(call(0), ref)
-                    if not (err == err and err <= 1e-2):
-                        log(f"  {name} {k}x{n} M={m}: WRONG rel err {err:.3g}; not timed")
-                        continue
-                    us = timer(call, nrot)
-                    nbytes = wbytes + m * k * 2 + m * n * 2
-                    tbs = nbytes / (us * 1e-6) / 1e12
-                    cfg = configs.get(name)
-                    split = None
-                    if cfg is not None:
-                        split = G.resolve(cfg, m, n, k, GS, G.num_sms(dev))["SPLIT_K"]
-                    res[name] = us
-                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 3), "rel_err": err,
-                                 "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1), "split": split})
-                except Exception as ex:  # noqa: BLE001
-                    log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+            sms = G.num_sms(dev)
+            res = time_calls(calls, ref, k, n, m, timer, copy_bw, rows,
+                             lambda name: G.resolve(configs[name], m, n, k, GS, sms)["SPLIT_K"]
+                             if configs.get(name) is not None else None)
             new = {kk: v for kk, v in res.items() if kk in configs and configs[kk] is not None}
             best = min(new, key=new.get) if new else None
             f = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
