@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from triton_small_m import bucket, check_layout_configs, shape_setup, time_calls, time_cpu  # noqa: E402  (shared)
+# shared with the small-M sweep, including its logger: the shared helpers log there, so this script's log file holds
+# their lines too
+from triton_small_m import LOG, bucket, check_layout_configs, elapsed, log, shape_setup, time_calls, time_cpu  # noqa: E402
 
-T0 = time.time()
-LOG: list = []
 SHAPES = [(8192, 28672), (14336, 4096), (4096, 28672), (4096, 4096), (8192, 10240), (28672, 8192), (4096, 6144)]
 MS = [16, 32, 64, 128, 256, 512, 1024]
 GS = 128
@@ -95,16 +95,6 @@ CHECK_CASES = [
 ]
 SUBSET = (5,)   # cases the non-default configs are checked on
 BASELINES = ("bf16", "old", "old_gemm", "small", "dequant", "tinygemm")
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    LOG.append(s)
-    print(s, flush=True)
-
-
-def elapsed() -> float:
-    return time.time() - T0
 
 
 # ------------------------------------------------------------------------------------------------ checks
