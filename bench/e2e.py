@@ -46,6 +46,13 @@ VARIANTS = {
     # inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl): its kernels start
     # while the previous kernel drains and wait on the device for its results
     "int4all-compiled-pdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True, pdl=True),
+    # programmatic dependent launch in sdquant's own kernels (int4_cuda.set_pdl: the CUDA direct kernel loads its
+    # first weights before it waits for the previous kernel; decode_attention.set_pdl), inductor's kernels as usual
+    "int4all-compiled-kpdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                  kernel_pdl=True),
+    # both: inductor's kernels let the next kernel launch after their loads, so the GEMM's weight prologue overlaps
+    "int4all-compiled-pdl-all": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                     pdl=True, kernel_pdl=True),
     # every kernel layout the plan calls kept on the GPU (QuantLinear.prepare(layouts="all")): the Triton mid-M
     # kernel serves M = 17-256 instead of dequantize+cuBLAS from the CUDA layout, for ~3x the INT4 memory
     "int4all-compiled-all-layouts": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
@@ -271,6 +278,9 @@ def _run_variant(name, spec, args, dev, dtype, dims):
                 "decode": {}, "weights_gb": float("nan")}
     if hasattr(tcfg, "enable_pdl"):
         tcfg.enable_pdl = bool(spec.get("pdl", False))
+    from sdquant.kernels import decode_attention, int4_cuda
+    int4_cuda.set_pdl(spec.get("kernel_pdl", False))
+    decode_attention.set_pdl(spec.get("kernel_pdl", False))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, bool(spec.get("pdl", False)), spec.get("layouts", "one"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()

@@ -67,9 +67,11 @@ def _max(a, b):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
                     NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
+        tl.extra.cuda.gdc_wait()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
     pos = tl.load(pos_ptr).to(tl.int32)
     lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
@@ -104,6 +106,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
+    if PDL:  # the merge may launch now; it waits for this grid before it reads the partials
+        tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
     # only the REP real query rows (the merge never reads the padding rows of REP_P)
     tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
@@ -112,7 +116,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
 
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
-                  HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr):
+                  HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
+                  PDL: tl.constexpr):
     # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
     # trip), then combined with the log-sum-exp weights in a fixed order
     pid = tl.program_id(0)
@@ -122,16 +127,31 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     s_mask = offs_s < SPLITS
     part = bh * SPLITS + offs_s
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
     l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
     a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
+    if PDL:  # the next kernel (e.g. the output projection) may launch and start on its weights
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
 _KERNELS: dict = {}
+_PDL = [False]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Launch both kernels with programmatic dependent launch from now on in this process (CUDA only): each may
+    start while the previous kernel of the stream finishes and waits on the device (``gdc_wait``) before it reads
+    that kernel's results; each lets the next kernel launch before its own stores. Read at launch time, so set it
+    before a CUDA graph is captured. Returns the previous setting."""
+    old = _PDL[0]
+    _PDL[0] = bool(enabled)
+    return old
 
 
 def _kernels():
@@ -208,15 +228,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
+    pdl = _PDL[0] and q.is_cuda and not _interpret()
+    launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, ROPE=rope, num_warps=4)
+                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, ROPE=rope, PDL=pdl,
+                               num_warps=4, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
-                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, num_warps=4)
+                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
     return out
 
 

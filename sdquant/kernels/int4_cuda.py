@@ -183,6 +183,21 @@ SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
 FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
 
 
+# Programmatic dependent launch of the direct kernel (variants 8-12): off unless set_pdl(True).
+_PDL = [False]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Launch the direct kernel (variants 8-12) with programmatic dependent launch from now on in this process:
+    it may start while the previous kernel of the stream finishes, loads its first weights, and waits
+    (``griddepcontrol.wait``) before it reads activations; it lets the next kernel start during its epilogue.
+    It pays when the kernels around it are PDL-aware too (inductor's ``triton.enable_pdl``). Read at launch
+    time, so it must be set before a CUDA graph is captured. Returns the previous setting."""
+    old = _PDL[0]
+    _PDL[0] = bool(enabled)
+    return old
+
+
 def m_bucket(m: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if m <= b:
@@ -313,7 +328,8 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if config < 0:
         config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
-    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target)
+    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
+                  _PDL[0])
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)

@@ -152,4 +152,4 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 6 and len(merge.constexprs) == 4
+    assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5

@@ -25,6 +25,14 @@ struct DSmem {
   static constexpr int TOTAL = RED_BYTES;
 };
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90): both are no-ops when the kernel was launched
+// without the attribute. wait: block until the previous kernel of the stream has finished and its writes are
+// visible. launch_dependents: let the next kernel of the stream (if launched with the attribute) start now.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 __device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -63,10 +71,12 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
 
   uint4 wq[D][KS];
   uint32_t xq[D][KS][NT][2];
-  auto issue = [&](int s, uint4 (&w)[KS], uint32_t (&xx)[KS][NT][2]) {  // loads of relative stage s
+  auto issue_w = [&](int s, uint4 (&w)[KS]) {  // weight loads of relative stage s
     const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
+  };
+  auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
@@ -107,10 +117,16 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
 
   int rem = a % gs_st, grp = a / gs_st;
   bool first = true;
+  // The prologue's weights, scales and zeros do not depend on the previous kernel: under programmatic dependent
+  // launch they are in flight while it finishes; the activations are read only after griddep_wait.
 #pragma unroll
   for (int j = 0; j < D; ++j)
-    if (j < iters) issue(j, wq[j], xq[j]);
+    if (j < iters) issue_w(j, wq[j]);
   if (iters > 0) load_sz(grp);
+  griddep_wait();
+#pragma unroll
+  for (int j = 0; j < D; ++j)
+    if (j < iters) issue_x(j, xq[j]);
 
   for (int base = 0; base < iters; base += D) {
 #pragma unroll
@@ -142,7 +158,10 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
             xc[kk][nt][1] = xq[j][kk][nt][1];
           }
         }
-        if (it + D < iters) issue(it + D, wq[j], xq[j]);
+        if (it + D < iters) {
+          issue_w(it + D, wq[j]);
+          issue_x(it + D, xq[j]);
+        }
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
           const uint32_t q[4] = {wc[kk].x, wc[kk].y, wc[kk].z, wc[kk].w};
@@ -164,6 +183,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     }
   }
   flush();
+  griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
   store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);

@@ -612,7 +612,22 @@ struct Kern {
       }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     } else {
-      dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+      const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+      if constexpr (C::DIRECT) {
+        if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
+          cudaLaunchConfig_t cfg = {};
+          cfg.gridDim = grid;
+          cfg.blockDim = dim3(THREADS);
+          cfg.dynamicSmemBytes = SMEM;
+          cfg.stream = stream;
+          cudaLaunchAttribute attr[1];
+          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cfg.attrs = attr;
+          cfg.numAttrs = 1;
+          return cudaLaunchKernelEx(&cfg, kernel(), p);
+        }
+      }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     }
     return cudaGetLastError();
