@@ -70,8 +70,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
                     CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache,
+        # then let the merge launch (it waits for this grid on the device); the kernel after the merge (the output
+        # projection) can then start on its weights while this one runs
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
     pos = tl.load(pos_ptr).to(tl.int32)
     lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
@@ -106,8 +109,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
-    if PDL:  # the merge may launch now; it waits for this grid before it reads the partials
-        tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
     # only the REP real query rows (the merge never reads the padding rows of REP_P)
     tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
@@ -127,16 +128,15 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     s_mask = offs_s < SPLITS
     part = bh * SPLITS + offs_s
-    if PDL:
+    if PDL:  # wait for the partials; the next kernel may launch now and wait for this grid on the device
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
     l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
     a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
-    if PDL:  # the next kernel (e.g. the output projection) may launch and start on its weights
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
