@@ -53,6 +53,9 @@ VARIANTS = {
     # both: inductor's kernels let the next kernel launch after their loads, so the GEMM's weight prologue overlaps
     "int4all-compiled-pdl-all": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                      pdl=True, kernel_pdl=True),
+    # the same with sdquant's kernels letting the next kernel launch right after their wait (not after their loop)
+    "int4all-compiled-pdl-early": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                       pdl=True, kernel_pdl=True, pdl_early=True),
     # every kernel layout the plan calls kept on the GPU (QuantLinear.prepare(layouts="all")): the Triton mid-M
     # kernel serves M = 17-256 instead of dequantize+cuBLAS from the CUDA layout, for ~3x the INT4 memory
     "int4all-compiled-all-layouts": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
@@ -279,8 +282,8 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     if hasattr(tcfg, "enable_pdl"):
         tcfg.enable_pdl = bool(spec.get("pdl", False))
     from sdquant.kernels import decode_attention, int4_cuda
-    int4_cuda.set_pdl(spec.get("kernel_pdl", False))
-    decode_attention.set_pdl(spec.get("kernel_pdl", False))
+    int4_cuda.set_pdl(spec.get("kernel_pdl", False), spec.get("pdl_early", False))
+    decode_attention.set_pdl(spec.get("kernel_pdl", False), spec.get("pdl_early", False))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, bool(spec.get("pdl", False)), spec.get("layouts", "one"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()

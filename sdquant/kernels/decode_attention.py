@@ -70,11 +70,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
                     CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache,
-        # then let the merge launch (it waits for this grid on the device); the kernel after the merge (the output
-        # projection) can then start on its weights while this one runs
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
+            tl.extra.cuda.gdc_launch_dependents()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
     pos = tl.load(pos_ptr).to(tl.int32)
     lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
@@ -109,6 +108,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
+    if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
+        tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
     # only the REP real query rows (the merge never reads the padding rows of REP_P)
     tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
@@ -128,29 +129,33 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     s_mask = offs_s < SPLITS
     part = bh * SPLITS + offs_s
-    if PDL:  # wait for the partials; the next kernel may launch now and wait for this grid on the device
+    if PDL:  # wait for the partials
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
+            tl.extra.cuda.gdc_launch_dependents()
     m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
     l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
     a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
+    if PDL:  # the next kernel (e.g. the output projection) may launch and start on its weights (no-op if done)
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
 _KERNELS: dict = {}
-_PDL = [False]
+_PDL = [0]
 
 
-def set_pdl(enabled: bool) -> bool:
+def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     """Launch both kernels with programmatic dependent launch from now on in this process (CUDA only): each may
     start while the previous kernel of the stream finishes and waits on the device (``gdc_wait``) before it reads
-    that kernel's results; each lets the next kernel launch before its own stores. Read at launch time, so set it
-    before a CUDA graph is captured. Returns the previous setting."""
+    that kernel's results; each lets the next kernel launch before its own stores (``early_trigger``: right after
+    its wait). Read at launch time, so set it before a CUDA graph is captured. Returns the previous setting (0 off,
+    1 on, 2 on with the early trigger)."""
     old = _PDL[0]
-    _PDL[0] = bool(enabled)
+    _PDL[0] = (2 if early_trigger else 1) if enabled else 0
     return old
 
 
@@ -228,7 +233,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
-    pdl = _PDL[0] and q.is_cuda and not _interpret()
+    pdl = _PDL[0] if q.is_cuda and not _interpret() else 0
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1

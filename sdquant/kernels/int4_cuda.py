@@ -183,18 +183,19 @@ SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
 FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
 
 
-# Programmatic dependent launch of the direct kernel (variants 8-12): off unless set_pdl(True).
-_PDL = [False]
+# Programmatic dependent launch of the direct kernel (variants 8-12): 0 off (default), 1 on, 2 on + early trigger.
+_PDL = [0]
 
 
-def set_pdl(enabled: bool) -> bool:
+def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     """Launch the direct kernel (variants 8-12) with programmatic dependent launch from now on in this process:
     it may start while the previous kernel of the stream finishes, loads its first weights, and waits
-    (``griddepcontrol.wait``) before it reads activations; it lets the next kernel start during its epilogue.
-    It pays when the kernels around it are PDL-aware too (inductor's ``triton.enable_pdl``). Read at launch
-    time, so it must be set before a CUDA graph is captured. Returns the previous setting."""
+    (``griddepcontrol.wait``) before it reads activations; it lets the next kernel launch after its main loop
+    (``early_trigger``: right after its wait). It pays when the kernels around it are PDL-aware too (inductor's
+    ``triton.enable_pdl``). Read at launch time, so set it before a CUDA graph is captured. Returns the previous
+    setting (0 off, 1 on, 2 on with the early trigger)."""
     old = _PDL[0]
-    _PDL[0] = bool(enabled)
+    _PDL[0] = (2 if early_trigger else 1) if enabled else 0
     return old
 
 

@@ -33,7 +33,8 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// One bulk copy-engine prefetch of [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned).
+// One bulk copy-engine prefetch of [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned; the
+// stream-K variants 23-25 use it).
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
@@ -124,19 +125,12 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   bool first = true;
   // The prologue's weights, scales and zeros do not depend on the previous kernel: under programmatic dependent
   // launch they are in flight while it finishes; the activations are read only after griddep_wait.
-  if (p.pdl && lane == 0 && iters > D) {
-    // launched early: also ask the copy engine to stage the rest of this warp's weights in L2 while the previous
-    // kernel runs (it is usually latency-bound and leaves DRAM idle), at most 16 MB over the whole grid
-    const uint32_t cap = static_cast<uint32_t>((16u << 20) / (gridDim.x * gridDim.y * C::WARPS)) & ~15u;
-    const uint32_t rest = static_cast<uint32_t>(iters - D) * KS * 32 * 16;
-    const uint32_t bytes = rest < cap ? rest : cap;
-    if (bytes >= 16) prefetch_l2_bulk(wsrc - lane + static_cast<size_t>(D) * KS * 32, bytes);
-  }
 #pragma unroll
   for (int j = 0; j < D; ++j)
     if (j < iters) issue_w(j, wq[j]);
   if (iters > 0) load_sz(grp);
   griddep_wait();
+  if (p.pdl == 2) griddep_launch_dependents();  // early trigger: the next kernel may launch now (and wait)
 #pragma unroll
   for (int j = 0; j < D; ++j)
     if (j < iters) issue_x(j, xq[j]);
@@ -196,7 +190,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     }
   }
   flush();
-  griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
+  griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue (no-op if done)
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
   store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
