@@ -43,19 +43,21 @@ VARIANTS = {
     "fp8-compiled": dict(linears="fp8", compiled=True, graph=True),
     # the same-run baseline of Fp8Linear.fuse_act_quant: the quantize kernel inside the op, as before
     "fp8-compiled-unfused": dict(linears="fp8", compiled=True, graph=True, fp8_fuse=False),
-    # inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl): its kernels start
-    # while the previous kernel drains and wait on the device for its results
-    "int4all-compiled-pdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True, pdl=True),
-    # programmatic dependent launch in sdquant's own kernels (int4_cuda.set_pdl: the CUDA direct kernel loads its
-    # first weights before it waits for the previous kernel; decode_attention.set_pdl), inductor's kernels as usual
+    # programmatic dependent launch (PDL). "all": what Transformer.compile_decode(pdl=None) does on Hopper (inductor's
+    # triton.enable_pdl as compile options; sdquant's INT4 GEMM and decode attention kernels launched with PDL and
+    # letting the next kernel launch right after their wait). The others are ablations: "inductor" = inductor's
+    # kernels only, "kernels" = sdquant's kernels only, "all-late" = both, sdquant's kernels triggering the next
+    # launch only after their main loop. Every other compiled variant is compiled with pdl=False.
+    "int4all-compiled-pdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                 pdl="inductor"),
     "int4all-compiled-kpdl": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                  kernel_pdl=True),
-    # both: inductor's kernels let the next kernel launch after their loads, so the GEMM's weight prologue overlaps
+                                  pdl="kernels"),
     "int4all-compiled-pdl-all": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                     pdl=True, kernel_pdl=True),
-    # the same with sdquant's kernels letting the next kernel launch right after their wait (not after their loop)
+                                     pdl="all-late"),
     "int4all-compiled-pdl-early": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                       pdl=True, kernel_pdl=True, pdl_early=True),
+                                       pdl="all"),
+    "bf16-compiled-pdl": dict(linears="bf16", compiled=True, graph=True, pdl="all"),
+    "fp8-compiled-pdl": dict(linears="fp8", compiled=True, graph=True, pdl="all"),
     # every kernel layout the plan calls kept on the GPU (QuantLinear.prepare(layouts="all")): the Triton mid-M
     # kernel serves M = 17-256 instead of dequantize+cuBLAS from the CUDA layout, for ~3x the INT4 memory
     "int4all-compiled-all-layouts": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
@@ -276,15 +278,18 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     Fp8Linear.fuse_act_quant = spec.get("fp8_fuse", True)
     import torch._inductor.config as inductor_config
     tcfg = inductor_config.triton
-    if spec.get("pdl") and not hasattr(tcfg, "enable_pdl"):
+    pdl = spec.get("pdl")
+    if pdl and not hasattr(tcfg, "enable_pdl"):
         return {"variant": name, "skipped": f"torch {torch.__version__}: inductor has no triton.enable_pdl",
                 "decode": {}, "weights_gb": float("nan")}
+    # the ablations set the switches by hand (a global inductor setting, for this benchmark process only);
+    # pdl="all" goes through compile_decode(pdl=True) below, as a user's model would
     if hasattr(tcfg, "enable_pdl"):
-        tcfg.enable_pdl = bool(spec.get("pdl", False))
+        tcfg.enable_pdl = pdl in ("inductor", "all-late")
     from sdquant.kernels import decode_attention, int4_cuda
-    int4_cuda.set_pdl(spec.get("kernel_pdl", False), spec.get("pdl_early", False))
-    decode_attention.set_pdl(spec.get("kernel_pdl", False), spec.get("pdl_early", False))
-    key = (spec["linears"], Fp8Linear.fuse_act_quant, bool(spec.get("pdl", False)), spec.get("layouts", "one"))
+    int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
+    decode_attention.set_pdl(pdl in ("kernels", "all-late"))
+    key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -324,7 +329,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
             res["attention_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"  {name} decode_attention check {res['attention_check_rel_err']}", flush=True)
     if spec["compiled"]:
-        rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block")
+        rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block", pdl=pdl == "all")
         try:
             res["compiled_vs_eager_rel_err"] = check_compiled(rt, args, dev)
         except Exception as e:

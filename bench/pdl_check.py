@@ -2,7 +2,8 @@
 
     python bench/pdl_check.py [--ms 1,8] [--out $OUT/pdl_check.json]
 
-For the Llama-3-8B decode shapes (qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096):
+For the Llama-3-8B decode shapes (qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096, and the lm_head
+4096x128256), with the setting Transformer.compile_decode uses (``set_pdl(True, early_trigger=True)``):
 * correctness: the op with ``int4_cuda.set_pdl(True)`` must give bit-identical outputs to the op without it
   (same kernel, same split-K order), and both stay within 1e-2 of a float64 reference (bf16 activations);
 * timing (median µs per call, weights rotated past L2, CUDA-graph replay, bench/gemm.time_rotating): each shape
@@ -29,6 +30,7 @@ import gemm  # noqa: E402
 from sdquant.kernels import int4_layout  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+HEAD = (4096, 128256)  # the lm_head: the cp.async kernel (variant 5), which waits at its start
 
 
 def main(argv=None) -> int:
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     op = torch.ops.sdquant.w4a16_cuda
     ms = [int(m) for m in args.ms.split(",")]
     layers = {}
-    for k, n in SHAPES:
+    for k, n in SHAPES + [HEAD]:
         qw = gemm.random_int4(n, k, device=dev, symmetric=False)
         lay = int4_layout.repack_cuda(qw, dtype)
         copies = [{kk: (None if v is None else v.clone()) for kk, v in lay.items()}
@@ -57,12 +59,12 @@ def main(argv=None) -> int:
 
     for m in ms:
         xs = {k: torch.randn(m, k, device=dev, dtype=dtype) for k, _ in SHAPES}
-        for k, n in SHAPES:
+        for k, n in SHAPES + [HEAD]:
             w, copies = layers[(k, n)]
             x = xs[k]
             int4_cuda.set_pdl(False)
             y0 = run(copies[0], x)
-            int4_cuda.set_pdl(True)
+            int4_cuda.set_pdl(True, early_trigger=True)  # what Transformer.compile_decode sets
             y1 = [run(copies[0], x) for _ in range(3)]
             torch.cuda.synchronize()
             ref = x.double() @ w.T
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             ok &= same and err < 1e-2
             t = {}
             for pdl in (False, True):
-                int4_cuda.set_pdl(pdl)
+                int4_cuda.set_pdl(pdl, early_trigger=True)
                 t[pdl] = gemm.time_rotating(lambda i: run(copies[i % len(copies)], x), len(copies))
             rows.append(dict(shape=f"{k}x{n}", m=m, config=int4_cuda.auto_config(m, n, k, dtype), bit_identical=same,
                              rel_err=err, us_off=t[False], us_on=t[True]))
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
         nrot = min(len(layers[s][1]) for s in SHAPES)
         t = {}
         for pdl in (False, True):
-            int4_cuda.set_pdl(pdl)
+            int4_cuda.set_pdl(pdl, early_trigger=True)
 
             def layer(i):
                 for k, n in SHAPES:

@@ -12,7 +12,8 @@ that (fixed shapes, in-place cache writes):
   step with our settings (transformers' own compile hook, configured through ``CompileConfig``);
 - any other module is passed to ``torch.compile`` unchanged.
 
-Nothing here changes a global torch setting.
+Nothing here changes a global torch setting (inductor's programmatic dependent launch, on by default for the
+runtime on Hopper, goes in as this compile's options).
 """
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 def compile(model: nn.Module, mode: Optional[str] = "reduce-overhead", fullgraph: bool = True,  # noqa: A001
             backend: str = "inductor", dynamic: Optional[bool] = False, scope: str = "model",
-            compile_on_cpu: bool = True) -> nn.Module:
+            compile_on_cpu: bool = True, pdl: Optional[bool] = None) -> nn.Module:
     """Compile ``model`` for fast decoding; returns the model (HF / runtime) or the compiled module.
 
     mode: torch.compile mode ("reduce-overhead" = CUDA graphs on a GPU); ignored by non-inductor backends.
     backend: "inductor" (default), or "aot_eager"/"eager" for quick checks and CI.
     scope: for the sdquant runtime only ("model" or "block", see module doc).
     compile_on_cpu: let transformers' generate compile on a CPU too (it only does on accelerators otherwise).
+    pdl: for the sdquant runtime only: programmatic dependent launch (``Transformer.compile_decode``; None = on
+        where it can run).
     """
     if mode not in MODES:
         raise ConfigError("mode", f"must be one of {', '.join(str(m) for m in MODES)}, got {mode!r}")
@@ -45,7 +48,7 @@ def compile(model: nn.Module, mode: Optional[str] = "reduce-overhead", fullgraph
     from sdquant.runtime.model import Transformer
     if isinstance(model, Transformer):
         return model.compile_decode(mode=mode, fullgraph=fullgraph, backend=backend, scope=scope,
-                                    dynamic=bool(dynamic))
+                                    dynamic=bool(dynamic), pdl=pdl)
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and hasattr(model, "generate"):
         from transformers import CompileConfig

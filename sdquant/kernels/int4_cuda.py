@@ -183,15 +183,16 @@ SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
 FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
 
 
-# Programmatic dependent launch of the direct kernel (variants 8-12): 0 off (default), 1 on, 2 on + early trigger.
+# Programmatic dependent launch of variants 0-12 (cp.async and direct kernels): 0 off (default), 1 on, 2 on + early
+# trigger.
 _PDL = [0]
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
-    """Launch the direct kernel (variants 8-12) with programmatic dependent launch from now on in this process:
-    it may start while the previous kernel of the stream finishes, loads its first weights, and waits
-    (``griddepcontrol.wait``) before it reads activations; it lets the next kernel launch after its main loop
-    (``early_trigger``: right after its wait). It pays when the kernels around it are PDL-aware too (inductor's
+    """Launch variants 0-12 with programmatic dependent launch from now on in this process: a kernel may start
+    while the previous kernel of the stream finishes; the direct kernel (8-12) loads its first weights, then waits
+    (``griddepcontrol.wait``) before it reads activations, the cp.async kernel (0-7) waits at its start; each lets
+    the next kernel launch after its main loop (``early_trigger``: right after its wait). It pays when the kernels around it are PDL-aware too (inductor's
     ``triton.enable_pdl``). Read at launch time, so set it before a CUDA graph is captured. Returns the previous
     setting (0 off, 1 on, 2 on with the early trigger)."""
     old = _PDL[0]

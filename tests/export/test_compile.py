@@ -71,3 +71,33 @@ def test_bad_arguments():
         sdquant.compile(model, mode="turbo")
     with pytest.raises(ConfigError, match="scope"):
         sdquant.compile(Transformer.from_hf(model, max_seq_len=32), scope="layer")
+
+
+def test_pdl_is_off_where_it_cannot_run_and_refused_when_asked():
+    """Programmatic dependent launch needs inductor on a Hopper GPU: on a CPU the default leaves it off (and leaves
+    the sdquant kernels' process-wide switches alone); asking for it is a one-line ConfigError naming the field."""
+    from sdquant.kernels import decode_attention, int4_cuda
+    model = tiny(bits=4, group_size=32)
+    rt = Transformer.from_hf(model, max_seq_len=32)
+    sdquant.compile(rt, backend="aot_eager", scope="block")
+    assert rt.pdl is False and int4_cuda._PDL[0] == 0 and decode_attention._PDL[0] == 0
+    with pytest.raises(ConfigError, match="pdl.*not inductor"):
+        sdquant.compile(rt, backend="aot_eager", pdl=True)
+    with pytest.raises(ConfigError, match="pdl.*cpu, not a CUDA device"):
+        rt.compile_decode(mode="default", scope="block", pdl=True)
+
+
+def test_inductor_options_carry_the_mode_and_pdl():
+    """torch.compile takes a mode or options, not both: with PDL the mode becomes its option dict."""
+    from sdquant.runtime.model import inductor_options
+    assert inductor_options("reduce-overhead", pdl=True) == {"triton.cudagraphs": True, "triton.enable_pdl": True}
+    assert inductor_options(None, pdl=False) == {}
+    assert inductor_options("max-autotune", pdl=True)["max_autotune"] is True
+
+
+def test_kernel_pdl_switches_report_and_restore():
+    from sdquant.kernels import decode_attention, int4_cuda
+    for mod in (int4_cuda, decode_attention):
+        assert mod.set_pdl(True, early_trigger=True) == 0
+        assert mod.set_pdl(True) == 2
+        assert mod.set_pdl(False) == 1 and mod._PDL[0] == 0

@@ -153,3 +153,24 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
     assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5
+
+
+@pytest.mark.parametrize("pdl", [0, 1, 2])
+def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
+    """With PDL the kernels wait (griddepcontrol.wait) before their first dependent read and let the next kernel
+    launch (launch_dependents); without it neither instruction is there. Compiled for sm_90 here: no GPU needed."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    partial, merge = da._kernels()
+    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
+                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl)),
+            merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
+    for fn, (types, consts) in sigs.items():
+        sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == bool(pdl), fn
+        assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), fn

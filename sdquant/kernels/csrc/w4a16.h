@@ -17,9 +17,10 @@ struct SdqW4A16Params {
   int is_bf16;
   int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
   int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
-  int pdl;             // 1, 2: launch with programmatic dependent launch (direct kernel only, else ignored): the
+  int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, else ignored): the
                        // kernel may start while the previous kernel of the stream finishes; it reads weights
-                       // first and waits (griddepcontrol.wait) before it touches activations or the output. It
+                       // first (direct kernel; the cp.async kernel waits at its start) and waits
+                       // (griddepcontrol.wait) before it touches activations or the output. It
                        // lets the next kernel launch after its main loop (1) or right after its wait (2)
 };
 

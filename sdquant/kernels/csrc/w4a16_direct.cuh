@@ -25,14 +25,6 @@ struct DSmem {
   static constexpr int TOTAL = RED_BYTES;
 };
 
-// Programmatic dependent launch (PTX griddepcontrol, sm_90): both are no-ops when the kernel was launched
-// without the attribute. wait: block until the previous kernel of the stream has finished and its writes are
-// visible. launch_dependents: let the next kernel of the stream (if launched with the attribute) start now.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // One bulk copy-engine prefetch of [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned; the
 // stream-K variants 23-25 use it).
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {

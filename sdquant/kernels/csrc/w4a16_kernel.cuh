@@ -83,6 +83,14 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return pol;
 }
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90): both are no-ops when the kernel was launched
+// without the attribute. wait: block until the previous kernel of the stream has finished and its writes are
+// visible. launch_dependents: let the next kernel of the stream (if launched with the attribute) start now.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;
@@ -288,6 +296,8 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
 
+  griddep_wait();  // programmatic dependent launch (p.pdl): the previous kernel's output is visible from here
+  if (p.pdl == 2) griddep_launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wn = warp % WNN, kw = warp / WNN;
   const int g8 = lane / 4, t4 = lane % 4;
@@ -446,6 +456,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
   }
   cp_async_wait<0>();
   flush();
+  griddep_launch_dependents();  // the next kernel may launch during this epilogue (no-op without PDL)
 
   if constexpr (KW > 1) {  // fold the K-split warps of each block into warp kw = 0 through shared memory
     __syncthreads();       // every warp is done reading the pipeline's shared memory
@@ -613,7 +624,7 @@ struct Kern {
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     } else {
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
-      if constexpr (C::DIRECT) {
+      {  // cp.async (variants 0-7) and direct (8-12) kernels
         if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = grid;
