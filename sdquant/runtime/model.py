@@ -388,7 +388,8 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ compile
     def compile_decode(self, mode: Optional[str] = "reduce-overhead", fullgraph: bool = True, backend="inductor",
-                       scope: str = "model", dynamic: bool = False, pdl: Optional[bool] = None):
+                       scope: str = "model", dynamic: bool = False, pdl: Optional[bool] = None,
+                       options: Optional[dict] = None):
         """torch.compile the decode path.
 
         scope="model": the whole forward as one graph (mode="reduce-overhead" captures it in a CUDA graph).
@@ -400,7 +401,8 @@ class Transformer(nn.Module):
             finishes and wait on the device for its results, so launch latency and the GEMM's first weight loads
             overlap the kernel before. None (default): on where it can run (inductor, a CUDA device of compute
             capability >= 9, a torch whose inductor has the option); True where it cannot is a ConfigError.
-            Measured on the H200 (docs/BENCHMARKS.md, e2e run 14): +7.5% decode tokens/s at batch 1 (INT4).
+            Measured on the H200 (docs/BENCHMARKS.md, e2e run 15): +7.1% decode tokens/s at batch 1 (INT4).
+        options: extra inductor options (torch.compile's ``options``), merged with ``mode``'s.
         """
         if scope not in ("model", "block"):
             raise ConfigError("scope", f"must be 'model' or 'block', got {scope!r}")
@@ -409,8 +411,8 @@ class Transformer(nn.Module):
             raise ConfigError("pdl", f"programmatic dependent launch cannot run here: {why_not}")
         pdl = not why_not if pdl is None else bool(pdl)
         kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
-        if pdl:
-            kwargs["options"] = inductor_options(mode, pdl=True)
+        if pdl or options:
+            kwargs["options"] = {**inductor_options(mode, pdl=pdl), **(options or {})}
         else:
             kwargs["mode"] = mode
         if pdl:
