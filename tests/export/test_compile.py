@@ -101,3 +101,15 @@ def test_kernel_pdl_switches_report_and_restore():
         assert mod.set_pdl(True, early_trigger=True) == 0
         assert mod.set_pdl(True) == 2
         assert mod.set_pdl(False) == 1 and mod._PDL[0] == 0
+
+
+def test_cuda_inductor_defaults_are_real_inductor_options():
+    """compile_decode's CUDA defaults go to torch.compile(options=...), which rejects unknown keys only on a GPU:
+    check them against inductor's config here."""
+    import torch._inductor.config as inductor_config
+    from sdquant.runtime.model import CUDA_INDUCTOR_OPTIONS
+    for key in CUDA_INDUCTOR_OPTIONS:
+        obj = inductor_config
+        for part in key.split("."):
+            assert hasattr(obj, part), key
+            obj = getattr(obj, part)
