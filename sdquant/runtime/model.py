@@ -282,6 +282,11 @@ def _block_call(block: Block, x, cos, sin, mask, input_pos, pending=None):
     return block.forward_deferred(x, cos, sin, mask, input_pos, pending)
 
 
+def _prefill_block_call(block: Block, x, cos, sin, mask, input_pos, pending=None):
+    # a code object of its own: compiled with other options than _block_call, it keeps its own dynamo cache
+    return block.forward_deferred(x, cos, sin, mask, input_pos, pending)
+
+
 class Transformer(nn.Module):
     def __init__(self, d: DecoderDims, embed, blocks: List[Block], norm: torch.Tensor,
                  lm_head: nn.Module, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
@@ -296,6 +301,7 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
         self.pdl = False  # compile_decode sets it
         self._block_fn = _block_call
+        self._prefill_block_fn = None   # compile_decode(scope="block") may give prompts (S > 1) their own compile
         self._decode = self.forward
 
     # ------------------------------------------------------------------------------------- construction
@@ -363,8 +369,10 @@ class Transformer(nn.Module):
         # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
         # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
         pending = torch.zeros_like(x)
+        block_fn = self._prefill_block_fn if idx.shape[1] > 1 and self._prefill_block_fn is not None else \
+            self._block_fn
         for blk in self.layers:
-            x, pending = self._block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
+            x, pending = block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
         x = x + pending
         if last_only:
             x = x[:, -1:]
@@ -402,8 +410,9 @@ class Transformer(nn.Module):
             overlap the kernel before. None (default): on where it can run (inductor, a CUDA device of compute
             capability >= 9, a torch whose inductor has the option); True where it cannot is a ConfigError.
             Measured on the H200 (docs/BENCHMARKS.md, e2e run 15): +7.1% decode tokens/s at batch 1 (INT4).
-        options: extra inductor options (torch.compile's ``options``), merged with ``mode``'s. On a CUDA device
-            with inductor the defaults add ``CUDA_INDUCTOR_OPTIONS`` (given options win).
+        options: extra inductor options (torch.compile's ``options``), merged with ``mode``'s. With PDL the decode
+            step also gets ``PDL_DECODE_OPTIONS`` (given options win); with scope="block", prompts (S > 1) then run
+            a block compiled without them.
         """
         if scope not in ("model", "block"):
             raise ConfigError("scope", f"must be 'model' or 'block', got {scope!r}")
@@ -411,31 +420,39 @@ class Transformer(nn.Module):
         if pdl and why_not:
             raise ConfigError("pdl", f"programmatic dependent launch cannot run here: {why_not}")
         pdl = not why_not if pdl is None else bool(pdl)
-        kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
-        if backend == "inductor" and self.norm.device.type == "cuda":
-            options = {**CUDA_INDUCTOR_OPTIONS, **(options or {})}
-        if pdl or options:
-            kwargs["options"] = {**inductor_options(mode, pdl=pdl), **(options or {})}
-        else:
-            kwargs["mode"] = mode
+        def compile_kwargs(opts):
+            kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
+            if pdl or opts:
+                kwargs["options"] = {**inductor_options(mode, pdl=pdl), **(opts or {})}
+            else:
+                kwargs["mode"] = mode
+            return kwargs
+        prompt_kwargs = kwargs = compile_kwargs(options)
+        if pdl:  # the decode-step defaults (see PDL_DECODE_OPTIONS); prompts keep the plain options
+            kwargs = compile_kwargs({**PDL_DECODE_OPTIONS, **(options or {})})
         if pdl:
             from sdquant.kernels import decode_attention, int4_cuda
             int4_cuda.set_pdl(True, early_trigger=True)
             decode_attention.set_pdl(True, early_trigger=True)
         self.pdl = pdl
-        if scope == "model":
+        if scope == "model":   # prompts run eager (forward); the compiled forward serves decode steps
             self._decode = torch.compile(self.forward, **kwargs)
         else:
             self._block_fn = torch.compile(_block_call, **kwargs)
+            self._prefill_block_fn = None if prompt_kwargs is kwargs else \
+                torch.compile(_prefill_block_call, **prompt_kwargs)
             self._decode = self.forward
         return self
 
 
-# Inductor options compile_decode adds on CUDA. multi_kernel: the 4096-wide RMSNorm reductions are above inductor's
-# 1024-element limit for a one-pass (persistent) reduction, so it would emit only a two-pass looped one; with
-# multi-kernel it emits both and keeps the faster after timing them on the first call (e2e run 16, H200, INT4 with
-# PDL: 402.8 vs 390.6 tok/s at batch 1, same run; unchanged at batch 8 and 32).
-CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+# Inductor options compile_decode adds to the decode step when PDL is on. multi_kernel: the 4096-wide RMSNorm
+# reductions are above inductor's 1024-element limit for a one-pass (persistent) reduction, so it would emit only a
+# two-pass looped one; with multi-kernel it emits both and keeps the faster after timing them on the first call.
+# H200, INT4 with PDL, same run: 402.8 vs 390.6 tok/s at batch 1 (e2e run 16), 402.1 vs 389.8 (run 17); unchanged at
+# batch 8 and 32. Not for prompts: the 2048-token prefill ran 55.2 vs 51.3 ms with it (run 17). Not without PDL:
+# torch 2.11's inductor failed to compile the batch-1 step with multi-kernel and no PDL ("'NoneType' object does not
+# support the context manager protocol", run 17).
+PDL_DECODE_OPTIONS = {"triton.multi_kernel": 1}
 
 
 def pdl_unsupported(device, backend: str = "inductor") -> Optional[str]:

@@ -104,12 +104,34 @@ def test_kernel_pdl_switches_report_and_restore():
 
 
 def test_cuda_inductor_defaults_are_real_inductor_options():
-    """compile_decode's CUDA defaults go to torch.compile(options=...), which rejects unknown keys only on a GPU:
+    """compile_decode's PDL decode defaults go to torch.compile(options=...), which rejects unknown keys on a GPU:
     check them against inductor's config here."""
     import torch._inductor.config as inductor_config
-    from sdquant.runtime.model import CUDA_INDUCTOR_OPTIONS
-    for key in CUDA_INDUCTOR_OPTIONS:
+    from sdquant.runtime.model import PDL_DECODE_OPTIONS
+    for key in PDL_DECODE_OPTIONS:
         obj = inductor_config
         for part in key.split("."):
             assert hasattr(obj, part), key
             obj = getattr(obj, part)
+
+
+def test_prompts_and_decode_steps_take_their_own_block_function():
+    """compile_decode(scope="block") with PDL compiles prompts (S > 1) apart from decode steps (the decode-only
+    inductor options); forward must route by sequence length. The routing is checked with counting wrappers."""
+    from sdquant.runtime import model as rtm
+    model = tiny(bits=4, group_size=32)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    rt = Transformer.from_hf(model, max_seq_len=32)
+    ref = generate(rt, ids, 3)
+    calls = {"decode": 0, "prompt": 0}
+
+    def counting(kind, fn):
+        def f(*a):
+            calls[kind] += 1
+            return fn(*a)
+        return f
+    rt._block_fn = counting("decode", rtm._block_call)
+    rt._prefill_block_fn = counting("prompt", rtm._prefill_block_call)
+    assert torch.equal(generate(rt, ids, 3), ref)
+    n = len(rt.layers)
+    assert calls == {"prompt": n, "decode": 2 * n}   # one prompt pass, then 2 single-token steps
