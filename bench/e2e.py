@@ -57,10 +57,6 @@ VARIANTS = {
     "int4all-compiled-pdl-early": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                        pdl="all"),
     "bf16-compiled-pdl": dict(linears="bf16", compiled=True, graph=True, pdl="all"),
-    # the product path plus decode_attention.set_pdl(early_reads=True): the attention reads q, the position and the
-    # older cache slots before its wait
-    "int4all-compiled-pdl-reads": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                       pdl="all", attn_early_reads=True),
     # inductor's multi-kernel (a one-pass RMSNorm candidate, timed on first call) is in compile_decode's CUDA defaults
     # since run 16; these are the same-run baselines without it
     "int4all-compiled-pdl-nomk": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
@@ -341,9 +337,6 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     if spec["compiled"]:
         rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block", pdl=pdl == "all",
                           options=spec.get("inductor"))
-        if spec.get("attn_early_reads"):
-            from sdquant.kernels import decode_attention
-            decode_attention.set_pdl(True, early_reads=True)
         try:
             res["compiled_vs_eager_rel_err"] = check_compiled(rt, args, dev)
         except Exception as e:

@@ -67,13 +67,11 @@ def _max(a, b):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
                     NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, GDC: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
-    # PDL: the structure (0-2: every read after the wait; 3: early reads); GDC: emit the griddepcontrol instructions
-    # (False under the interpreter, which runs the same structure without them)
-    if GDC and (PDL == 1 or PDL == 2):  # launched early (programmatic dependent launch): wait for the kernels
-        tl.extra.cuda.gdc_wait()  # that wrote q and the cache first
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
+        tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
             tl.extra.cuda.gdc_launch_dependents()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
@@ -96,50 +94,22 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.full((REP_P,), 0.0, tl.float32)
     acc = tl.full((REP_P, HD), 0.0, tl.float32)
-    if PDL == 3:
-        # early reads (one tile a program: CHUNK_T == BT). Launched early, this kernel reads before its wait what
-        # the kernel just before it (the key RoPE + cache write) did not write: the position, q (the qkv GEMM's
-        # output, complete before that kernel let this one launch: it waited for the GEMM first) and the cache
-        # slots of earlier steps. Only this step's slot is read after the wait.
-        offs_t = start + tl.arange(0, BT)
+    # an empty range (start >= end) runs no tile and leaves the empty partial (m = -inf, l = 0, acc = 0)
+    for t0 in range(start, end, BT):
+        offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
-        old = offs_t < tl.minimum(end, pos)
-        k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
-        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=old[:, None], other=0.0)
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        new = t_mask & (offs_t == pos)
-        k_new = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=new[:, None], other=0.0)
-        v_new = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=new[:, None], other=0.0)
-        k = tl.where(new[:, None], k_new, k)
-        v = tl.where(new[:, None], v_new, v)
-        if start < end:  # an empty range leaves the empty partial (m = -inf, l = 0, acc = 0)
-            s = tl.dot(q, tl.trans(k.to(CDT)))                                   # [REP_P, BT] fp32
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_i = tl.reduce(s, 1, _max)
-            p = tl.exp(s - m_i[:, None])
-            l_i = tl.reduce(p, 1, _add)
-            acc = tl.dot(p.to(CDT), v.to(CDT))
-    else:
-        # an empty range (start >= end) runs no tile and leaves the empty partial (m = -inf, l = 0, acc = 0)
-        for t0 in range(start, end, BT):
-            offs_t = t0 + tl.arange(0, BT)
-            t_mask = offs_t < end
-            k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None],
-                        other=0.0)
-            v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None],
-                        other=0.0)
-            s = tl.dot(q, tl.trans(k.to(CDT)))                                   # [REP_P, BT] fp32
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, _add)
-            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
-            m_i = m_new
-        if GDC and (PDL == 1 or PDL == 2):  # the merge may launch now; it waits for this grid first
-            tl.extra.cuda.gdc_launch_dependents()
+        k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
+        m_i = m_new
+    if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
+        tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
     # only the REP real query rows (the merge never reads the padding rows of REP_P)
     tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
@@ -149,7 +119,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
                   HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
-                  PDL: tl.constexpr, GDC: tl.constexpr):
+                  PDL: tl.constexpr):
     # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
     # trip), then combined with the log-sum-exp weights in a fixed order
     pid = tl.program_id(0)
@@ -159,9 +129,9 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     s_mask = offs_s < SPLITS
     part = bh * SPLITS + offs_s
-    if GDC and PDL:  # wait for the partials
+    if PDL:  # wait for the partials
         tl.extra.cuda.gdc_wait()
-        if PDL >= 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
+        if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
             tl.extra.cuda.gdc_launch_dependents()
     m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
     l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
@@ -169,28 +139,23 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
-    if GDC and PDL:  # the next kernel (e.g. the output projection) may launch and start on its weights
+    if PDL:  # the next kernel (e.g. the output projection) may launch and start on its weights (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
 _KERNELS: dict = {}
 _PDL = [0]
-_INTERPRET_PDL = [0]  # tests only: the PDL level the kernels run with under TRITON_INTERPRET=1 (CPU tensors)
 
 
-def set_pdl(enabled: bool, early_trigger: bool = False, early_reads: bool = False) -> int:
+def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     """Launch both kernels with programmatic dependent launch from now on in this process (CUDA only): each may
     start while the previous kernel of the stream finishes and waits on the device (``gdc_wait``) before it reads
     that kernel's results; each lets the next kernel launch before its own stores (``early_trigger``: right after
-    its wait). ``early_reads`` (implies the early trigger): the partial kernel reads the position, q and the
-    cache slots of earlier steps before its wait, and only this step's slot after it. That is correct only where the
-    kernel just before this op is the one that wrote this step's key/value and it waited for q's producer before
-    letting this op launch (the runtime's compiled block: inductor's kernels trigger after their wait). Read at
-    launch time, so set it before a CUDA graph is captured. Returns the previous setting (0 off, 1 on, 2 on with
-    the early trigger, 3 with the early reads)."""
+    its wait). Read at launch time, so set it before a CUDA graph is captured. Returns the previous setting (0 off,
+    1 on, 2 on with the early trigger)."""
     old = _PDL[0]
-    _PDL[0] = (3 if early_reads else 2 if early_trigger else 1) if enabled else 0
+    _PDL[0] = (2 if early_trigger else 1) if enabled else 0
     return old
 
 
@@ -268,22 +233,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
-    pdl = _PDL[0] if q.is_cuda and not _interpret() else _INTERPRET_PDL[0] if _interpret() else 0
-    if pdl == 3 and CHUNK != BLOCK_T:  # the early-reads path handles one tile a program
-        pdl = 2
-    gdc = bool(pdl) and q.is_cuda
-    launch = {"launch_pdl": True} if gdc else {}
+    pdl = _PDL[0] if q.is_cuda and not _interpret() else 0
+    launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, ROPE=rope, PDL=pdl,
-                               GDC=gdc, num_warps=4, **launch)
+                               num_warps=4, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
-                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, GDC=gdc, num_warps=4,
-                                     **launch)
+                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
     return out
 
 
