@@ -140,3 +140,32 @@ def test_tuned_configs_from_an_int4_tune_json(tmp_path):
     bad.write_text(json.dumps({"chosen": None}))
     with pytest.raises(ConfigError, match="bad.json"):
         ic.tuned_configs(bad)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_pdl_kernels_wait_before_reading_activations():
+    """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async and
+    direct kernels (variants 0-12) only, so exactly those must hold griddepcontrol.wait (a PDL-launched kernel
+    without it could read the previous kernel's output before it is written) and let the next kernel launch."""
+    import re
+    import subprocess
+    src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/part.ptx"
+        subprocess.run([int4_cuda.nvcc_path(), "--ptx", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
+                        str(src), "-o", out], check=True, capture_output=True, timeout=900)
+        ptx = open(out).read()
+    bodies = re.split(r"\.entry\s+", ptx)[1:]
+    by_kind = {}
+    for b in bodies:
+        kind = next((k for k in ("w4a16_direct_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
+                                 "w4a16_lean_kernel", "w4a16_kernel") if k in b.split("(")[0]), None)
+        if kind:
+            by_kind.setdefault(kind, []).append(b)
+    assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"]
+    for kind in ("w4a16_direct_kernel", "w4a16_kernel"):
+        for b in by_kind[kind]:
+            assert "griddepcontrol.wait" in b and "griddepcontrol.launch_dependents" in b, kind
+            # the direct kernel issues its first weight loads before the wait, and reads activations after it
+            if kind == "w4a16_direct_kernel":
+                assert b.index("ld.global.nc.L1::no_allocate") < b.index("griddepcontrol.wait")
