@@ -428,8 +428,10 @@ class Transformer(nn.Module):
                 kwargs["mode"] = mode
             return kwargs
         prompt_kwargs = kwargs = compile_kwargs(options)
-        if pdl:  # the decode-step defaults (see PDL_DECODE_OPTIONS); prompts keep the plain options
+        if pdl:  # the decode-step defaults (see PDL_DECODE_OPTIONS); prompts keep the plain options, without
+            # CUDA graphs (a prompt runs once per length: a graph per length would be recorded for one replay)
             kwargs = compile_kwargs({**PDL_DECODE_OPTIONS, **(options or {})})
+            prompt_kwargs = compile_kwargs({**(options or {}), "triton.cudagraphs": False})
         if pdl:
             from sdquant.kernels import decode_attention, int4_cuda
             int4_cuda.set_pdl(True, early_trigger=True)
