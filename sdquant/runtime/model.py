@@ -402,7 +402,8 @@ class Transformer(nn.Module):
 
         scope="model": the whole forward as one graph (mode="reduce-overhead" captures it in a CUDA graph).
         scope="block": one compiled block reused by every layer (compiles in seconds instead of minutes for
-            32 layers); wrap the step in ``CUDAGraphStep`` to replay a whole token as one graph.
+            32 layers), without inductor's CUDA graphs whatever the mode (they cannot chain one graph through the
+            layers); wrap the step in ``CUDAGraphStep`` to replay a whole token as one graph.
         pdl: programmatic dependent launch (Hopper+): inductor's kernels (``triton.enable_pdl``, passed as this
             compile's options, not a global setting) and sdquant's INT4 GEMM and decode attention kernels
             (``int4_cuda.set_pdl`` / ``decode_attention.set_pdl``, process-wide) start while the previous kernel
@@ -420,6 +421,13 @@ class Transformer(nn.Module):
         if pdl and why_not:
             raise ConfigError("pdl", f"programmatic dependent launch cannot run here: {why_not}")
         pdl = not why_not if pdl is None else bool(pdl)
+        if scope == "block" and backend == "inductor":
+            # inductor's CUDA graphs (mode="reduce-overhead") cannot serve one compiled block chained through every
+            # layer: its cudagraph trees overwrite the outputs that the next layer reads ("accessing tensor output
+            # of CUDAGraphs that has been overwritten", H200, bench/compile_smoke.py, run 20). The block compiles
+            # without them; CUDAGraphStep replays the whole step as one graph instead.
+            options = {**(options or {}), "triton.cudagraphs": False}
+
         def compile_kwargs(opts):
             kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
             if pdl or opts:

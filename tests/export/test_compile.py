@@ -135,3 +135,16 @@ def test_prompts_and_decode_steps_take_their_own_block_function():
     assert torch.equal(generate(rt, ids, 3), ref)
     n = len(rt.layers)
     assert calls == {"prompt": n, "decode": 2 * n}   # one prompt pass, then 2 single-token steps
+
+
+def test_block_scope_never_asks_inductor_for_cuda_graphs(monkeypatch):
+    """scope="block" + mode="reduce-overhead" failed on the H200 (cudagraph trees overwrote the outputs the next
+    layer reads, bench/compile_smoke.py run 20): the block is compiled with triton.cudagraphs off; scope="model"
+    keeps the mode."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (seen.append(kw), fn)[1])
+    rt = Transformer.from_hf(tiny(bits=4, group_size=32), max_seq_len=32)
+    rt.compile_decode(mode="reduce-overhead", scope="block", backend="inductor")
+    assert seen[-1]["options"] == {"triton.cudagraphs": False} and "mode" not in seen[-1]
+    rt.compile_decode(mode="reduce-overhead", scope="model", backend="inductor")
+    assert seen[-1]["mode"] == "reduce-overhead" and "options" not in seen[-1]
