@@ -593,6 +593,18 @@ struct Kern {
     if (rc == -100) rc = cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     return rc;
   }
+  // cudaLaunchKernelEx with one launch attribute (a thread-block cluster, or programmatic dependent launch)
+  static int launch_ex(dim3 grid, const cudaLaunchAttribute& attr, const SdqW4A16Params& p, cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attrs[1] = {attr};
+    cfg.attrs = attrs;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel(), p);
+  }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     const int rc = configure();
     if (rc != cudaSuccess) return rc;
@@ -607,37 +619,21 @@ struct Kern {
     } else if constexpr (C::KIND == 3) {  // lean: the S splits of a tile form one cluster when S <= CL
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
       if (p.splits > 1 && p.splits <= C::CL) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(THREADS);
-        cfg.dynamicSmemBytes = SMEM;
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = 1;
-        attr[0].val.clusterDim.y = p.splits;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel(), p);
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1;
+        attr.val.clusterDim.y = p.splits;
+        attr.val.clusterDim.z = 1;
+        return launch_ex(grid, attr, p, stream);
       }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
-    } else {
+    } else {  // cp.async (variants 0-7) and direct (8-12) kernels
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
-      {  // cp.async (variants 0-7) and direct (8-12) kernels
-        if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
-          cudaLaunchConfig_t cfg = {};
-          cfg.gridDim = grid;
-          cfg.blockDim = dim3(THREADS);
-          cfg.dynamicSmemBytes = SMEM;
-          cfg.stream = stream;
-          cudaLaunchAttribute attr[1];
-          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-          attr[0].val.programmaticStreamSerializationAllowed = 1;
-          cfg.attrs = attr;
-          cfg.numAttrs = 1;
-          return cudaLaunchKernelEx(&cfg, kernel(), p);
-        }
+      if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        return launch_ex(grid, attr, p, stream);
       }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     }
