@@ -133,15 +133,9 @@ def _nib16(wq, P, CDT, UNPACK):
         return (c | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def _unpack_kn(wq, R, BN, CDT, UNPACK):
-    """[R, BN] uint32 words -> [8R, BN] CDT tile of BIAS + code (k = 8r + j), K-contiguous in each thread."""
-    if UNPACK == 3:   # the old kernel's broadcast-and-reshape unpack, with the 16-bit magic number (a fallback)
-        w = (wq[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        if CDT == tl.float16:
-            w = (w | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        else:
-            w = (w | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.reshape(w, (8 * R, BN))
+def _codes8(wq, CDT, UNPACK):
+    """uint32 words -> 8 tensors of the same shape, nibble j (bits 4j..4j+3) as BIAS + code in CDT (UNPACK 2:
+    the byte-permute asm; 1: 16-bit magic number; 0: plain conversion, BIAS = 0)."""
     if UNPACK == 2:
         o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wq, CDT)
     else:
@@ -153,29 +147,34 @@ def _unpack_kn(wq, R, BN, CDT, UNPACK):
         o5 = _nib16(wq, 20, CDT, UNPACK)
         o6 = _nib16(wq, 24, CDT, UNPACK)
         o7 = _nib16(wq, 28, CDT, UNPACK)
-    # join appends a trailing axis: [R, BN, a, b, c] with j = 4a + 2b + c
-    t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
-    t = tl.permute(t, (0, 2, 3, 4, 1))
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
+    """8 tensors [*S] -> [*S, 2, 2, 2] holding o_j at (a, b, c) with j = 4a + 2b + c (join appends a trailing axis),
+    so that flattening the last axes puts the 8 codes of a word in order."""
+    return tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+
+
+def _unpack_kn(wq, R, BN, CDT, UNPACK):
+    """[R, BN] uint32 words -> [8R, BN] CDT tile of BIAS + code (k = 8r + j), K-contiguous in each thread."""
+    if UNPACK == 3:   # the old kernel's broadcast-and-reshape unpack, with the 16-bit magic number (a fallback)
+        w = (wq[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        if CDT == tl.float16:
+            w = (w | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        else:
+            w = (w | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.reshape(w, (8 * R, BN))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _codes8(wq, CDT, UNPACK)
+    t = tl.permute(_join8(o0, o1, o2, o3, o4, o5, o6, o7), (0, 2, 3, 4, 1))          # [R, a, b, c, BN]
     return tl.reshape(t, (8 * R, BN))
 
 
 def _unpack_nk(wq, R, BN, CDT, UNPACK):
     """[R, BN] uint32 words -> [BN, 8R] CDT tile of BIAS + code (the transposed tile: weights as the MMA's A
     operand), K-contiguous: the 8 codes of a word are adjacent."""
-    wt = tl.trans(wq)                                                                  # [BN, R]
-    if UNPACK == 2:
-        o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wt, CDT)
-    else:
-        o0 = _nib16(wt, 0, CDT, UNPACK)
-        o1 = _nib16(wt, 4, CDT, UNPACK)
-        o2 = _nib16(wt, 8, CDT, UNPACK)
-        o3 = _nib16(wt, 12, CDT, UNPACK)
-        o4 = _nib16(wt, 16, CDT, UNPACK)
-        o5 = _nib16(wt, 20, CDT, UNPACK)
-        o6 = _nib16(wt, 24, CDT, UNPACK)
-        o7 = _nib16(wt, 28, CDT, UNPACK)
-    t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
-    return tl.reshape(t, (BN, 8 * R))                                                  # [BN, R, a, b, c]
+    o0, o1, o2, o3, o4, o5, o6, o7 = _codes8(tl.trans(wq), CDT, UNPACK)               # each [BN, R]
+    return tl.reshape(_join8(o0, o1, o2, o3, o4, o5, o6, o7), (BN, 8 * R))
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -322,7 +321,8 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_unpack_kn", "_unpack_nk", "_gemv_dot", "_gemv_code")
+_HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_unpack_kn", "_unpack_nk",
+            "_gemv_dot", "_gemv_code")
 _KERNELS: dict = {}
 
 

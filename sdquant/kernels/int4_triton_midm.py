@@ -39,7 +39,7 @@ import torch
 
 from sdquant.errors import ShapeError
 from sdquant.kernels import int4_triton_gemv as small_m
-from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _nib16  # noqa: F401  (re-jitted below as helpers)
+from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _codes8, _join8, _nib16  # noqa: F401  (re-jitted below)
 from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional; int4_triton checks availability before calling here
@@ -63,17 +63,7 @@ def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS, SCALE):
     """[BN, R] uint32 words -> [BN, 8R] CDT weights code * s + zs (k = 8r + j contiguous in a thread), or with
     SCALE False the raw BIAS + code. ``s`` / ``z``: CDT, [BN, 1] (one group over the tile) or [BN, R] (the group
     of each word)."""
-    if UNPACK == 2:
-        o0, o1, o2, o3, o4, o5, o6, o7 = _asm_unpack8(wt, CDT)
-    else:
-        o0 = _nib16(wt, 0, CDT, UNPACK)
-        o1 = _nib16(wt, 4, CDT, UNPACK)
-        o2 = _nib16(wt, 8, CDT, UNPACK)
-        o3 = _nib16(wt, 12, CDT, UNPACK)
-        o4 = _nib16(wt, 16, CDT, UNPACK)
-        o5 = _nib16(wt, 20, CDT, UNPACK)
-        o6 = _nib16(wt, 24, CDT, UNPACK)
-        o7 = _nib16(wt, 28, CDT, UNPACK)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _codes8(wt, CDT, UNPACK)
     if SCALE:
         o0 = (o0 - BIAS) * s + z
         o1 = (o1 - BIAS) * s + z
@@ -83,9 +73,7 @@ def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS, SCALE):
         o5 = (o5 - BIAS) * s + z
         o6 = (o6 - BIAS) * s + z
         o7 = (o7 - BIAS) * s + z
-    # join appends a trailing axis: [BN, R, a, b, c] with j = 4a + 2b + c
-    t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
-    return tl.reshape(t, (BN, 8 * R))
+    return tl.reshape(_join8(o0, o1, o2, o3, o4, o5, o6, o7), (BN, 8 * R))          # [BN, R, a, b, c]
 
 
 # ------------------------------------------------------------------------------------------------- kernel
@@ -147,7 +135,7 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
                  mask=m_mask[None, :])
 
 
-_HELPERS = ("_asm_unpack8", "_nib16", "_add", "_deq_nk")
+_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_add", "_deq_nk")
 _KERNELS: dict = {}
 
 
