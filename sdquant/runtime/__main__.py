@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", default=None, help="torch.compile mode, e.g. reduce-overhead (default: eager)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--no-pdl", dest="pdl", action="store_false", default=None,
+                    help="with --compile: no programmatic dependent launch (default: on where it can run)")
     args = ap.parse_args(argv)
     from sdquant.runtime.model import Transformer, generate
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
             raise SdquantError(f"{args.model}: no tokenizer packaged with the model")
         max_seq = min(args.max_seq_len, getattr(hf.config, "max_position_embeddings", None) or args.max_seq_len)
         rt = Transformer.from_hf(hf, max_seq_len=max_seq, device=args.device, dtype=dtype,
-                                 compile=args.compile)
+                                 compile=args.compile, pdl=args.pdl)
         ids = tok(args.prompt, return_tensors="pt").input_ids
         eos = getattr(tok, "eos_token_id", None)
         generate(rt, ids, 2, eos_token_id=None)                       # warm-up (and compile)

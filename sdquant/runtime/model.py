@@ -307,8 +307,10 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------------------------- construction
     @classmethod
     def from_spec(cls, spec: DecoderSpec, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
-                  kernels: str = "auto", compile: Optional[str] = None) -> "Transformer":  # noqa: A002
-        """compile: None (eager) or a torch.compile mode ("reduce-overhead": fullgraph + CUDA graphs)."""
+                  kernels: str = "auto", compile: Optional[str] = None,  # noqa: A002
+                  pdl: Optional[bool] = None) -> "Transformer":
+        """compile: None (eager) or a torch.compile mode ("reduce-overhead": fullgraph + CUDA graphs); pdl: see
+        ``compile_decode``."""
         d = spec.dims
         if max_seq_len > d.max_position_embeddings:
             raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the model's max_position_embeddings "
@@ -331,13 +333,14 @@ class Transformer(nn.Module):
             _prepare(head, device, dtype, kernels)
         cos, sin = spec.rope_tables(max_seq_len)
         rt = cls(d, cast(spec.embed), blocks, cast(spec.final_norm), head, cast(cos), cast(sin)).eval()
-        return rt.compile_decode(mode=compile) if compile else rt
+        return rt.compile_decode(mode=compile, pdl=pdl) if compile else rt
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
-                kernels: str = "auto", compile: Optional[str] = None) -> "Transformer":  # noqa: A002
+                kernels: str = "auto", compile: Optional[str] = None,  # noqa: A002
+                pdl: Optional[bool] = None) -> "Transformer":
         """From a HF causal LM of a supported family; linears may be nn.Linear, QuantLinear or Fp8Linear."""
-        return cls.from_spec(decoder_spec(model), max_seq_len, device, dtype, kernels, compile)
+        return cls.from_spec(decoder_spec(model), max_seq_len, device, dtype, kernels, compile, pdl)
 
     # ------------------------------------------------------------------------------------------ caches
     def setup_caches(self, max_batch: int, max_seq: int):

@@ -148,3 +148,12 @@ def test_block_scope_never_asks_inductor_for_cuda_graphs(monkeypatch):
     assert seen[-1]["options"] == {"triton.cudagraphs": False} and "mode" not in seen[-1]
     rt.compile_decode(mode="reduce-overhead", scope="model", backend="inductor")
     assert seen[-1]["mode"] == "reduce-overhead" and "options" not in seen[-1]
+
+
+def test_from_hf_passes_pdl_to_compile_decode():
+    """Transformer.from_hf(compile=..., pdl=...) (and so `python -m sdquant.runtime --compile M --no-pdl`) reaches
+    compile_decode: asking for PDL on a CPU is refused there, naming the field."""
+    model = tiny(bits=4, group_size=32)
+    with pytest.raises(ConfigError, match="pdl"):
+        Transformer.from_hf(model, max_seq_len=32, compile="default", pdl=True)
+    assert Transformer.from_hf(model, max_seq_len=32, compile="default", pdl=False).pdl is False
