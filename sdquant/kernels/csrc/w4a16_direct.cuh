@@ -25,12 +25,6 @@ struct DSmem {
   static constexpr int TOTAL = RED_BYTES;
 };
 
-// One bulk copy-engine prefetch of [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned; the
-// stream-K variants 23-25 use it).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"

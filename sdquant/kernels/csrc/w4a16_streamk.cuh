@@ -64,7 +64,9 @@ constexpr int sk_smem() {  // RING stages of 2 K steps a warp, or the KWI warps'
   return C::RING * 2 * 512 * C::WNN * sk_tt<C, NT>() + (C::KWI - 1) * NT * 16 * 32 * 4;
 }
 
-// prefetch_l2_bulk: w4a16_direct.cuh
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ uint4 ldg_l1_16(const uint4* p) {
   uint4 r;
