@@ -413,7 +413,8 @@ class Transformer(nn.Module):
             finishes and wait on the device for its results, so launch latency and the GEMM's first weight loads
             overlap the kernel before. None (default): on where it can run (inductor, a CUDA device of compute
             capability >= 9, a torch whose inductor has the option); True where it cannot is a ConfigError.
-            Measured on the H200 (docs/BENCHMARKS.md, e2e run 15): +7.1% decode tokens/s at batch 1 (INT4).
+            Measured on the H200 (docs/BENCHMARKS.md, e2e runs 12-19), INT4 Llama-3-8B shapes at batch 1:
+            399-403 tokens/s with it (and PDL_DECODE_OPTIONS), 365-370 without.
         options: extra inductor options (torch.compile's ``options``), merged with ``mode``'s. With PDL the decode
             step also gets ``PDL_DECODE_OPTIONS`` (given options win); with scope="block", prompts (S > 1) then run
             a block compiled without them.
@@ -424,36 +425,34 @@ class Transformer(nn.Module):
         if pdl and why_not:
             raise ConfigError("pdl", f"programmatic dependent launch cannot run here: {why_not}")
         pdl = not why_not if pdl is None else bool(pdl)
+        base = dict(options or {})
         if scope == "block" and backend == "inductor":
             # inductor's CUDA graphs (mode="reduce-overhead") cannot serve one compiled block chained through every
             # layer: its cudagraph trees overwrite the outputs that the next layer reads ("accessing tensor output
             # of CUDAGraphs that has been overwritten", H200, bench/compile_smoke.py, run 20). The block compiles
             # without them; CUDAGraphStep replays the whole step as one graph instead.
-            options = {**(options or {}), "triton.cudagraphs": False}
+            base["triton.cudagraphs"] = False
+        decode_opts = {**PDL_DECODE_OPTIONS, **base} if pdl else base
 
         def compile_kwargs(opts):
             kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
             if pdl or opts:
-                kwargs["options"] = {**inductor_options(mode, pdl=pdl), **(opts or {})}
+                kwargs["options"] = {**inductor_options(mode, pdl=pdl), **opts}
             else:
                 kwargs["mode"] = mode
             return kwargs
-        prompt_kwargs = kwargs = compile_kwargs(options)
-        if pdl:  # the decode-step defaults (see PDL_DECODE_OPTIONS); prompts keep the plain options, without
-            # CUDA graphs (a prompt runs once per length: a graph per length would be recorded for one replay)
-            kwargs = compile_kwargs({**PDL_DECODE_OPTIONS, **(options or {})})
-            prompt_kwargs = compile_kwargs({**(options or {}), "triton.cudagraphs": False})
         if pdl:
             from sdquant.kernels import decode_attention, int4_cuda
             int4_cuda.set_pdl(True, early_trigger=True)
             decode_attention.set_pdl(True, early_trigger=True)
         self.pdl = pdl
         if scope == "model":   # prompts run eager (forward); the compiled forward serves decode steps
-            self._decode = torch.compile(self.forward, **kwargs)
+            self._decode = torch.compile(self.forward, **compile_kwargs(decode_opts))
         else:
-            self._block_fn = torch.compile(_block_call, **kwargs)
-            self._prefill_block_fn = None if prompt_kwargs is kwargs else \
-                torch.compile(_prefill_block_call, **prompt_kwargs)
+            self._block_fn = torch.compile(_block_call, **compile_kwargs(decode_opts))
+            # prompts (S > 1) without the decode-only options, in a block of their own
+            self._prefill_block_fn = None if decode_opts is base else \
+                torch.compile(_prefill_block_call, **compile_kwargs(base))
             self._decode = self.forward
         return self
 
