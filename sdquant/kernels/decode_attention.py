@@ -22,7 +22,8 @@ Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); prog
 query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
 running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
 partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
-same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them).
+same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them). ``set_pdl`` launches both with
+programmatic dependent launch (``Transformer.compile_decode`` does on Hopper).
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@
 
 Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
 launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
-or cuBLAS there). On CPU tensors the op evaluates the layout with PyTorch
+or cuBLAS there). ``set_pdl`` launches variants 0-12 with programmatic dependent launch (``Transformer.compile_decode``
+does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
 Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_binding.cpp, csrc/w4a16_sm90.cu (the C
