@@ -43,6 +43,8 @@ from sdquant.errors import ShapeError
 from sdquant.kernels import int4_layout
 from sdquant.kernels import int4_triton_gemv as small_m
 from sdquant.kernels import int4_triton_midm as mid_m
+from sdquant.kernels.int4_triton_gemv import _k_cols  # noqa: F401  (re-jitted below as a helper)
+from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional (CPU-only installs, macOS); the op then uses the PyTorch path on CPU only
     import triton
@@ -78,11 +80,7 @@ def _splitk_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M,
     k_begin = pid_k * K_SPLIT
     for kt in range(0, K_SPLIT, BLOCK_K):
         k0 = k_begin + kt
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            kx = tl.load(perm_ptr + offs_k)
-        else:
-            kx = offs_k
+        kx = _k_cols(perm_ptr, k0, BLOCK_K, HAS_PERM)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
         wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])      # [BK/8, BN] int32
         w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF                              # [BK/8, 8, BN]
@@ -133,11 +131,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, M, N, K, strid
     m_mask = offs_m < M
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            kx = tl.load(perm_ptr + offs_k)
-        else:
-            kx = offs_k
+        kx = _k_cols(perm_ptr, k0, BLOCK_K, HAS_PERM)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
         wq = tl.load(qw_ptr + (k0 // 8 + offs_k8)[:, None] * N + offs_n[None, :])
         w = (wq[:, None, :] >> shifts[None, :, None]) & 0xF
@@ -164,9 +158,9 @@ def _kernels():
     """(splitk, reduce, gemm) compiled for the current mode; built on first use, one set per mode."""
     mode = _interpret()
     if mode not in _KERNELS:
-        # triton.jit reads TRITON_INTERPRET when it wraps a function, so wrapping here (not at import)
-        # lets one process run both the interpreter (CPU tests) and compiled kernels.
-        _KERNELS[mode] = tuple(triton.jit(f) for f in (_splitk_kernel, _reduce_kernel, _gemm_kernel))
+        # jitted per mode (see sdquant.kernels.triton_jit): one process runs both the interpreter (CPU tests)
+        # and compiled kernels
+        _KERNELS[mode] = jit_in_namespace(globals(), (_splitk_kernel, _reduce_kernel, _gemm_kernel), (_k_cols,))
     return _KERNELS[mode]
 
 

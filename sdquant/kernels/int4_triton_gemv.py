@@ -133,6 +133,14 @@ def _nib16(wq, P, CDT, UNPACK):
         return (c | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+def _k_cols(perm_ptr, k0, BLOCK_K, HAS_PERM):
+    """The activation columns of K tile [k0, k0 + BLOCK_K): act-order (HAS_PERM) gathers them through perm."""
+    kx = k0 + tl.arange(0, BLOCK_K)
+    if HAS_PERM:
+        kx = tl.load(perm_ptr + kx)
+    return kx
+
+
 def _codes8(wq, CDT, UNPACK):
     """uint32 words -> 8 tensors of the same shape, nibble j (bits 4j..4j+3) as BIAS + code in CDT (UNPACK 2:
     the byte-permute asm; 1: 16-bit magic number; 0: plain conversion, BIAS = 0)."""
@@ -194,11 +202,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, 
     k_begin = pid_k * K_SPLIT
     for kt in range(0, K_SPLIT, BLOCK_K):
         k0 = k_begin + kt
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            kx = tl.load(perm_ptr + offs_k)
-        else:
-            kx = offs_k
+        kx = _k_cols(perm_ptr, k0, BLOCK_K, HAS_PERM)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
         wq = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * N + offs_n[None, :]).to(tl.uint32, bitcast=True)
         g = k0 // GS
@@ -321,8 +325,8 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_unpack_kn", "_unpack_nk",
-            "_gemv_dot", "_gemv_code")
+_HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_unpack_kn",
+            "_unpack_nk", "_gemv_dot", "_gemv_code")
 _KERNELS: dict = {}
 
 

@@ -39,7 +39,7 @@ import torch
 
 from sdquant.errors import ShapeError
 from sdquant.kernels import int4_triton_gemv as small_m
-from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _codes8, _join8, _nib16  # noqa: F401  (re-jitted below)
+from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _codes8, _join8, _k_cols, _nib16  # noqa: F401 (helpers)
 from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional; int4_triton checks availability before calling here
@@ -98,11 +98,7 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
     z_nx = tl.load(zs_ptr + (k_begin // GS) * N + offs_n)
     for kt in range(0, K_SPLIT, BLOCK_K):
         k0 = k_begin + kt
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            kx = tl.load(perm_ptr + offs_k)
-        else:
-            kx = offs_k
+        kx = _k_cols(perm_ptr, k0, BLOCK_K, HAS_PERM)
         xt = tl.load(x_cols + kx[:, None], mask=m_mask[None, :], other=0.0)             # [BK, BM]
         wq = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * N + offs_n[None, :])       # [R, BN] int32
         wt = tl.trans(wq).to(tl.uint32, bitcast=True)                                   # [BN, R]
@@ -135,7 +131,7 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
                  mask=m_mask[None, :])
 
 
-_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_add", "_deq_nk")
+_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_add", "_deq_nk")
 _KERNELS: dict = {}
 
 
