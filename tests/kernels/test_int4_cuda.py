@@ -23,13 +23,14 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17;
-    # flat lean variants 46-49: 2 x 2 x 4;
+    # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9;
     # the linear read probe once
     assert sum("w4a16_kernel" in ln for ln in kernels) == 76
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
     assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 68
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
+    assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
@@ -63,7 +64,8 @@ def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
     assert int4_cuda.split_config(15) == (15, 0)         # a stream-K variant
     assert int4_cuda.split_config(63) == (0, 0)          # unknown variant ids run the run-3 kernel
-    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS]) == list(range(13, int4_cuda.N_VARIANTS))
+    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.BULK_VARIANTS]) == \
+        list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
     for m in (1, 2, 3, 8, 9, 16):
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
@@ -144,9 +146,10 @@ def test_tuned_configs_from_an_int4_tune_json(tmp_path):
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_pdl_kernels_wait_before_reading_activations():
-    """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async and
-    direct kernels (variants 0-12) only, so exactly those must hold griddepcontrol.wait (a PDL-launched kernel
-    without it could read the previous kernel's output before it is written) and let the next kernel launch."""
+    """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async, direct
+    and bulk-copy kernels (variants 0-12, 50-57) only, so exactly those must hold griddepcontrol.wait (a
+    PDL-launched kernel without it could read the previous kernel's output before it is written) and let the next
+    kernel launch."""
     import re
     import subprocess
     src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
@@ -159,13 +162,18 @@ def test_pdl_kernels_wait_before_reading_activations():
     by_kind = {}
     for b in bodies:
         kind = next((k for k in ("w4a16_direct_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
-                                 "w4a16_lean_kernel", "w4a16_kernel") if k in b.split("(")[0]), None)
+                                 "w4a16_lean_kernel", "w4a16_bulk_kernel", "w4a16_kernel") if k in b.split("(")[0]),
+                    None)
         if kind:
             by_kind.setdefault(kind, []).append(b)
-    assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"]
-    for kind in ("w4a16_direct_kernel", "w4a16_kernel"):
+    assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and by_kind["w4a16_bulk_kernel"]
+    for kind in ("w4a16_direct_kernel", "w4a16_kernel", "w4a16_bulk_kernel"):
         for b in by_kind[kind]:
             assert "griddepcontrol.wait" in b and "griddepcontrol.launch_dependents" in b, kind
             # the direct kernel issues its first weight loads before the wait, and reads activations after it
             if kind == "w4a16_direct_kernel":
                 assert b.index("ld.global.nc.L1::no_allocate") < b.index("griddepcontrol.wait")
+            # the bulk-copy kernel requests its first chunks before the wait; activations (ld.global.nc) come after
+            if kind == "w4a16_bulk_kernel":
+                assert b.index("cp.async.bulk.shared::cluster.global") < b.index("griddepcontrol.wait")
+                assert b.index("griddepcontrol.wait") < b.index("ld.global.nc.u32")

@@ -468,6 +468,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 #include "w4a16_direct.cuh"  // the direct (no shared-memory pipeline) kernel, same namespace
 #include "w4a16_streamk.cuh"  // the stream-K direct kernel and the read probes, same namespace
 #include "w4a16_lean.cuh"     // the lean direct kernel (variants 28+), same namespace
+#include "w4a16_bulk.cuh"     // the bulk-copy kernel (variants 50+), same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -506,7 +507,13 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // flat lean (w4a16_lean_flat_kernel: grid = resident slots, every warp W-th of the flattened block x K-step space):
 //   46: 4 warps, ring 4, RAW, 4/3/4        47: 8 warps, ring 4, RAW, 2/1/2        48: 4 warps, ring 8, RAW, 4/2/3
 //   49: 4 warps, ring 4, WSCALE, 5/3/4
-// probes (not GEMMs; sdq_w4a16_probe only): P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
+// bulk-copy kernel (w4a16_bulk.cuh; the direct kernel's grid and arithmetic, each warp's fragments through its own
+// shared-memory ring filled by cp.async.bulk): blocks x K-warps, chunk (K steps), ring slots, min CTAs/SM at one tile:
+//   50: 2 x 4, 4, 6, 2 (12 KB a warp in flight, 16 warps/SM)     51: 2 x 4, 8, 3, 2 (4 KB copies)
+//   52: 4 x 1, 4, 6, 4                                            53: 1 x 8, 4, 6, 2
+//   54: 2 x 4, 2, 12, 2 (1 KB copies)                             55: 2 x 2, 2, 12, 4 (1 KB copies)
+//   56: 4 x 2, 4, 6, 2                                            57: = 50 without the L2 evict-first hint
+// probes (not GEMMs; sdq_w4a16_probe only): P7 = 50's copies and shared-memory reads (grid: 50's split-K); P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
 // registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
 // xor only
 using V0 = Cfg<4, 1, 5, 0>;
@@ -559,19 +566,29 @@ using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
 using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
 using V48 = LCfg<4, 1, 8, 4, 2, 3, 0, 0, 1, 1>;
 using V49 = LCfg<4, 1, 4, 5, 3, 4, 1, 0, 0, 1>;
+using V50 = BCfg<2, 4, 4, 6, 2>;
+using V51 = BCfg<2, 4, 8, 3, 2>;
+using V52 = BCfg<4, 1, 4, 6, 4>;
+using V53 = BCfg<1, 8, 4, 6, 2>;
+using V54 = BCfg<2, 4, 2, 12, 2>;
+using V55 = BCfg<2, 2, 2, 12, 4>;
+using V56 = BCfg<4, 2, 4, 6, 2>;
+using V57 = BCfg<2, 4, 4, 6, 2, 0>;
+using P7 = BCfg<2, 4, 4, 6, 2, 1, 1>;  // V50's copies
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
 using P6 = SKCfg<1, 2, 3, 2, 0, 0, 1, 3, 2, 0, 0, 4>;  // V26's loads
 using P5 = SKCfg<4, 2, 4, 2, 1, 0, 1, 3, 2, 0, 8>;  // V23's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 50;
+constexpr int N_VARIANTS = 58;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
     if constexpr (C::KIND == 2) return sk_smem<C, NT>();
+    else if constexpr (C::KIND == 4) return bulk_smem<C, NT>();
     else if constexpr (lean_flat<C>()) return 0;
     else if constexpr (C::KIND == 3) return lean_smem<C, NT>();
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
@@ -583,6 +600,7 @@ struct Kern {
   }();
   static auto kernel() {
     if constexpr (C::KIND == 2) return w4a16_streamk_kernel<T, C, NT>;
+    else if constexpr (C::KIND == 4) return w4a16_bulk_kernel<T, C, NT>;
     else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
@@ -627,7 +645,7 @@ struct Kern {
         return launch_ex(grid, attr, p, stream);
       }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
-    } else {  // cp.async (variants 0-7) and direct (8-12) kernels
+    } else {  // cp.async (variants 0-7), direct (8-12) and bulk-copy (50-57) kernels
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
       if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
         cudaLaunchAttribute attr = {};
@@ -745,6 +763,15 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 47: return run_op<T, V47, NT, 2>(op, p, stream);
     case 48: return run_op<T, V48, NT, 2>(op, p, stream);
     case 49: return run_op<T, V49, NT, 2>(op, p, stream);
+    case 50: return run_op<T, V50, NT, 2>(op, p, stream);
+    case 51: return run_op<T, V51, NT, 2>(op, p, stream);
+    case 52: return run_op<T, V52, NT, 2>(op, p, stream);
+    case 53: return run_op<T, V53, NT, 2>(op, p, stream);
+    case 54: return run_op<T, V54, NT, 2>(op, p, stream);
+    case 55: return run_op<T, V55, NT, 2>(op, p, stream);
+    case 56: return run_op<T, V56, NT, 2>(op, p, stream);
+    case 57: return run_op<T, V57, NT, 2>(op, p, stream);
+    case PROBE_BASE + 7: return run_op<T, P7, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

@@ -154,11 +154,13 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
                                                                      reinterpret_cast<unsigned*>(p->c));
     return cudaGetLastError();
   }
-  if (kind < 1 || kind > 6 || p->m > 16) return -1;
+  if (kind < 1 || kind > 7 || p->m > 16) return -1;
   SdqW4A16Params q = *p;
   q.variant = sdq_w4a16::PROBE_BASE + kind;
   q.evict_first = 0;
   q.splits = ctas > 0 ? ctas : sm_count() * dispatch_raw(q.variant, 1, q, nullptr);
+  if (kind == 7)  // a tiled grid (tiles x splits): variant 50's automatic split-K, whatever ctas says
+    q.splits = sdq_w4a16_auto_splits(p->m, p->n, p->k, p->group_k16, p->is_bf16, 50, 0);
   return dispatch_raw(q.variant, 0, q, stream);
 }
 
