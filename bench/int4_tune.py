@@ -58,7 +58,7 @@ MS = [1, 2, 4, 8, 16, 32]
 CONFIGS = [0, 0 + 64 * 8, 1, 2, 2 + 64 * 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9 + 64 * 2,
            13, 14, 15, 16, 17, 18, 13 + 64 * 4, 14 + 64 * 6, 16 + 64 * 8, 19, 20, 21, 22, 19 + 64 * 6, 23, 24, 25,
            26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49,
-           50, 51, 52, 53, 54, 55, 56, 57]
+           50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
 NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2 s8 pre", 5: "8x1 s4 pre",
          6: "4x1 s8 pre", 7: "2x4 s8 pre", 8: "direct 4x2 d4", 9: "direct 4x2 d2", 10: "direct 2x4 d2",
          11: "direct 4x1 d4", 12: "direct 8x1 d2", 13: "sk 4 d3", 14: "sk 4 d2 ws", 15: "sk 4 d2 ws ts",
@@ -77,7 +77,7 @@ PREV_SHAPE = {(8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4
               (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
               (8192, 10240, 16): 0, (4096, 6144, 16): 4, (4096, 128256, 1): 17, (4096, 128256, 2): 17}
 PROBE_MS = (1, 16)
-RISKY_VARIANTS = (23, 24, 25, *range(50, 58))  # first use on this GPU: cp.async.bulk.prefetch.L2; bulk copies + mbarriers
+RISKY_VARIANTS = (23, 24, 25, *range(50, 62))  # first use on this GPU: cp.async.bulk.prefetch.L2; bulk copies + mbarriers
 CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms)
     (4096, 4096, 128, True, False, torch.bfloat16, (1, 3, 8, 16, 32)),
     (4096, 4096, 128, False, False, torch.float16, (1, 5, 16)),
@@ -263,7 +263,8 @@ def time_cpu(call, n_rot: int, trials: int = 3) -> float:
 
 # (name, kind, variant whose resident-slot grid the probe uses: None = the probe kernel's own)
 PROBES = [("lin", 0, None), ("P1@v13", 1, 13), ("P2@v15", 2, 15), ("P3", 3, None), ("P4@v19", 4, 19),
-          ("P5@v23", 5, 23), ("P6@v26", 6, 26), ("P7@v50", 7, 50)]
+          ("P5@v23", 5, 23), ("P6@v26", 6, 26), ("P7@v50", 7, 50),
+          ("P8@v58", 8, 58)]
 
 
 def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=True, tag=1) -> list:

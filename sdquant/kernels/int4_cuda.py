@@ -25,7 +25,8 @@
                  stream-K kernel with the raw codes; 46-49 the lean kernel on a flat grid of the resident slots,
                  every warp an equal share of the flattened block x K-step space; 50-57 the bulk-copy kernel of
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
-                 shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk);
+                 shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
+                 flat grid of 46-49, every warp one contiguous byte range of the fragments);
                  M <= 16 only, larger M uses 0);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
@@ -33,7 +34,7 @@
 
 Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
 launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
-or cuBLAS there). ``set_pdl`` launches variants 0-12 and 50-57 with programmatic dependent launch (``Transformer.compile_decode``
+or cuBLAS there). ``set_pdl`` launches variants 0-12 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
 does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
@@ -153,10 +154,10 @@ def evict_first_works() -> bool:
     return ext is not None and int(ext.probe_evict_first()) == 0
 
 
-N_VARIANTS = 58
+N_VARIANTS = 62
 STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
-BULK_VARIANTS = tuple(range(50, 58))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes
+BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
 # tuning (run 4)" / "(run 5)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N,
@@ -193,8 +194,8 @@ _PDL = [0]
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
-    """Launch variants 0-12 and 50-57 with programmatic dependent launch from now on in this process: a kernel may
-    start while the previous kernel of the stream finishes; the direct (8-12) and bulk-copy (50-57) kernels request
+    """Launch variants 0-12 and 50-61 with programmatic dependent launch from now on in this process: a kernel may
+    start while the previous kernel of the stream finishes; the direct (8-12) and bulk-copy (50-61) kernels request
     their first weights, then wait
     (``griddepcontrol.wait``) before it reads activations, the cp.async kernel (0-7) waits at its start; each lets
     the next kernel launch after its main loop (``early_trigger``: right after its wait). It pays when the kernels around it are PDL-aware too (inductor's

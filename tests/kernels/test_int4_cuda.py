@@ -23,7 +23,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17;
-    # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9;
+    # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
+    # variants 58-61 and their probe: 2 x 2 x 5;
     # the linear read probe once
     assert sum("w4a16_kernel" in ln for ln in kernels) == 76
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
@@ -31,6 +32,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 68
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
+    assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
@@ -147,7 +149,7 @@ def test_tuned_configs_from_an_int4_tune_json(tmp_path):
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_pdl_kernels_wait_before_reading_activations():
     """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async, direct
-    and bulk-copy kernels (variants 0-12, 50-57) only, so exactly those must hold griddepcontrol.wait (a
+    and bulk-copy kernels (variants 0-12, 50-61) only, so exactly those must hold griddepcontrol.wait (a
     PDL-launched kernel without it could read the previous kernel's output before it is written) and let the next
     kernel launch."""
     import re
@@ -162,18 +164,20 @@ def test_pdl_kernels_wait_before_reading_activations():
     by_kind = {}
     for b in bodies:
         kind = next((k for k in ("w4a16_direct_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
-                                 "w4a16_lean_kernel", "w4a16_bulk_kernel", "w4a16_kernel") if k in b.split("(")[0]),
+                                 "w4a16_lean_kernel", "w4a16_bulk_flat_kernel", "w4a16_bulk_kernel", "w4a16_kernel")
+                     if k in b.split("(")[0]),
                     None)
         if kind:
             by_kind.setdefault(kind, []).append(b)
-    assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and by_kind["w4a16_bulk_kernel"]
-    for kind in ("w4a16_direct_kernel", "w4a16_kernel", "w4a16_bulk_kernel"):
+    bulk = ("w4a16_bulk_kernel", "w4a16_bulk_flat_kernel")
+    assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and all(by_kind[k] for k in bulk)
+    for kind in ("w4a16_direct_kernel", "w4a16_kernel", *bulk):
         for b in by_kind[kind]:
             assert "griddepcontrol.wait" in b and "griddepcontrol.launch_dependents" in b, kind
             # the direct kernel issues its first weight loads before the wait, and reads activations after it
             if kind == "w4a16_direct_kernel":
                 assert b.index("ld.global.nc.L1::no_allocate") < b.index("griddepcontrol.wait")
             # the bulk-copy kernel requests its first chunks before the wait; activations (ld.global.nc) come after
-            if kind == "w4a16_bulk_kernel":
+            if kind in bulk:
                 assert b.index("cp.async.bulk.shared::cluster.global") < b.index("griddepcontrol.wait")
                 assert b.index("griddepcontrol.wait") < b.index("ld.global.nc.u32")

@@ -17,7 +17,7 @@ struct SdqW4A16Params {
   int is_bf16;
   int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
   int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
-  int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 50-57, else ignored): the
+  int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 50-61, else ignored): the
                        // kernel may start while the previous kernel of the stream finishes; it reads weights
                        // first (direct kernel; the cp.async kernel waits at its start) and waits
                        // (griddepcontrol.wait) before it touches activations or the output. It
@@ -37,7 +37,8 @@ long long sdq_w4a16_scratch_floats(const SdqW4A16Params* p);
 // Read-bandwidth probes over p->b (not GEMMs; p->c gets nothing): kind 0 = the whole fragment buffer read in order
 // by a grid-stride kernel (ctas CTAs of 256 threads, 0 = 8 per SM); 1-3 = the stream-K kernel's loads (P1-P3 in
 // w4a16_kernel.cuh) without the arithmetic, on ctas CTAs (0 = every resident slot of the probe kernel); 7 = the
-// bulk-copy kernel's copies and shared-memory reads (variant 50's grid; ctas ignored).
+// bulk-copy kernel's copies and shared-memory reads (variant 50's grid; ctas ignored); 8 = the same for the flat
+// bulk-copy kernel (variant 58, on ctas CTAs or its resident slots).
 int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t stream);
 // Resident CTAs per SM of the kernel the launcher would pick for (m, group, dtype, variant).
 int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);

@@ -17,11 +17,18 @@
 // group, fp32 partials + lock for split-K (store_output). Under programmatic dependent launch the ring's first RING
 // chunks are requested before griddepcontrol.wait (they do not depend on the previous kernel).
 // EV = 1: the bulk copies carry an L2 evict-first cache hint (the weights are read once a call).
-// PROBE = 1: the same copies and shared-memory reads, no arithmetic (a read probe; sdq_w4a16_probe kind 7).
-template <int WNN_, int KW_, int CH_, int RING_, int MINB_, int EV_ = 1, int PROBE_ = 0>
+// PROBE = 1: the same copies and shared-memory reads, no arithmetic (a read probe; sdq_w4a16_probe kinds 7, 8).
+// FLAT = 1 (WNN = KW = 1 means WARPS = WNN; w4a16_bulk_flat_kernel): the lean flat kernel's grid -- G CTAs (the
+// resident slots), warp w of W = G * WARPS takes the K steps [w * U / W, (w + 1) * U / W) of the flattened
+// block-major (block, K step) space, which in this layout is one contiguous byte range: every warp streams the same
+// bytes (+-512) in address order through its ring, switching blocks inside the stream; segments that do not cover a
+// whole block are summed through fp32 partials (flat_segment_out, w4a16_lean.cuh).
+template <int WNN_, int KW_, int CH_, int RING_, int MINB_, int EV_ = 1, int PROBE_ = 0, int FLAT_ = 0>
 struct BCfg {
   static constexpr int WNN = WNN_, KW = KW_, CH = CH_, RING = RING_, MINB = MINB_, EV = EV_, PROBE = PROBE_;
-  static_assert(CH % 2 == 0 && CH >= 2, "a chunk is whole 2-step stages");
+  static constexpr int FLAT = FLAT_;
+  static_assert(FLAT == 0 || KW == 1, "FLAT: one warp a stream");
+  static_assert(FLAT || (CH % 2 == 0 && CH >= 2), "a chunk is whole 2-step stages");
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -264,4 +271,163 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
     reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);
   }
   store_output<T, NT, WNN, THREADS>(p, acc, active && kw == 0, nb, split, s_last);
+}
+
+template <typename C>
+constexpr bool bulk_flat() {  // any kernel config: is it a flat bulk-copy one
+  if constexpr (C::KIND == 4) return C::FLAT != 0;
+  else return false;
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_flat_kernel(const SdqW4A16Params p) {
+  constexpr int R = C::RING, CH = C::CH, CB = C::CHUNK_BYTES;
+  using O = Ops<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  const int kbt = p.k / 16, m = p.m, nblk = p.n / 64, gk = p.group_k16;
+  const long long U = lean_units(p.n, p.k);
+  const int W = static_cast<int>(min(static_cast<long long>(p.splits) * C::WARPS, U));
+  const int w = blockIdx.x * C::WARPS + warp;
+  if (w >= W) return;  // no CTA barriers below: warps are independent
+  const int u0 = static_cast<int>(sk_begin(U, W, w)), u1 = static_cast<int>(sk_begin(U, W, w + 1));  // U < 2^31
+  const int total = u1 - u0;
+  const int nchunks = (total + CH - 1) / CH;
+  const uint32_t ring = smem_addr(smem) + warp * R * CB;
+  const uint32_t bar0 = smem_addr(smem) + C::RING_BYTES + warp * R * 8;
+  const char* wsrc = reinterpret_cast<const char*>(p.b) + static_cast<size_t>(u0) * 512;
+  uint64_t policy = 0;
+  if constexpr (C::EV) policy = evict_first_policy();
+  auto issue = [&](int c, int slot) {  // lane 0: chunk c (its K steps that exist) into `slot`
+    const int s = c * CH;
+    const uint32_t bytes = static_cast<uint32_t>(total - s < CH ? total - s : CH) * 512;
+    const uint32_t bar = bar0 + slot * 8;
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_copy_g2s<C::EV>(ring + slot * CB, wsrc + static_cast<size_t>(s) * 512, bytes, bar, policy);
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) mbar_init(bar0 + r * 8, 1);
+    mbar_fence_init();
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nchunks) issue(r, r);
+  }
+  __syncwarp();
+  griddep_wait();  // activations (and the output) belong to the previous kernel of the stream
+  if (p.pdl == 2) griddep_launch_dependents();
+
+  int slot = 0, off = 0, c = 0;
+  uint32_t phase = 0, probe = 0;
+  for (int u = u0; u < u1;) {
+    const int nb = u / kbt;
+    const int a = u - nb * kbt;
+    const int e = min(kbt, a + (u1 - u));
+    u += e - a;
+    float acc[NT][4][4], accg[NT][4][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = accg[i][j][q] = 0.f;
+    float sf[4][2] = {};
+    uint32_t zl[4][2] = {}, zh[4][2] = {};
+    auto flush = [&]() {
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[i][j][q] = fmaf(sf[j][q >> 1], accg[i][j][q], acc[i][j][q]);
+            accg[i][j][q] = 0.f;
+          }
+    };
+    uint4 s_next, z_next;  // scales / zeros of group `grp`, fetched ahead
+    auto load_sz = [&](int g) {
+      const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
+      s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
+      z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
+    };
+    int grp = a / gk, rem = a - grp * gk;
+    load_sz(grp);
+    const T* xsrc = reinterpret_cast<const T*>(p.a) + 2 * t4;
+    auto load_x = [&](int ks, uint32_t (&xx)[NT][2]) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = nt * 8 + g8;
+        const T* xr = xsrc + static_cast<size_t>(r) * p.k + ks * 16;
+        xx[nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
+        xx[nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
+      }
+    };
+    uint32_t xq[NT][2];
+    load_x(a, xq);
+    for (int ks = a; ks < e; ++ks) {
+      if (rem == 0 || ks == a) {
+        if (ks != a) flush();
+        const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
+        const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[j]));
+          sf[j][0] = f.x;
+          sf[j][1] = f.y;
+          O::zero_pairs(zp[j], 0, zl[j][0], zh[j][0]);
+          O::zero_pairs(zp[j], 1, zl[j][1], zh[j][1]);
+        }
+        if ((grp + 1) * gk < e) load_sz(grp + 1);
+      }
+      if (off == 0)
+        for (uint32_t spins = 0; !mbar_try_wait(bar0 + slot * 8, phase);)
+          if (++spins == (1u << 22)) __trap();  // a copy that never lands (a bug, not a slow GPU): fail, do not hang
+      const uint4 wk = lds128(ring + slot * CB + off * 512 + lane * 16);
+      if (++off == CH) {  // the slot is read: refill it with chunk c + R
+        __syncwarp();
+        if (lane == 0 && c + R < nchunks) {
+          fence_proxy_async_smem();
+          issue(c + R, slot);
+        }
+        off = 0;
+        ++c;
+        if (++slot == R) {
+          slot = 0;
+          phase ^= 1u;
+        }
+      }
+      uint32_t xc[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        xc[nt][0] = xq[nt][0];
+        xc[nt][1] = xq[nt][1];
+      }
+      if (ks + 1 < e) load_x(ks + 1, xq);
+      if constexpr (C::PROBE) {
+        probe ^= wk.x ^ wk.y ^ wk.z ^ wk.w;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) probe ^= xc[nt][0] ^ xc[nt][1];
+      } else {
+        const uint32_t q[4] = {wk.x, wk.y, wk.z, wk.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t cd[4];
+          O::codes(q[j], zl[j], zh[j], cd);
+          const uint32_t af[4] = {cd[0], cd[2], cd[1], cd[3]};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][j], af, xc[nt][0], xc[nt][1]);
+        }
+      }
+      if (++rem == gk) {
+        rem = 0;
+        ++grp;
+      }
+    }
+    flush();
+    if constexpr (!C::PROBE) flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, w);
+  }
+  griddep_launch_dependents();
+  if constexpr (C::PROBE) {
+    if (probe == 0x9e3779b9u && m < 0) reinterpret_cast<T*>(p.c)[threadIdx.x] = O::one(0.f);  // never true
+  }
 }

@@ -513,7 +513,11 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 //   52: 4 x 1, 4, 6, 4                                            53: 1 x 8, 4, 6, 2
 //   54: 2 x 4, 2, 12, 2 (1 KB copies)                             55: 2 x 2, 2, 12, 4 (1 KB copies)
 //   56: 4 x 2, 4, 6, 2                                            57: = 50 without the L2 evict-first hint
-// probes (not GEMMs; sdq_w4a16_probe only): P7 = 50's copies and shared-memory reads (grid: 50's split-K); P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
+// flat bulk-copy kernel (w4a16_bulk_flat_kernel: the flat lean grid, every warp an equal contiguous byte range of the
+// fragments through its ring, K steps one at a time): warps, chunk (K steps), ring slots, min CTAs/SM at one tile:
+//   58: 4, 4, 6, 4 (16 warps/SM, 192 KB/SM)     59: 8, 4, 6, 2     60: 4, 2, 8, 4 (1 KB copies)     61: 4, 8, 3, 4
+// probes (not GEMMs; sdq_w4a16_probe only): P7 = 50's copies and shared-memory reads (grid: 50's split-K), P8 = 58's
+// (grid: 58's resident slots); P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
 // registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
 // xor only
 using V0 = Cfg<4, 1, 5, 0>;
@@ -574,14 +578,19 @@ using V54 = BCfg<2, 4, 2, 12, 2>;
 using V55 = BCfg<2, 2, 2, 12, 4>;
 using V56 = BCfg<4, 2, 4, 6, 2>;
 using V57 = BCfg<2, 4, 4, 6, 2, 0>;
+using V58 = BCfg<4, 1, 4, 6, 4, 1, 0, 1>;
+using V59 = BCfg<8, 1, 4, 6, 2, 1, 0, 1>;
+using V60 = BCfg<4, 1, 2, 8, 4, 1, 0, 1>;
+using V61 = BCfg<4, 1, 8, 3, 4, 1, 0, 1>;
 using P7 = BCfg<2, 4, 4, 6, 2, 1, 1>;  // V50's copies
+using P8 = BCfg<4, 1, 4, 6, 4, 1, 1, 1>;  // V58's copies
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
 using P6 = SKCfg<1, 2, 3, 2, 0, 0, 1, 3, 2, 0, 0, 4>;  // V26's loads
 using P5 = SKCfg<4, 2, 4, 2, 1, 0, 1, 3, 2, 0, 8>;  // V23's loads
 using P1 = SKCfg<4, 3, 3, 2, 0, 0, 1>;  // V13's loads
 using P2 = SKCfg<4, 2, 4, 2, 1, 1, 1>;  // V14's / V15's loads
 using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
-constexpr int N_VARIANTS = 58;
+constexpr int N_VARIANTS = 62;
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
 template <typename T, typename C, int NT, int KS, bool EVICT>
@@ -600,6 +609,7 @@ struct Kern {
   }();
   static auto kernel() {
     if constexpr (C::KIND == 2) return w4a16_streamk_kernel<T, C, NT>;
+    else if constexpr (bulk_flat<C>()) return w4a16_bulk_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 4) return w4a16_bulk_kernel<T, C, NT>;
     else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
@@ -630,9 +640,15 @@ struct Kern {
       SdqW4A16Params q = p;
       q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
-    } else if constexpr (lean_flat<C>()) {  // flat lean: a 1-D grid of G CTAs, passed as p.splits
+    } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {  // flat lean / bulk: a 1-D grid of G CTAs, as p.splits
       SdqW4A16Params q = p;
       q.splits = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
+      if (bulk_flat<C>() && p.pdl) {  // programmatic dependent launch, as the tiled kernels below
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        return launch_ex(dim3(q.splits), attr, q, stream);
+      }
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
     } else if constexpr (C::KIND == 3) {  // lean: the S splits of a tile form one cluster when S <= CL
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
@@ -662,7 +678,7 @@ struct Kern {
     if constexpr (C::KIND == 2) {
       const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       return g * 2 * p.m * C::WNN * 64;
-    } else if constexpr (lean_flat<C>()) {
+    } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {
       const long long g = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
       return g * C::WARPS * 2 * p.m * 64;
     } else if constexpr (C::KIND == 3) {  // partials only when the splits do not form a cluster
@@ -698,7 +714,7 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     const long long f = K::scratch(p);
     return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
   }
-  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : 0);
+  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : (bulk_flat<C>() ? 3 : 0));
   if (op == 5) return C::WARPS;
   return K::launch(p, stream);
 }
@@ -771,7 +787,12 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 55: return run_op<T, V55, NT, 2>(op, p, stream);
     case 56: return run_op<T, V56, NT, 2>(op, p, stream);
     case 57: return run_op<T, V57, NT, 2>(op, p, stream);
+    case 58: return run_op<T, V58, NT, 2>(op, p, stream);
+    case 59: return run_op<T, V59, NT, 2>(op, p, stream);
+    case 60: return run_op<T, V60, NT, 2>(op, p, stream);
+    case 61: return run_op<T, V61, NT, 2>(op, p, stream);
     case PROBE_BASE + 7: return run_op<T, P7, NT, 2>(op, p, stream);
+    case PROBE_BASE + 8: return run_op<T, P8, NT, 2>(op, p, stream);
     default: break;
   }
   if (op == 2) return V0::WNN;

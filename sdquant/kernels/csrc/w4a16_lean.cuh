@@ -327,39 +327,17 @@ __host__ __device__ __forceinline__ int lean_flat_grid(int requested, long long 
   return g < 1 ? 1 : static_cast<int>(g);
 }
 
-template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_flat_kernel(const SdqW4A16Params p) {
+// The output of one flat-grid segment (warp w of W, block nb, K steps [a, e) of kbt): the whole block writes y;
+// otherwise the segment's fp32 partial goes to p.partial[(w * 2 + first/last) * m * 64], counted on p.locks[nb], and
+// the last of the block's segments to arrive sums them in warp order and resets the counter. Warp-collective.
+template <typename T, int NT>
+__device__ __forceinline__ void flat_segment_out(const SdqW4A16Params& p, const float (&acc)[NT][4][4], int nb, int a,
+                                                 int e, long long U, int W, int w) {
   using O = Ops<T>;
   const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
   const int kbt = p.k / 16, m = p.m, n = p.n;
-  const long long U = lean_units(p.n, p.k);
-  // W <= U: no warp has an empty range (the launcher's grid ensures it unless U < WARPS; then the extra warps idle)
-  const int W = static_cast<int>(min(static_cast<long long>(p.splits) * C::WARPS, U));
-  if (static_cast<int>(blockIdx.x * C::WARPS + threadIdx.x / 32) >= W) return;  // no barriers below: warps are independent
-  const int u1 = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32 + 1));  // U < 2^31
   T* out = reinterpret_cast<T*>(p.c);
-  for (int u = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32)); u < u1;) {
-    const int nb = u / kbt;
-    const int a = u - nb * kbt;
-    const int e = min(kbt, a + (u1 - u));
-    u += e - a;
-    float acc[NT][4][4];
-    lean_segment<T, C, NT>(p, acc, nb, a, e - a);
-    if (a == 0 && e == kbt) {  // the whole block: write y
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int w4 = 0; w4 < 4; ++w4)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int tok = nt * 8 + 2 * t4 + (q & 1);
-            if (tok < m) out[static_cast<size_t>(tok) * n + nb * 64 + 16 * w4 + 8 * (q >> 1) + g8] = O::one(acc[nt][w4][q]);
-          }
-      continue;
-    }
-    const int w = blockIdx.x * C::WARPS + threadIdx.x / 32;  // (recomputed: fewer registers across the segment)
-    const bool first_seg = nb == static_cast<int>(sk_begin(U, W, w) / kbt);
-    float* part = p.partial + (static_cast<size_t>(w) * 2 + (first_seg ? 0 : 1)) * m * 64;
+  if (a == 0 && e == kbt) {  // the whole block: write y
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -367,40 +345,71 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int tok = nt * 8 + 2 * t4 + (q & 1);
-          if (tok < m) __stcg(part + tok * 64 + 16 * w4 + 8 * (q >> 1) + g8, acc[nt][w4][q]);
+          if (tok < m) out[static_cast<size_t>(tok) * n + nb * 64 + 16 * w4 + 8 * (q >> 1) + g8] = O::one(acc[nt][w4][q]);
         }
-    const long long bu0 = static_cast<long long>(nb) * kbt;
-    const int c0 = sk_owner(U, W, bu0), c1 = sk_owner(U, W, bu0 + kbt - 1);  // the warps holding this block's segments
-    __threadfence();  // this lane's partials are visible device-wide before the warp is counted
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(&p.locks[nb], 1) == c1 - c0;
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) continue;
-    __threadfence();
-    const int c0_first = static_cast<int>(sk_begin(U, W, c0) / kbt);
-    for (int i = lane; i < m * 32; i += 32) {  // (token, column pair); warps c0..c1 in order, 8 loads in flight
-      const int row = i / 32, lc = 2 * (i % 32);
-      float2 sum = make_float2(0.f, 0.f);
-      for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
-        float2 v[8];
+    return;
+  }
+  const bool first_seg = nb == static_cast<int>(sk_begin(U, W, w) / kbt);
+  float* part = p.partial + (static_cast<size_t>(w) * 2 + (first_seg ? 0 : 1)) * m * 64;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int cc = cc0 + j;
-          const int wh = (cc == c0 && c0_first != nb) ? 1 : 0;
-          v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * 64 + lc))
-                          : make_float2(0.f, 0.f);
-        }
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (cc0 + j <= c1) {
-            sum.x += v[j].x;
-            sum.y += v[j].y;
-          }
+    for (int w4 = 0; w4 < 4; ++w4)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int tok = nt * 8 + 2 * t4 + (q & 1);
+        if (tok < m) __stcg(part + tok * 64 + 16 * w4 + 8 * (q >> 1) + g8, acc[nt][w4][q]);
       }
-      *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + nb * 64 + lc) = O::pack(sum.x, sum.y);
+  const long long bu0 = static_cast<long long>(nb) * kbt;
+  const int c0 = sk_owner(U, W, bu0), c1 = sk_owner(U, W, bu0 + kbt - 1);  // the warps holding this block's segments
+  __threadfence();  // this lane's partials are visible device-wide before the warp is counted
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&p.locks[nb], 1) == c1 - c0;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();
+  const int c0_first = static_cast<int>(sk_begin(U, W, c0) / kbt);
+  for (int i = lane; i < m * 32; i += 32) {  // (token, column pair); warps c0..c1 in order, 8 loads in flight
+    const int row = i / 32, lc = 2 * (i % 32);
+    float2 sum = make_float2(0.f, 0.f);
+    for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
+      float2 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int cc = cc0 + j;
+        const int wh = (cc == c0 && c0_first != nb) ? 1 : 0;
+        v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * 64 + lc))
+                        : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (cc0 + j <= c1) {
+          sum.x += v[j].x;
+          sum.y += v[j].y;
+        }
     }
-    __syncwarp();
-    if (lane == 0) p.locks[nb] = 0;  // every segment of this block has arrived: reset for the next call
+    *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + nb * 64 + lc) = O::pack(sum.x, sum.y);
+  }
+  __syncwarp();
+  if (lane == 0) p.locks[nb] = 0;  // every segment of this block has arrived: reset for the next call
+}
+
+template <typename T, typename C, int NT>
+__global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_flat_kernel(const SdqW4A16Params p) {
+  const int kbt = p.k / 16;
+  const long long U = lean_units(p.n, p.k);
+  // W <= U: no warp has an empty range (the launcher's grid ensures it unless U < WARPS; then the extra warps idle)
+  const int W = static_cast<int>(min(static_cast<long long>(p.splits) * C::WARPS, U));
+  if (static_cast<int>(blockIdx.x * C::WARPS + threadIdx.x / 32) >= W) return;  // no barriers below: warps are independent
+  const int u1 = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32 + 1));  // U < 2^31
+  for (int u = static_cast<int>(sk_begin(U, W, blockIdx.x * C::WARPS + threadIdx.x / 32)); u < u1;) {
+    const int nb = u / kbt;
+    const int a = u - nb * kbt;
+    const int e = min(kbt, a + (u1 - u));
+    u += e - a;
+    float acc[NT][4][4];
+    lean_segment<T, C, NT>(p, acc, nb, a, e - a);
+    flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, blockIdx.x * C::WARPS + threadIdx.x / 32);
   }
 }

@@ -154,7 +154,7 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
                                                                      reinterpret_cast<unsigned*>(p->c));
     return cudaGetLastError();
   }
-  if (kind < 1 || kind > 7 || p->m > 16) return -1;
+  if (kind < 1 || kind > 8 || p->m > 16) return -1;
   SdqW4A16Params q = *p;
   q.variant = sdq_w4a16::PROBE_BASE + kind;
   q.evict_first = 0;
