@@ -326,7 +326,7 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=Tr
                         res["probe_" + pname] = (us, float("nan"), qbytes if kind == 0 else int4_bytes)
                     except Exception as ex:  # noqa: BLE001
                         log(f"  probe {pname} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
-            for c in (configs if m <= 16 else [cc for cc in configs if cc % 64 == 0]):
+            for c in (configs if m <= 16 else [cc for cc in configs if cc % 64 in (0, *ic.NT4_VARIANTS)]):
                 def call(i, c=c):
                     lay = lays[i % len(lays)]
                     return torch.ops.sdquant.w4a16_cuda(x, lay["qweight"], lay["scales"], lay["zeros"], None,

@@ -27,7 +27,7 @@
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
                  shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
                  flat grid of 46-49, every warp one contiguous byte range of the fragments);
-                 M <= 16 only, larger M uses 0);
+                 M <= 16 only, larger M uses 0 -- or 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
@@ -157,6 +157,7 @@ def evict_first_works() -> bool:
 N_VARIANTS = 62
 STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
+NT4_VARIANTS = (37, 42)  # instantiated for M = 17-32 too (four token tiles); every other variant stops at M = 16
 BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
@@ -175,12 +176,15 @@ BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, bo
 # changed seven points, each faster than the previous default in both passes: the lm_head shape 4096x128256 at
 # M = 1-8 -> 5 (95.1 / 98.6 us vs v17 100.8 / 101.5 at M = 1; 97.2-101.5 vs 102.4-106.1 at M = 2-8) and
 # 4096x6144 at M = 2-8 -> 37 (lean, 1 block x 8 K-warps: 10.5-10.8 vs v10 10.8-11.7).
-DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 2}
+# Run 7a (2026-12-01, e43f6d7's parent 546ed8d, bench/results/int4_tune_h200_run7a.*): M = 9-16 default -> 37, faster than the
+# previous config in both passes on 14336x4096 (22.0 / 22.2 vs v2 25.1 / 25.2 us), 4096x4096 (11.1 / 11.0 vs v10
+# 12.4 / 12.6) and 4096x28672 (39.0 / 39.3 vs v5 39.9 / 40.2); the lm_head shape at M = 9-16 -> 5 (110.5 / 109.9 vs
+# v2 138.4 / 137.4). 8192x10240 and 4096x6144 keep their M = 16 configs (not timed in that run).
+DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
-    (8192, 28672, 16): 5, (4096, 28672, 16): 5, (28672, 8192, 16): 5, (4096, 4096, 16): 10,
-    (8192, 10240, 16): 0, (4096, 6144, 16): 4,
-    (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5,
+    (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0, (4096, 6144, 16): 4,
+    (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5, (4096, 128256, 16): 5,
     (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
@@ -250,11 +254,12 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 
 
 def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
-    """The kernel config the op uses when called with config=-1 (measured winners; 0 above M = 16)."""
+    """The kernel config the op uses when called with config=-1 (measured winners; at M = 17-32 variant 0 or one of
+    NT4_VARIANTS)."""
     b = m_bucket(m)
-    if b > 16:
-        return 0
     c = SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
+    if b > 16 and c % 64 not in NT4_VARIANTS:
+        return 0
     if dtype == torch.float16 and c % 64 in WSCALE_TWIN:
         c = FP16_SHAPE_CONFIGS.get((k, n, b), WSCALE_TWIN[c % 64] + 64 * (c // 64))
     return c

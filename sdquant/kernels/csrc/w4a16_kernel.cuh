@@ -795,6 +795,11 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case PROBE_BASE + 8: return run_op<T, P8, NT, 2>(op, p, stream);
     default: break;
   }
+  if constexpr (NT == 4) switch (variant) {  // M = 17-32: the lean kernels that led at M = 16 (run 7)
+    case 37: return run_op<T, V37, NT, 2>(op, p, stream);
+    case 42: return run_op<T, V42, NT, 2>(op, p, stream);
+    default: break;
+  }
   if (op == 2) return V0::WNN;
   if (op == 3) return p.splits > 1 ? p.splits * p.m * p.n : 0;
   if (op == 4) return 0;
@@ -803,12 +808,14 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
   return p.evict_first ? Kern<T, V0, NT, KS, true>::launch(p, stream) : Kern<T, V0, NT, KS, false>::launch(p, stream);
 }
 
-// Variant 0 serves every M <= 32 and the evict-first hint; the others are instantiated for M <= 16 only.
+// Variant 0 serves every M <= 32 and the evict-first hint; 37 and 42 (lean) also M = 17-32 (NT4_VARIANTS); the
+// others are instantiated for M <= 16 only.
 template <typename T, int NT>
 int dispatch_ks(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   const bool ks4 = p.group_k16 % 4 == 0;
   if constexpr (NT > 2) {
-    (void)variant;
+    const int v = (variant == 37 || variant == 42) && !p.evict_first ? variant : 0;
+    if (v) return dispatch_variant<T, NT, 2>(v, op, p, stream);  // (the lean kernel has its own K steps)
     return ks4 ? dispatch_variant<T, NT, 4>(0, op, p, stream) : dispatch_variant<T, NT, 2>(0, op, p, stream);
   } else {
     const int v = p.evict_first ? 0 : variant;
