@@ -180,12 +180,16 @@ BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, bo
 # previous config in both passes on 14336x4096 (22.0 / 22.2 vs v2 25.1 / 25.2 us), 4096x4096 (11.1 / 11.0 vs v10
 # 12.4 / 12.6) and 4096x28672 (39.0 / 39.3 vs v5 39.9 / 40.2); the lm_head shape at M = 9-16 -> 5 (110.5 / 109.9 vs
 # v2 138.4 / 137.4). 8192x10240 and 4096x6144 keep their M = 16 configs (not timed in that run).
+# Run 7c (36ae57a, bench/results/int4_tune_h200_run7c.*: 37 and 42 at M = 17-32 against variant 0): M = 17-32 -> 37 on
+# the three narrow shapes, at M = 24 / 32: 14336x4096 37.8 / 38.9 us vs v0 38.4 / 44.5, 4096x4096 16.4 / 17.5 vs
+# 28.5 / 34.7, 4096x6144 20.1 / 20.5 vs 28.6 / 33.2; v0 stays faster on the 28672-wide and 8192-deep shapes.
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0, (4096, 6144, 16): 4,
     (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5, (4096, 128256, 16): 5,
     (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
+    (14336, 4096, 32): 37, (4096, 4096, 32): 37, (4096, 6144, 32): 37,
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
 # fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)

@@ -72,7 +72,10 @@ def test_config_encoding_and_defaults():
     for m in (1, 2, 3, 8, 9, 16):
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
         assert 0 <= v < int4_cuda.N_VARIANTS
-    assert int4_cuda.auto_config(17, 4096, 4096) == 0      # M > 16: only variant 0 is instantiated
+    assert int4_cuda.auto_config(17, 4096, 4096) == 37     # M = 17-32: a variant instantiated at four token tiles
+    assert int4_cuda.auto_config(33, 8192, 28672) == 0     # (larger M runs in 32-row launches of the same config)
+    for (k, n, b), c in int4_cuda.SHAPE_CONFIGS.items():
+        assert b <= 16 or c % 64 in (0, *int4_cuda.NT4_VARIANTS), (k, n, b)
     for v, twin in int4_cuda.WSCALE_TWIN.items():           # fp16 never gets a per-weight-scale variant
         assert twin not in int4_cuda.WSCALE_TWIN and 13 <= v < int4_cuda.N_VARIANTS and 13 <= twin < int4_cuda.N_VARIANTS
     saved = dict(int4_cuda.DEFAULT_CONFIGS)
