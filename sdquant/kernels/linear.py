@@ -379,6 +379,9 @@ class Fp8Linear(_Prepared):
     ``_run_prequantized``); False keeps the quantize kernel inside the op (the same-run baseline of bench/e2e.py)."""
     kind = "fp8"
     fuse_act_quant = True
+    # cuBLASLt ``use_fast_accum`` on the ``_scaled_mm`` path (large M): see bench/fp8_fast_accum.py and
+    # docs/BENCHMARKS.md for what it costs in accuracy and gains in time. Class default; settable per layer.
+    fast_accum = False
 
     def __init__(self, fw: Fp8Weight, bias: Optional[torch.Tensor] = None, smooth: Optional[torch.Tensor] = None):
         super().__init__()
@@ -439,7 +442,7 @@ class Fp8Linear(_Prepared):
                                                        self.bias, self.smooth, list(cfg))
         if name == "scaled_mm":
             return torch.ops.sdquant.fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale,
-                                                          self.bias, self.smooth)
+                                                          self.bias, self.smooth, bool(self.fast_accum))
         if name == "dense":  # W8A16: the cached dequantized weight, activations not quantized
             if self.smooth is not None:
                 x = x / self.smooth.to(x.dtype)
@@ -459,7 +462,8 @@ class Fp8Linear(_Prepared):
             y = torch.ops.sdquant.fp8_gemm_triton(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype,
                                                   list(cfg))
         else:
-            y = torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
+            y = torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype,
+                                                     bool(self.fast_accum))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

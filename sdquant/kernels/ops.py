@@ -100,26 +100,28 @@ def _(xq, xs, weight, weight_scale, bias, out_dtype, config):
 
 @torch.library.custom_op("sdquant::fp8_gemm_scaled_mm", mutates_args=())
 def fp8_gemm_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+                       bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``fp8_linear_scaled_mm``'s GEMM (``torch._scaled_mm``, rowwise scales) on pre-quantized activations."""
     m = xq.shape[0]
     if m == 0:
         return xq.new_empty((0, weight.shape[0]), dtype=out_dtype)
-    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype)
+    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum)
 
 
 @fp8_gemm_scaled_mm.register_fake
-def _(xq, xs, weight, weight_scale, bias, out_dtype):
+def _(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum=False):
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-def _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype):
+def _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum: bool = False):
+    """fast_accum: cuBLASLt's ``use_fast_accum`` (the FP8 tensor-core accumulator is not periodically promoted to
+    fp32: faster at large M, less accurate; Fp8Linear.fast_accum)."""
     m = xq.shape[0]
     scale_a = xs.reshape(-1, 1) if xs.dim() == 1 else xs.reshape(1, 1).expand(m, 1).contiguous()
     # cuBLASLt rowwise scaling writes bf16 only (torch 2.4-2.11); the CPU kernel writes any float type
     mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     y = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=weight_scale.float().reshape(1, -1),
-                         out_dtype=mm_dtype)
+                         out_dtype=mm_dtype, use_fast_accum=bool(fast_accum))
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(out_dtype)
@@ -145,7 +147,7 @@ def _(x, weight, weight_scale, input_scale, bias, smooth, config):
 @torch.library.custom_op("sdquant::fp8_linear_scaled_mm", mutates_args=())
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                         smooth: Optional[torch.Tensor]) -> torch.Tensor:
+                         smooth: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
     """W8A8 through ``torch._scaled_mm`` with rowwise scales (cuBLASLt on the GPU): per-token scale_a [M, 1],
     per-channel scale_b [1, N]. weight [N, K] row-major is exactly the column-major [K, N] operand it wants,
     so ``weight.t()`` is a view, no copy."""
@@ -155,11 +157,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
     xq, xs = _quantize_act(x2.contiguous(), smooth, input_scale)
-    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype, fast_accum).reshape(*x.shape[:-1], n)
 
 
 @fp8_linear_scaled_mm.register_fake
-def _(x, weight, weight_scale, input_scale, bias, smooth):
+def _(x, weight, weight_scale, input_scale, bias, smooth, fast_accum=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -126,3 +126,34 @@ def test_compiled_fp8_linear_quantizes_outside_the_op(smooth, monkeypatch):
     ops_op, y2 = _graph_ops(layer, x)
     assert any("fp8_linear_scaled_mm" in t for t in ops_op) and not any("fp8_gemm" in t for t in ops_op)
     torch.testing.assert_close(y2, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_fast_accum_reaches_scaled_mm(fused, monkeypatch):
+    """Fp8Linear.fast_accum is passed to torch._scaled_mm's use_fast_accum on the scaled_mm path, through the
+    whole-layer op (eager) and through the GEMM-only op (fused activation quantization); opcheck takes the flag."""
+    from sdquant.kernels.linear import Fp8Linear
+    x, w, ws, isc, b = _fp8_args(False, True)
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*a, **kw):
+        seen.append(kw.get("use_fast_accum"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    layer = Fp8Linear(quantize_fp8_weight(w.float() * ws.reshape(-1, 1)), b)
+    layer.prepare(kernels="cuda")  # on CPU tensors: torch's CPU _scaled_mm
+    ref = layer(x)
+    layer.fast_accum = True
+    if fused:
+        y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    else:
+        y = layer(x)
+    assert seen[0] is False and seen[-1] is True
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)  # the CPU kernel accumulates exactly either way
+    xq, xs = sdquant.kernels.ops.quantize_act_torch(x.reshape(-1, x.shape[-1]), None, isc)
+    torch.library.opcheck(torch.ops.sdquant.fp8_gemm_scaled_mm, (xq, xs, w, ws, b, torch.float32, True),
+                          test_utils=FP8_UTILS)
+    torch.library.opcheck(torch.ops.sdquant.fp8_linear_scaled_mm, (x, w, ws, isc, b, None, True),
+                          test_utils=FP8_UTILS)
