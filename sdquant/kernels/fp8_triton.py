@@ -178,13 +178,14 @@ def _kernel(fn, interpret: bool):
 # ---------------------------------------------------------------------------------------------- launchers
 def quantize_act(x: torch.Tensor, smooth: Optional[torch.Tensor] = None,
                  input_scale: Optional[torch.Tensor] = None, out_fp32: Optional[bool] = None,
-                 cast: bool = True):
+                 cast: bool = True, launch: Optional[tuple] = None):
     """x [M, K] -> (xq e4m3 [M, K], scale fp32 [M] (dynamic) or the static scalar). Equals
     ``ops.quantize_fp8_per_token`` / ``quantize_fp8_static`` applied to ``x.float() / smooth.float()``.
 
     ``out_fp32`` (default: on CPU) makes the kernel write the scaled, clamped values in fp32; torch then does
     the e4m3 cast (see the module docstring for why), or, with ``cast=False``, they are returned as they are
-    (the tests check that stage on its own)."""
+    (the tests check that stage on its own). ``launch`` = (block_k, num_warps) overrides the launch heuristic
+    (bench/fp8_quant_sweep.py; block_k < K means two passes over the row)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ShapeError(f"quantize_act: x must be a 2-D row-contiguous tensor, got {list(x.shape)}")
     m, k = x.shape
@@ -200,8 +201,11 @@ def quantize_act(x: torch.Tensor, smooth: Optional[torch.Tensor] = None,
     # The interpreter is exercised on both paths: one pass up to 2048, two passes above.
     limit = 2048 if interpret else 32768
     block = min(triton.next_power_of_2(k), limit)
-    one_pass = block >= k
     kw = {} if interpret else {"num_warps": 4 if block <= 2048 else 8 if block <= 8192 else 16}
+    if launch is not None:
+        block = min(int(launch[0]), triton.next_power_of_2(k))
+        kw = {} if interpret else {"num_warps": int(launch[1])}
+    one_pass = block >= k
     _kernel(_quant_act_kernel, interpret)[(m,)](
         x, smooth if smooth is not None else x, s if static else x, q, s, k, x.stride(0), q.stride(0),
         HAS_SMOOTH=smooth is not None, STATIC=static, OUT_FP32=out_fp32, BLOCK_K=block, ONE_PASS=one_pass,
