@@ -86,3 +86,15 @@ def test_dispatch_adapter_runs_the_int4_triton_op(report):
         assert r["kernel"] == "M1+:triton"
         assert r["buffers"] and all(b.startswith("_triton_") for b in r["buffers"])
         assert r["rel"] < 1e-2, r
+
+
+def test_quant_launch_rows_wider_than_8192_take_two_passes():
+    """The GPU launch rule of the quantize kernel (measured by bench/fp8_quant_sweep.py): one register-resident
+    pass up to K = 8192, two passes of 2048 / 4096-wide blocks at 16 warps above; the interpreter caps at 2048."""
+    from sdquant.kernels.fp8_triton import quant_launch
+    assert quant_launch(4096) == (4096, 8) and quant_launch(2048) == (2048, 4) and quant_launch(8192) == (8192, 8)
+    assert quant_launch(14336) == (2048, 16) and quant_launch(28672) == (4096, 16)
+    for k in (96, 4096, 14336, 28672):
+        block, warps = quant_launch(k)
+        assert block & (block - 1) == 0 and (block >= k) == (k <= 8192) and warps in (4, 8, 16)
+    assert quant_launch(14336, interpret=True)[0] == 2048 and quant_launch(1000, interpret=True)[0] == 1024
