@@ -27,7 +27,7 @@
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
                  shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
                  flat grid of 46-49, every warp one contiguous byte range of the fragments);
-                 M <= 16 only, larger M uses 0 -- or 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
+                 M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
@@ -157,7 +157,7 @@ def evict_first_works() -> bool:
 N_VARIANTS = 62
 STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
-NT4_VARIANTS = (37, 42)  # instantiated for M = 17-32 too (four token tiles); every other variant stops at M = 16
+NT4_VARIANTS = (2, 5, 37, 42)  # instantiated for M = 17-32 too (four token tiles); the others stop at M = 16
 BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel

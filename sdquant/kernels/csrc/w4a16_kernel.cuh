@@ -795,7 +795,9 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case PROBE_BASE + 8: return run_op<T, P8, NT, 2>(op, p, stream);
     default: break;
   }
-  if constexpr (NT == 4) switch (variant) {  // M = 17-32: the lean kernels that led at M = 16 (run 7)
+  if constexpr (NT == 4) switch (variant) {  // M = 17-32: the kernels that led at M = 16 (runs 5-7)
+    case 2: return run_op<T, V2, NT, KS>(op, p, stream);
+    case 5: return run_op<T, V5, NT, KS>(op, p, stream);
     case 37: return run_op<T, V37, NT, 2>(op, p, stream);
     case 42: return run_op<T, V42, NT, 2>(op, p, stream);
     default: break;
@@ -808,15 +810,15 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
   return p.evict_first ? Kern<T, V0, NT, KS, true>::launch(p, stream) : Kern<T, V0, NT, KS, false>::launch(p, stream);
 }
 
-// Variant 0 serves every M <= 32 and the evict-first hint; 37 and 42 (lean) also M = 17-32 (NT4_VARIANTS); the
+// Variant 0 serves every M <= 32 and the evict-first hint; 2, 5, 37 and 42 also M = 17-32 (NT4_VARIANTS); the
 // others are instantiated for M <= 16 only.
 template <typename T, int NT>
 int dispatch_ks(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   const bool ks4 = p.group_k16 % 4 == 0;
   if constexpr (NT > 2) {
-    const int v = (variant == 37 || variant == 42) && !p.evict_first ? variant : 0;
-    if (v) return dispatch_variant<T, NT, 2>(v, op, p, stream);  // (the lean kernel has its own K steps)
-    return ks4 ? dispatch_variant<T, NT, 4>(0, op, p, stream) : dispatch_variant<T, NT, 2>(0, op, p, stream);
+    const int v = (variant == 2 || variant == 5 || variant == 37 || variant == 42) && !p.evict_first ? variant : 0;
+    if (v == 37 || v == 42) return dispatch_variant<T, NT, 2>(v, op, p, stream);  // (the lean kernel's own K steps)
+    return ks4 ? dispatch_variant<T, NT, 4>(v, op, p, stream) : dispatch_variant<T, NT, 2>(v, op, p, stream);
   } else {
     const int v = p.evict_first ? 0 : variant;
     return ks4 ? dispatch_variant<T, NT, 4>(v, op, p, stream) : dispatch_variant<T, NT, 2>(v, op, p, stream);

@@ -67,7 +67,8 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   const int ks = group_k16 % 4 == 0 ? 4 : 2;
   const int stages = k / 16 / ks;
   const int nt = m <= 8 ? 1 : (m <= 16 ? 2 : 4);
-  if (variant < 0 || variant >= N_VARIANTS || (nt > 2 && variant != 37 && variant != 42)) variant = 0;
+  if (variant < 0 || variant >= N_VARIANTS || (nt > 2 && variant != 2 && variant != 5 && variant != 37 && variant != 42))
+    variant = 0;
   if (variant == 0 && target2 <= 0) {
     // The run-3 rule, kept bit for bit so variant 0 times as it did. CTAs per SM: shared memory, and registers
     // (ptxas: ~96 / ~148 / ~216 per thread for 1 / 2 / 4 token tiles).
