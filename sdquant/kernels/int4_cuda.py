@@ -183,13 +183,17 @@ BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, bo
 # Run 7c (36ae57a, bench/results/int4_tune_h200_run7c.*: 37 and 42 at M = 17-32 against variant 0): M = 17-32 -> 37 on
 # the three narrow shapes, at M = 24 / 32: 14336x4096 37.8 / 38.9 us vs v0 38.4 / 44.5, 4096x4096 16.4 / 17.5 vs
 # 28.5 / 34.7, 4096x6144 20.1 / 20.5 vs 28.6 / 33.2; v0 stays faster on the 28672-wide and 8192-deep shapes.
+# Run 7d (74514b0, bench/results/int4_tune_h200_run7d.*, one pass: the sweep's proposal covers M <= 16 only): the
+# cp.async variant 2 at four tiles, M = 24 / 32: 4096x28672 53.7 / 54.9 us vs v0 54.6 / 61.1 (bf16 57.4 / 57.6),
+# 14336x4096 34.8 / 37.8 vs v37 37.9 / 39.4 and v0 38.4 / 45.1 (bf16 31.9 / 33.5), 8192x10240 46.8 / 50.4 vs v0
+# 53.3 / 61.0 (bf16 48.9 / 50.1) -> bucket 32 = 2 there.
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0, (4096, 6144, 16): 4,
     (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5, (4096, 128256, 16): 5,
     (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
-    (14336, 4096, 32): 37, (4096, 4096, 32): 37, (4096, 6144, 32): 37,
+    (14336, 4096, 32): 2, (4096, 4096, 32): 37, (4096, 6144, 32): 37, (4096, 28672, 32): 2, (8192, 10240, 32): 2,
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
 # fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)
