@@ -78,6 +78,23 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
                  : "memory");
   }
 }
+// Lane 0 of a warp: the R slot barriers of its ring initialized (one arrival each, the expect_tx of the copy) and
+// the first min(R, nchunks) chunks requested (issue(chunk, slot)).
+template <int R, typename Issue>
+__device__ __forceinline__ void ring_start(uint32_t bar0, int nchunks, Issue&& issue) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) mbar_init(bar0 + r * 8, 1);
+  mbar_fence_init();
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (r < nchunks) issue(r, r);
+}
+// Every lane: wait until the copy of this phase has landed in the slot of barrier bar. A copy that never lands is a
+// bug, not a slow GPU: trap after 2^22 failed polls instead of hanging.
+__device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t phase) {
+  for (uint32_t spins = 0; !mbar_try_wait(bar, phase);)
+    if (++spins == (1u << 22)) __trap();
+}
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
@@ -101,12 +118,9 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
   const int nb = blockIdx.x * WNN + wn;
   const bool active = nb < nblk;
   const int kb_total = p.k / 16;
-  const int stages_total = kb_total / KS;
   const int split = blockIdx.y;
-  const int st0 = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
-  const int st1 = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
-  const int a = st0 + ((st1 - st0) * kw) / KW, b = st0 + ((st1 - st0) * (kw + 1)) / KW;  // this warp's stages
-  const int iters = active ? b - a : 0;
+  int a, iters;  // this warp's stages
+  warp_stages<KS, KW>(p, kw, active, a, iters);
   const int nchunks = (iters + SPC - 1) / SPC;
   const int m = p.m;
   const int gs_st = p.group_k16 / KS;
@@ -125,55 +139,19 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
     mbar_arrive_expect_tx(bar, bytes);
     bulk_copy_g2s<C::EV>(ring + slot * CB, wsrc + static_cast<size_t>(s) * KS * 512, bytes, bar, policy);
   };
-  if (lane == 0 && nchunks > 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) mbar_init(bar0 + r * 8, 1);
-    mbar_fence_init();
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (r < nchunks) issue(r, r);
-  }
+  if (lane == 0 && nchunks > 0) ring_start<R>(bar0, nchunks, issue);
   __syncwarp();
 
   const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * KS * 16 + 2 * t4;
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = nt * 8 + g8;
-        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
-        xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
-        xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
-      }
+    load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
 
-  float acc[NT][4][4], accg[NT][4][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
+  float acc[NT][4][4] = {}, accg[NT][4][4] = {};
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
-  auto flush = [&]() {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-          accg[i][w][e] = 0.f;
-        }
-  };
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;  // scales / zeros of group `grp`, fetched ahead
-  auto load_sz = [&](int g) {
-    const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
-    s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
-    z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
-  };
+  auto load_sz = [&](int g) { load_group_sz(p, g, nblk, nb, g8, s_next, z_next); };
   int rem = a % gs_st, grp = a / gs_st;
   bool first = true;
   if (iters > 0) load_sz(grp);
@@ -186,9 +164,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
   int slot = 0;
   uint32_t phase = 0;
   for (int c = 0; c < nchunks; ++c) {
-    const uint32_t bar = bar0 + slot * 8;
-    for (uint32_t spins = 0; !mbar_try_wait(bar, phase);)
-      if (++spins == (1u << 22)) __trap();  // a copy that never lands (a bug, not a slow GPU): fail, do not hang
+    ring_wait(bar0 + slot * 8, phase);
     uint4 wc[SPC][KS];
 #pragma unroll
     for (int j = 0; j < SPC; ++j)
@@ -226,31 +202,12 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
           continue;
         }
         if (rem == 0 || first) {
-          if (!first) flush();
-          const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
-          const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-            sf[w][0] = f.x;
-            sf[w][1] = f.y;
-            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-          }
+          if (!first) group_flush<NT>(acc, accg, sf);
+          group_begin<T>(s_next, z_next, sf, zl, zh);
           if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
         }
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t q[4] = {wc[j][kk].x, wc[j][kk].y, wc[j][kk].z, wc[j][kk].w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            uint32_t cd[4];
-            O::codes(q[w], zl[w], zh[w], cd);
-            const uint32_t af[4] = {cd[0], cd[2], cd[1], cd[3]};
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], af, xc[kk][nt][0], xc[kk][nt][1]);
-          }
-        }
+        for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[j][kk], xc[kk], zl, zh, accg);
         first = false;
         if (++rem == gs_st) {
           rem = 0;
@@ -259,7 +216,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
       }
     }
   }
-  flush();
+  group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (C::PROBE) {
@@ -305,14 +262,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
     mbar_arrive_expect_tx(bar, bytes);
     bulk_copy_g2s<C::EV>(ring + slot * CB, wsrc + static_cast<size_t>(s) * 512, bytes, bar, policy);
   };
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) mbar_init(bar0 + r * 8, 1);
-    mbar_fence_init();
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (r < nchunks) issue(r, r);
-  }
+  if (lane == 0) ring_start<R>(bar0, nchunks, issue);
   __syncwarp();
   griddep_wait();  // activations (and the output) belong to the previous kernel of the stream
   if (p.pdl == 2) griddep_launch_dependents();
@@ -324,64 +274,23 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
     const int a = u - nb * kbt;
     const int e = min(kbt, a + (u1 - u));
     u += e - a;
-    float acc[NT][4][4], accg[NT][4][4];
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][j][q] = accg[i][j][q] = 0.f;
+    float acc[NT][4][4] = {}, accg[NT][4][4] = {};
     float sf[4][2] = {};
     uint32_t zl[4][2] = {}, zh[4][2] = {};
-    auto flush = [&]() {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[i][j][q] = fmaf(sf[j][q >> 1], accg[i][j][q], acc[i][j][q]);
-            accg[i][j][q] = 0.f;
-          }
-    };
     uint4 s_next, z_next;  // scales / zeros of group `grp`, fetched ahead
-    auto load_sz = [&](int g) {
-      const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
-      s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
-      z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
-    };
+    auto load_sz = [&](int g) { load_group_sz(p, g, nblk, nb, g8, s_next, z_next); };
     int grp = a / gk, rem = a - grp * gk;
     load_sz(grp);
     const T* xsrc = reinterpret_cast<const T*>(p.a) + 2 * t4;
-    auto load_x = [&](int ks, uint32_t (&xx)[NT][2]) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = nt * 8 + g8;
-        const T* xr = xsrc + static_cast<size_t>(r) * p.k + ks * 16;
-        xx[nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
-        xx[nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
-      }
-    };
-    uint32_t xq[NT][2];
-    load_x(a, xq);
+    uint32_t xq[1][NT][2];  // the next K step's activations
+    load_x_steps<T, NT, 1>(p, xsrc, a * 16, g8, m, xq);
     for (int ks = a; ks < e; ++ks) {
       if (rem == 0 || ks == a) {
-        if (ks != a) flush();
-        const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
-        const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[j]));
-          sf[j][0] = f.x;
-          sf[j][1] = f.y;
-          O::zero_pairs(zp[j], 0, zl[j][0], zh[j][0]);
-          O::zero_pairs(zp[j], 1, zl[j][1], zh[j][1]);
-        }
+        if (ks != a) group_flush<NT>(acc, accg, sf);
+        group_begin<T>(s_next, z_next, sf, zl, zh);
         if ((grp + 1) * gk < e) load_sz(grp + 1);
       }
-      if (off == 0)
-        for (uint32_t spins = 0; !mbar_try_wait(bar0 + slot * 8, phase);)
-          if (++spins == (1u << 22)) __trap();  // a copy that never lands (a bug, not a slow GPU): fail, do not hang
+      if (off == 0) ring_wait(bar0 + slot * 8, phase);
       const uint4 wk = lds128(ring + slot * CB + off * 512 + lane * 16);
       if (++off == CH) {  // the slot is read: refill it with chunk c + R
         __syncwarp();
@@ -399,31 +308,23 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
       uint32_t xc[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        xc[nt][0] = xq[nt][0];
-        xc[nt][1] = xq[nt][1];
+        xc[nt][0] = xq[0][nt][0];
+        xc[nt][1] = xq[0][nt][1];
       }
-      if (ks + 1 < e) load_x(ks + 1, xq);
+      if (ks + 1 < e) load_x_steps<T, NT, 1>(p, xsrc, (ks + 1) * 16, g8, m, xq);
       if constexpr (C::PROBE) {
         probe ^= wk.x ^ wk.y ^ wk.z ^ wk.w;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) probe ^= xc[nt][0] ^ xc[nt][1];
       } else {
-        const uint32_t q[4] = {wk.x, wk.y, wk.z, wk.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t cd[4];
-          O::codes(q[j], zl[j], zh[j], cd);
-          const uint32_t af[4] = {cd[0], cd[2], cd[1], cd[3]};
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][j], af, xc[nt][0], xc[nt][1]);
-        }
+        group_step<T, NT>(wk, xc, zl, zh, accg);
       }
       if (++rem == gk) {
         rem = 0;
         ++grp;
       }
     }
-    flush();
+    group_flush<NT>(acc, accg, sf);
     if constexpr (!C::PROBE) flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, w);
   }
   griddep_launch_dependents();

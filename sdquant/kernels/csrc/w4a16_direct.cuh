@@ -37,7 +37,6 @@ template <typename T, typename C, int NT>
 __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direct_kernel(const SdqW4A16Params p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::DEPTH, THREADS = C::THREADS;
   constexpr int KS = 2;  // K steps per register stage
-  using O = Ops<T>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
 
@@ -48,12 +47,9 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   const int nb = blockIdx.x * WNN + wn;
   const bool active = nb < nblk;
   const int kb_total = p.k / 16;
-  const int stages_total = kb_total / KS;
   const int split = blockIdx.y;
-  const int st0 = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
-  const int st1 = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
-  const int a = st0 + ((st1 - st0) * kw) / KW, b = st0 + ((st1 - st0) * (kw + 1)) / KW;  // this warp's stages
-  const int iters = active ? b - a : 0;
+  int a, iters;  // this warp's stages
+  warp_stages<KS, KW>(p, kw, active, a, iters);
   const int m = p.m;
   const int gs_st = p.group_k16 / KS;
 
@@ -69,15 +65,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = nt * 8 + g8;
-        const T* xr = xsrc + static_cast<size_t>(r) * p.k + s * KS * 16 + kk * 16;
-        xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
-        xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
-      }
+    load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
 
   float acc[NT][4][4], accg[NT][4][4];
@@ -89,23 +77,9 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
       for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
-  auto flush = [&]() {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-          accg[i][w][e] = 0.f;
-        }
-  };
+
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;  // scales / zeros of group `grp`, fetched ahead
-  auto load_sz = [&](int g) {
-    const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
-    s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
-    z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
-  };
+  auto load_sz = [&](int g) { load_group_sz(p, g, nblk, nb, g8, s_next, z_next); };
 
   int rem = a % gs_st, grp = a / gs_st;
   bool first = true;
@@ -127,17 +101,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
       const int it = base + j;
       if (it < iters) {
         if (rem == 0 || first) {
-          if (!first) flush();
-          const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
-          const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-            sf[w][0] = f.x;
-            sf[w][1] = f.y;
-            O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-            O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-          }
+          if (!first) group_flush<NT>(acc, accg, sf);
+          group_begin<T>(s_next, z_next, sf, zl, zh);
           if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
         }
         uint4 wc[KS];
@@ -156,17 +121,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
           issue_x(it + D, xq[j]);
         }
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t q[4] = {wc[kk].x, wc[kk].y, wc[kk].z, wc[kk].w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            uint32_t c[4];
-            O::codes(q[w], zl[w], zh[w], c);
-            const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], af, xc[kk][nt][0], xc[kk][nt][1]);
-          }
-        }
+        for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
         first = false;
         if (++rem == gs_st) {
           rem = 0;
@@ -175,7 +130,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
       }
     }
   }
-  flush();
+  group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue (no-op if done)
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0

@@ -193,6 +193,90 @@ struct Ops<__nv_bfloat16> {
   }
 };
 
+// The direct-family kernels' group arithmetic (direct, bulk-copy and flat bulk-copy kernels): each K step's MMAs
+// accumulate the exact (code - zero) x activation products into accg (group_step); when a group ends, group_flush adds
+// scale x accg to acc once; group_begin unpacks the next group's scales and zero pairs. A lane holds those of its rows
+// g8 and g8 + 8 in the four 16-row tiles of its block. (Free functions over the kernel's own arrays: a struct holding
+// them changed the direct kernel's SASS.)
+template <int NT>
+__device__ __forceinline__ void group_flush(float (&acc)[NT][4][4], float (&accg)[NT][4][4], const float (&sf)[4][2]) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+        accg[i][w][e] = 0.f;
+      }
+}
+// a group starts: its scales (fp16 pairs) and zeros (activation-dtype pairs) as load_group_sz fetched them
+template <typename T>
+__device__ __forceinline__ void group_begin(const uint4& s, const uint4& z, float (&sf)[4][2], uint32_t (&zl)[4][2],
+                                            uint32_t (&zh)[4][2]) {
+  const uint32_t sp[4] = {s.x, s.y, s.z, s.w};
+  const uint32_t zp[4] = {z.x, z.y, z.z, z.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+    sf[w][0] = f.x;
+    sf[w][1] = f.y;
+    Ops<T>::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+    Ops<T>::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+  }
+}
+// one K step: the lane's 16 fragment bytes (four 16x16 tiles) against each token tile's activations
+template <typename T, int NT>
+__device__ __forceinline__ void group_step(const uint4& wq, const uint32_t (&x)[NT][2], const uint32_t (&zl)[4][2],
+                                           const uint32_t (&zh)[4][2], float (&accg)[NT][4][4]) {
+  const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    uint32_t c[4];
+    Ops<T>::codes(q[w], zl[w], zh[w], c);
+    const uint32_t af[4] = {c[0], c[2], c[1], c[3]};  // (row g, k lo) (row g+8, k lo) (row g, k hi) (g+8, hi)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) Ops<T>::mma(accg[nt][w], af, x[nt][0], x[nt][1]);
+  }
+}
+
+// The KS-step stages [a, a + iters) of warp kw of KW in split blockIdx.y of p.splits (direct and bulk-copy kernels):
+// the split's stages are cut into KW contiguous ranges; inactive warps (past the last block) get none.
+template <int KS, int KW>
+__device__ __forceinline__ void warp_stages(const SdqW4A16Params& p, int kw, bool active, int& a, int& iters) {
+  const int stages_total = p.k / 16 / KS;
+  const int split = blockIdx.y;
+  const int st0 = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
+  const int st1 = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
+  a = st0 + ((st1 - st0) * kw) / KW;
+  const int b = st0 + ((st1 - st0) * (kw + 1)) / KW;
+  iters = active ? b - a : 0;
+}
+
+// The scales and zeros of group g of 64-feature block nb: lane g8's 16 bytes of each ([g, n/64, 8, 8] layouts).
+__device__ __forceinline__ void load_group_sz(const SdqW4A16Params& p, int g, int nblk, int nb, int g8, uint4& s,
+                                              uint4& z) {
+  const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
+  s = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
+  z = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
+}
+
+// The B fragments (activations) of KS consecutive K steps at element offset off of xsrc = p.a + 2 t (+ a base):
+// rows past M read as zero.
+template <typename T, int NT, int KS>
+__device__ __forceinline__ void load_x_steps(const SdqW4A16Params& p, const T* xsrc, int off, int g8, int m,
+                                             uint32_t (&xx)[KS][NT][2]) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = nt * 8 + g8;
+      const T* xr = xsrc + static_cast<size_t>(r) * p.k + off + kk * 16;
+      xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
+      xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
+    }
+}
+
 // Epilogue shared by the kernels: acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g].
 // splits == 1: write y. Otherwise write this CTA's fp32 partial; the last CTA of a column tile (counted on a lock
 // that it resets) adds the partials in a fixed order and writes y: deterministic, one launch, no memset.
@@ -369,18 +453,6 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
   float sf[4][2] = {};                 // fp32 scales of rows (w, h)
   uint32_t zl[4][2] = {}, zh[4][2] = {};
 
-  auto flush = [&]() {  // acc += scale * group sum
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-          accg[i][w][e] = 0.f;
-        }
-  };
-
   int cp_rem = st_begin % gs_st;
   bool cp_first = true;
   auto compute_next = [&](int slot) {
@@ -389,18 +461,8 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
     const uint4* ss = reinterpret_cast<const uint4*>(base + S::B_BYTES);
     const T* sa = reinterpret_cast<const T*>(base + S::B_BYTES + S::S_BYTES);
     if (cp_rem == 0 || cp_first) {  // a new group: fold the last one in, load this one's scales and zeros
-      if (!cp_first) flush();
-      const uint4 s4 = ss[wn * 16 + g8], z4 = ss[wn * 16 + 8 + g8];
-      const uint32_t sp[4] = {s4.x, s4.y, s4.z, s4.w};
-      const uint32_t zp[4] = {z4.x, z4.y, z4.z, z4.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-        sf[w][0] = f.x;
-        sf[w][1] = f.y;
-        O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-        O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-      }
+      if (!cp_first) group_flush<NT>(acc, accg, sf);  // acc += scale * group sum
+      group_begin<T>(ss[wn * 16 + g8], ss[wn * 16 + 8 + g8], sf, zl, zh);
     }
     // PRE: every shared-memory read of this stage is issued before the first dequantize/MMA
     constexpr int NB = C::PRE ? KPW : 1;
@@ -424,16 +486,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
     for (int j = 0; j < KPW; ++j) {
       const int jj = C::PRE ? j : 0;
       if constexpr (!C::PRE) read_step(j, bq_pre[0], xb_pre[0]);
-      const uint4 bq = bq_pre[jj];
-      const uint32_t q[4] = {bq.x, bq.y, bq.z, bq.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {  // word w: feature rows 16w + g (+8)
-        uint32_t c[4];
-        O::codes(q[w], zl[w], zh[w], c);
-        const uint32_t a[4] = {c[0], c[2], c[1], c[3]};  // (row g, k lo) (row g+8, k lo) (row g, k hi) (g+8, hi)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) O::mma(accg[nt][w], a, xb_pre[jj][nt][0], xb_pre[jj][nt][1]);
-      }
+      group_step<T, NT>(bq_pre[jj], xb_pre[jj], zl, zh, accg);  // word w: feature rows 16w + g (+8)
     }
     cp_first = false;
     if (++cp_rem == gs_st) cp_rem = 0;
@@ -455,7 +508,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
     cp_slot = cp_slot + 1 == STAGES ? 0 : cp_slot + 1;
   }
   cp_async_wait<0>();
-  flush();
+  group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may launch during this epilogue (no-op without PDL)
 
   if constexpr (KW > 1) {  // fold the K-split warps of each block into warp kw = 0 through shared memory
