@@ -105,6 +105,18 @@ def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 5.0, max
     return statistics.median(ts)
 
 
+def time_cpu(call, n_rot: int, trials: int = 3) -> float:
+    """The --dry modes' timer: host clock, no graph (the CPU op path), median microseconds per call of
+    call(0..n_rot-1)."""
+    ts = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for i in range(n_rot):
+            call(i)
+        ts.append((time.perf_counter() - t) * 1e6 / n_rot)
+    return statistics.median(ts)
+
+
 def n_copies(nbytes: int) -> int:
     return max(1, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 

@@ -250,15 +250,7 @@ def run_checks_in_child(configs, timeout=300) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def time_cpu(call, n_rot: int, trials: int = 3) -> float:
-    """--dry: host clock, no graph (the CPU op path), microseconds per call."""
-    ts = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for i in range(n_rot):
-            call(i)
-        ts.append((time.perf_counter() - t) * 1e6 / n_rot)
-    return statistics.median(ts)
+time_cpu = gemm.time_cpu  # --dry: host clock, no graph
 
 
 # (name, kind, variant whose resident-slot grid the probe uses: None = the probe kernel's own)
