@@ -68,7 +68,10 @@ NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2
          31: "lean 1x4 r4 ws", 32: "lean 2x2 r4 ws", 33: "lean 4x1 r8 ws", 34: "lean 4x1 r2 ws", 35: "lean 2x4 r4 ws",
          36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl", 38: "raw 4x1 r4", 39: "raw 2x4 r4", 40: "raw 2x4 r8",
          41: "raw 1x8 r4", 42: "lean 4x1 r4 ws nocl", 43: "raw 4x2 r4", 44: "raw 8x1 r4", 45: "sk 4 d2 raw",
-         46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws"}
+         46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws",
+         50: "bulk 2x4 c4 r6", 51: "bulk 2x4 c8 r3", 52: "bulk 4x1 c4 r6", 53: "bulk 1x8 c4 r6", 54: "bulk 2x4 c2 r12",
+         55: "bulk 2x2 c2 r12", 56: "bulk 4x2 c4 r6", 57: "bulk 2x4 c4 r6 noev", 58: "bulk flat 4w c4 r6",
+         59: "bulk flat 8w c4 r6", 60: "bulk flat 4w c2 r8", 61: "bulk flat 4w c8 r3"}
 # the defaults before this sweep, the "prev default" of its table: int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS as of run
 # 6's first sweep (run 5's, commit aa746fb, plus the lm_head shape at M = 1-2 -> v17, which that sweep's confirm pass
 # set; bench/results/int4_tune_h200_run6.* compared against run 5's, without those two points)
@@ -355,17 +358,19 @@ def sweep(dev, dtype, shapes, ms, configs, budget_s, copy_bw, dry=False, full=Tr
 
 # ------------------------------------------------------------------------------------------------ choose
 def _chosen_config(chosen, k, n, m) -> int:
-    from sdquant.kernels.int4_cuda import m_bucket
+    """The proposal's config at (K, N, M); above M = 16 only variant 0 and int4_cuda.NT4_VARIANTS exist."""
+    from sdquant.kernels.int4_cuda import NT4_VARIANTS, m_bucket
     b = m_bucket(m)
-    return 0 if b > 16 else chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0))
+    c = chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0))
+    return c if b <= 16 or c % 64 in NT4_VARIANTS else 0
 
 
 def confirm(dev, dtype, rows, chosen, passing, budget_s, copy_bw, dry) -> list:
     want = {}
-    ms = sorted({r["M"] for r in rows if r["M"] <= 16})
+    ms = sorted({r["M"] for r in rows if r["M"] <= 32})
     pts = {}
     for r in rows:
-        if r["config"] is not None and r["M"] <= 16:
+        if r["config"] is not None and r["M"] <= 32:
             pts.setdefault((r["K"], r["N"], r["M"]), {})[r["config"]] = r["us"]
     for (k, n, m), d in pts.items():
         s = want.setdefault((k, n), set())
@@ -418,9 +423,7 @@ def choose(rows, tol: float = 0.03) -> dict:
     for (k, n, m), d in pts.items():
         buckets.setdefault(m_bucket(m), []).append(((k, n, m), d))
     defaults, overrides, score_log = {}, {}, {}
-    for b, items in sorted(buckets.items()):
-        if b > 16:
-            continue
+    for b, items in sorted(buckets.items()):  # bucket 32: the sweep timed only the configs that exist there
         common = set.intersection(*(set(d) for _, d in items))
         scores = {c: math.exp(statistics.fmean(math.log(d[c] / min(d.values())) for _, d in items)) for c in common}
         if not scores:
@@ -438,8 +441,6 @@ def choose(rows, tol: float = 0.03) -> dict:
     guarded = []
     for (k, n, m), d in pts.items():
         b = m_bucket(m)
-        if b > 16:
-            continue
         c = overrides.get((k, n, b), defaults.get(b, 0))
         old = prev_config(k, n, m)
         if old in d and (c not in d or d[c] > d[old]):
@@ -469,7 +470,7 @@ def table(rows, chosen) -> str:
             continue
         best = min(sdq, key=lambda c: sdq[c]["us"])
         b = m_bucket(m)
-        dflt = chosen["SHAPE_CONFIGS"].get((k, n, b), chosen["DEFAULT_CONFIGS"].get(b, 0)) if b <= 16 else 0
+        dflt = _chosen_config(chosen, k, n, m)
         dflt = dflt if dflt in sdq else best
         old = prev_config(k, n, m)
         d_us, o_us = sdq[dflt]["us"], (sdq[old]["us"] if old in sdq else None)

@@ -184,3 +184,26 @@ def test_pdl_kernels_wait_before_reading_activations():
             if kind in bulk:
                 assert b.index("cp.async.bulk.shared::cluster.global") < b.index("griddepcontrol.wait")
                 assert b.index("griddepcontrol.wait") < b.index("ld.global.nc.u32")
+
+
+def test_int4_tune_dry_proposes_every_bucket_up_to_32(tmp_path):
+    """bench/int4_tune.py --dry (CPU op path, tiny shapes): the sweep, confirm pass and proposal run end to end and
+    cover M = 17-32 with configs that exist there (variant 0 or NT4_VARIANTS); the JSON loads with tuned_configs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sdquant.kernels import int4_cuda as ic
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "bench" / "int4_tune.py"), "--dry", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert r.returncode == 0, r.stderr[-2000:]
+    chosen = json.loads((tmp_path / "int4_tune.json").read_text())["chosen"]
+    assert {"1", "16", "32"} <= set(chosen["DEFAULT_CONFIGS"])
+    assert int(chosen["DEFAULT_CONFIGS"]["32"]) % 64 in (0, *ic.NT4_VARIANTS)
+    defaults, shapes = ic.tuned_configs(tmp_path / "int4_tune.json")
+    assert all(c % 64 in (0, *ic.NT4_VARIANTS) for (_, _, b), c in shapes.items() if b > 16)
+    assert defaults[32] == int(chosen["DEFAULT_CONFIGS"]["32"])
+    log = (tmp_path / "int4_tune.log").read_text()
+    assert "confirm pass over" in log and "| 32 |" in log
