@@ -25,6 +25,9 @@ grids without the arithmetic, "P3" the register-ring pattern 8 stages deep.
 Run 6 adds the lean direct variants 28-44 and 46-49 (csrc/w4a16_lean.cuh), stream-K with raw codes (45) and the
 lm_head shape 4096x128256; the "prev default"
 column is run 5's auto_config (PREV_*), timed in the same process.
+Run 7 adds the bulk-copy variants 50-61 (csrc/w4a16_bulk.cuh, read probes P7@v50 / P8@v58, checked first with a
+bounded child: --check-timeout) and M = 17-32 for the variants instantiated at four token tiles
+(int4_cuda.NT4_VARIANTS): the sweep times them there, and the proposal and confirm pass cover that bucket.
 """
 from __future__ import annotations
 
