@@ -198,8 +198,11 @@ struct Ops<__nv_bfloat16> {
 // scale x accg to acc once; group_begin unpacks the next group's scales and zero pairs. A lane holds those of its rows
 // g8 and g8 + 8 in the four 16-row tiles of its block. (Free functions over the kernel's own arrays: a struct holding
 // them changed the direct kernel's SASS.)
-template <int NT>
-__device__ __forceinline__ void group_flush(float (&acc)[NT][4][4], float (&accg)[NT][4][4], const float (&sf)[4][2]) {
+// RAW (the lean / stream-K raw-code kernels): the MMAs summed (magic + code) x activation, so each group also adds
+// nz x (its activation sums xs) with nz = -scale * (magic + zero), and xs restarts from zero.
+template <int NT, bool RAW = false>
+__device__ __forceinline__ void group_flush(float (&acc)[NT][4][4], float (&accg)[NT][4][4], const float (&sf)[4][2],
+                                            const float (*nz)[2] = nullptr, float (*xs)[4] = nullptr) {
 #pragma unroll
   for (int i = 0; i < NT; ++i)
 #pragma unroll
@@ -207,8 +210,15 @@ __device__ __forceinline__ void group_flush(float (&acc)[NT][4][4], float (&accg
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+        if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
         accg[i][w][e] = 0.f;
       }
+  if constexpr (RAW) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
+  }
 }
 // a group starts: its scales (fp16 pairs) and zeros (activation-dtype pairs) as load_group_sz fetched them
 template <typename T>

@@ -135,24 +135,7 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
   uint32_t s2[4][2] = {};  // scale pairs in T (WS)
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   auto flush = [&]() {
-    if constexpr (!WS) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-            if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
-            accg[i][w][e] = 0.f;
-          }
-      if constexpr (RAW) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
-      }
-    }
+    if constexpr (!WS) group_flush<NT, RAW>(acc, accg, sf, nz, xs);
   };
   auto start_group = [&]() {  // this group's scales / zeros (an L2 hit: prefetched), the prefetch 8 groups ahead
     const size_t o = sz_off(grp) + g8;

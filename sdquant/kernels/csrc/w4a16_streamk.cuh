@@ -194,24 +194,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
   uint32_t s2[4][2] = {};   // scale pairs in T (WSCALE mode)
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   auto flush = [&]() {
-    if constexpr (!C::WSCALE) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-            if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
-            accg[i][w][e] = 0.f;
-          }
-      if constexpr (RAW) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
-      }
-    }
+    if constexpr (!C::WSCALE) group_flush<NT, RAW>(acc, accg, sf, nz, xs);
   };
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
   auto load_sz = [&](int g) {
