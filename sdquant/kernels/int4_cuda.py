@@ -176,14 +176,14 @@ BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, bo
 # changed seven points, each faster than the previous default in both passes: the lm_head shape 4096x128256 at
 # M = 1-8 -> 5 (95.1 / 98.6 us vs v17 100.8 / 101.5 at M = 1; 97.2-101.5 vs 102.4-106.1 at M = 2-8) and
 # 4096x6144 at M = 2-8 -> 37 (lean, 1 block x 8 K-warps: 10.5-10.8 vs v10 10.8-11.7).
-# Run 7a (2026-12-01, e43f6d7's parent 546ed8d, bench/results/int4_tune_h200_run7a.*): M = 9-16 default -> 37, faster than the
+# Run 7a (2026-12-01, commit 546ed8d, bench/results/int4_tune_h200_run7a.*): M = 9-16 default -> 37, faster than the
 # previous config in both passes on 14336x4096 (22.0 / 22.2 vs v2 25.1 / 25.2 us), 4096x4096 (11.1 / 11.0 vs v10
 # 12.4 / 12.6) and 4096x28672 (39.0 / 39.3 vs v5 39.9 / 40.2); the lm_head shape at M = 9-16 -> 5 (110.5 / 109.9 vs
 # v2 138.4 / 137.4). 8192x10240 and 4096x6144 keep their M = 16 configs (not timed in that run).
 # Run 7c (36ae57a, bench/results/int4_tune_h200_run7c.*: 37 and 42 at M = 17-32 against variant 0): M = 17-32 -> 37 on
 # the three narrow shapes, at M = 24 / 32: 14336x4096 37.8 / 38.9 us vs v0 38.4 / 44.5, 4096x4096 16.4 / 17.5 vs
 # 28.5 / 34.7, 4096x6144 20.1 / 20.5 vs 28.6 / 33.2; v0 stays faster on the 28672-wide and 8192-deep shapes.
-# Run 7d (74514b0, bench/results/int4_tune_h200_run7d.*, one pass: the sweep's proposal covers M <= 16 only): the
+# Run 7d (74514b0, bench/results/int4_tune_h200_run7d.*, one pass: int4_tune's proposal covered M <= 16 then): the
 # cp.async variant 2 at four tiles, M = 24 / 32: 4096x28672 53.7 / 54.9 us vs v0 54.6 / 61.1 (bf16 57.4 / 57.6),
 # 14336x4096 34.8 / 37.8 vs v37 37.9 / 39.4 and v0 38.4 / 45.1 (bf16 31.9 / 33.5), 8192x10240 46.8 / 50.4 vs v0
 # 53.3 / 61.0 (bf16 48.9 / 50.1) -> bucket 32 = 2 there.
