@@ -146,7 +146,8 @@ __global__ void stream_probe_k(const uint4* src, long long n16, int streams, int
       for (int j = 0; j < U; ++j)
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(r[j].x), "=r"(r[j].y), "=r"(r[j].z), "=r"(r[j].w)
-                     : "r"(ring + slot * U * 512 + j * 512 + lane * 16));
+                     : "r"(ring + slot * U * 512 + j * 512 + lane * 16)
+                     : "memory");
       __syncwarp();
       if (lane == 0 && i + ring_of<U>() < bursts) {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

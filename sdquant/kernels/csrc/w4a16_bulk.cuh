@@ -95,9 +95,13 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t phase) {
   for (uint32_t spins = 0; !mbar_try_wait(bar, phase);)
     if (++spins == (1u << 22)) __trap();
 }
+// (a "memory" clobber: the compiler must not sink these reads below the __syncwarp that lets lane 0 refill the slot)
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr)
+               : "memory");
   return r;
 }
 
