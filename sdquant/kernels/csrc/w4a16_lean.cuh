@@ -355,23 +355,7 @@ __device__ __forceinline__ void flat_segment_out(const SdqW4A16Params& p, const 
   const int c0_first = static_cast<int>(sk_begin(U, W, c0) / kbt);
   for (int i = lane; i < m * 32; i += 32) {  // (token, column pair); warps c0..c1 in order, 8 loads in flight
     const int row = i / 32, lc = 2 * (i % 32);
-    float2 sum = make_float2(0.f, 0.f);
-    for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
-      float2 v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int cc = cc0 + j;
-        const int wh = (cc == c0 && c0_first != nb) ? 1 : 0;
-        v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * 64 + lc))
-                        : make_float2(0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (cc0 + j <= c1) {
-          sum.x += v[j].x;
-          sum.y += v[j].y;
-        }
-    }
+    const float2 sum = sum_segment_partials(p.partial, c0, c1, c0_first != nb, m, row, 64, lc);
     *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + nb * 64 + lc) = O::pack(sum.x, sum.y);
   }
   __syncwarp();

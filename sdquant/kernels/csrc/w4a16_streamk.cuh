@@ -96,6 +96,31 @@ __host__ __device__ __forceinline__ int sk_grid(int requested, long long U) {
   return static_cast<int>(g);
 }
 __device__ __forceinline__ long long sk_begin(long long U, int G, int c) { return U * c / G; }
+// The fix-up sum of a tile split between segments c0..c1 (stream-K and flat grids): their fp32 partials at (row, column
+// lc) of a tile tw wide, added in segment order (the result does not depend on arrival order). Segment cc's partial is
+// p.partial[((cc * 2 + h) * m + row) * tw + lc], h = 1 only for c0 when the tile is the second one c0 touches.
+// 8 loads in flight before their adds: a small shape can have tens of segments a tile.
+__device__ __forceinline__ float2 sum_segment_partials(const float* partial, int c0, int c1, bool c0_second, int m,
+                                                       int row, int tw, int lc) {
+  float2 sum = make_float2(0.f, 0.f);
+  for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
+    float2 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int cc = cc0 + j;
+      const int wh = (cc == c0 && c0_second) ? 1 : 0;
+      v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * tw + lc))
+                      : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (cc0 + j <= c1) {
+        sum.x += v[j].x;
+        sum.y += v[j].y;
+      }
+  }
+  return sum;
+}
 // the CTA whose range holds unit u: the largest c with c*U/G <= u
 __device__ __forceinline__ int sk_owner(long long U, int G, long long u) {
   return static_cast<int>(((u + 1) * G + U - 1) / U - 1);
@@ -435,26 +460,7 @@ __global__ void __launch_bounds__(sk_threads<C, NT>(), std::is_same<T, half>::va
     const int c0_first = static_cast<int>(sk_begin(sp.U, G, c0) / sp.S);
     for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
       const int row = i / pairs, lc = 2 * (i % pairs);
-      float2 sum = make_float2(0.f, 0.f);
-      // fixed order (the result does not depend on arrival order); 8 loads in flight before their adds, since a
-      // small shape can have tens of segments a tile
-      for (int cc0 = c0; cc0 <= c1; cc0 += 8) {
-        float2 v[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int cc = cc0 + j;
-          const int wh = (cc == c0 && c0_first != t) ? 1 : 0;
-          v[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(
-                                p.partial + ((static_cast<size_t>(cc) * 2 + wh) * m + row) * TW + lc))
-                          : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (cc0 + j <= c1) {
-            sum.x += v[j].x;
-            sum.y += v[j].y;
-          }
-      }
+      const float2 sum = sum_segment_partials(p.partial, c0, c1, c0_first != t, m, row, TW, lc);
       *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col0 + lc) = O::pack(sum.x, sum.y);
     }
     if (threadIdx.x == 0) p.locks[t] = 0;  // every segment of this tile has arrived: reset for the next call
