@@ -25,7 +25,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17 (+ 2 x 2 at four tiles);
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
     # variants 58-61 and their probe: 2 x 2 x 5;
-    # the linear read probe once
+    # the linear read probe once; the wgmma kernel (62-63): 2 dtypes x 3 token tiles x 2 pipeline depths
     assert sum("w4a16_kernel" in ln for ln in kernels) == 84  # + variants 2 and 5 at four tiles (2 x 2 K steps)
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
@@ -34,6 +34,10 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 12
+    # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
+    # wgmmas are in flight, or too few registers for the pipeline)
+    assert not [ln for ln in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
     assert all("for 'sm_90a'" in ln for ln in kernels)
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
@@ -65,8 +69,9 @@ def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(-1) == (0, 0)
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
     assert int4_cuda.split_config(15) == (15, 0)         # a stream-K variant
-    assert int4_cuda.split_config(63) == (0, 0)          # unknown variant ids run the run-3 kernel
-    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.BULK_VARIANTS]) == \
+    assert int4_cuda.split_config(63) == (63, 0)         # the wgmma kernel
+    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.BULK_VARIANTS,
+                   *int4_cuda.WGMMA_VARIANTS]) == \
         list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
     for m in (1, 2, 3, 8, 9, 16):
@@ -207,3 +212,12 @@ def test_int4_tune_dry_proposes_every_bucket_up_to_32(tmp_path):
     assert defaults[32] == int(chosen["DEFAULT_CONFIGS"]["32"])
     log = (tmp_path / "int4_tune.log").read_text()
     assert "confirm pass over" in log and "| 32 |" in log
+
+
+def test_wgmma_wrappers_are_generated_from_the_tool():
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).resolve().parents[2] / "tools" / "gen_wgmma.py"
+    assert subprocess.run([sys.executable, str(tool), "--check"]).returncode == 0, \
+        "csrc/w4a16_wgmma_mma.cuh differs from tools/gen_wgmma.py's output: re-run the tool"

@@ -7,7 +7,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 32;  // rows per launch (4 token tiles of 8)
+constexpr int64_t kMaxRows = 32;        // rows per launch (4 token tiles of 8)
+constexpr int64_t kMaxRowsWgmma = 256;  // variants 62-63 (the wgmma kernel): 4 token tiles of 64
 
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
@@ -35,8 +36,9 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   if (m == 0) return out;
   const int group_k16 = static_cast<int>(k / 16 / g);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-    const int rows = static_cast<int>(std::min(kMaxRows, m - r0));
+  const int64_t max_rows = (variant == 62 || variant == 63) ? kMaxRowsWgmma : kMaxRows;
+  for (int64_t r0 = 0; r0 < m; r0 += max_rows) {
+    const int rows = static_cast<int>(std::min(max_rows, m - r0));
     int sp = splits > 0 ? static_cast<int>(splits)
                         : sdq_w4a16_auto_splits(rows, static_cast<int>(n), static_cast<int>(k), group_k16,
                                                 x.scalar_type() == at::kBFloat16, static_cast<int>(variant),

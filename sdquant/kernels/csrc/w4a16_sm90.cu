@@ -9,6 +9,8 @@ SDQ_DECL(f16_nt4)
 SDQ_DECL(bf16_nt1)
 SDQ_DECL(bf16_nt2)
 SDQ_DECL(bf16_nt4)
+SDQ_DECL(wgmma_bf16)
+SDQ_DECL(wgmma_f16)
 #undef SDQ_DECL
 
 namespace {
@@ -20,6 +22,8 @@ using sdq_w4a16::cp_async_wait;
 using sdq_w4a16::evict_first_policy;
 
 int dispatch_raw(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if (v == 62 || v == 63)  // the wgmma kernel: M <= 256 a launch
+    return p.is_bf16 ? sdq_w4a16_part_wgmma_bf16(v, op, &p, stream) : sdq_w4a16_part_wgmma_f16(v, op, &p, stream);
   if (p.is_bf16) {
     if (p.m <= 8) return sdq_w4a16_part_bf16_nt1(v, op, &p, stream);
     if (p.m <= 16) return sdq_w4a16_part_bf16_nt2(v, op, &p, stream);
@@ -67,7 +71,8 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   const int ks = group_k16 % 4 == 0 ? 4 : 2;
   const int stages = k / 16 / ks;
   const int nt = m <= 8 ? 1 : (m <= 16 ? 2 : 4);
-  if (variant < 0 || variant >= N_VARIANTS || (nt > 2 && variant != 2 && variant != 5 && variant != 37 && variant != 42))
+  if (variant < 0 || variant >= N_VARIANTS ||
+      (nt > 2 && variant != 2 && variant != 5 && variant != 37 && variant != 42 && variant != 62 && variant != 63))
     variant = 0;
   if (variant == 0 && target2 <= 0) {
     // The run-3 rule, kept bit for bit so variant 0 times as it did. CTAs per SM: shared memory, and registers
@@ -104,6 +109,17 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   const int per_sm = dispatch_m(1, q, nullptr);
   const int wnn = dispatch_m(2, q, nullptr);
   const int kind = dispatch_m(4, q, nullptr);
+  if (kind == 4) {
+    // wgmma kernel: tiles of 256 features x NTOK tokens; the splits that fill the resident slots once (or
+    // target2 / 2 CTAs per SM), at least 4 stages of 64 K a split
+    const int ntok = m <= 16 ? 16 : (m <= 32 ? 32 : 64);
+    const int tiles = (n / 256) * ((m + ntok - 1) / ntok);
+    const int slots = sms * (per_sm < 1 ? 1 : per_sm);
+    const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;
+    int splits = (want < slots ? want : slots) / (tiles < 1 ? 1 : tiles);
+    if (splits > k / 64 / 4) splits = k / 64 / 4;
+    return splits < 1 ? 1 : splits;
+  }
   if (kind == 2) {
     // lean kernel: the CTAs that fit at once (or target2 / 2 per SM), floor(CTAs / tiles) splits (a second partial
     // wave would cost more than idle slots), at least 16 K steps a split; no divisor rounding (its warps split K
@@ -143,6 +159,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
 }
 
 extern "C" long long sdq_w4a16_scratch_floats(const SdqW4A16Params* p) {
+  if (p->variant == 62 || p->variant == 63) return dispatch_m(3, *p, nullptr);
   if (p->evict_first || p->m > 32) return p->splits > 1 ? static_cast<long long>(p->splits) * p->m * p->n : 0;
   return dispatch_m(3, *p, nullptr);
 }

@@ -1,0 +1,209 @@
+"""The wgmma W4A16 kernel (CUDA variants 62-63, csrc/w4a16_wgmma.cuh) on the H200, in one call (issue 4: M = 17-256).
+
+1. A child process builds the extension and checks every config against a float64 reference (symmetric and
+   asymmetric, groups 32/64/96/128/per-channel, act-order, fp16/bf16, M = 1-300 with several launches past 256,
+   automatic and forced split-K; output poisoned with NaN, each call twice and bit-identical, locks back at zero).
+   A config that fails is not timed.
+2. Times, per Llama-3-8B shape and M, in one process: cuBLAS bf16 ``F.linear``; the op's routes before this kernel
+   (the Triton W4A16 op, whose mid-M GEMM serves M = 17-256 today, and the CUDA decode kernels' default config at
+   M <= 32); torch's tinygemm (M <= 64); and every passing wgmma config with its automatic split-K. Weights copied
+   past 3x the 60 MB L2 and rotated, back-to-back calls in one CUDA graph, median of 5 replays (bench/gemm.py).
+   Every timed call is checked against the reference too.
+
+    python bench/int4_wgmma.py --out $OUT                  # on the GPU machine; table last, JSON in $OUT
+    python bench/int4_wgmma.py --dry                       # CPU: the op's PyTorch path on tiny shapes (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemm  # noqa: E402
+import int4_tune  # noqa: E402
+
+from sdquant.kernels import int4_layout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = [62, 63]
+MS = [16, 32, 64, 128, 256]
+SHAPES = gemm.RUN_ORDER
+CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms); N % 256 == 0 (the kernel's tile)
+    (4096, 4096, 128, True, False, torch.bfloat16, (1, 5, 16, 17, 33, 64, 100, 128, 256, 300)),
+    (4096, 4096, 128, False, False, torch.float16, (1, 16, 64, 130)),
+    (1024, 512, 32, False, False, torch.bfloat16, (3, 40)),
+    (2048, 768, 64, True, True, torch.bfloat16, (7, 70)),
+    (1536, 1280, -1, False, False, torch.bfloat16, (9, 65)),
+    (1536, 256, 96, False, False, torch.float16, (2, 33)),      # a group boundary inside a 64-K stage
+    (14336, 4096, 128, True, False, torch.bfloat16, (32, 128)),  # a timed shape: long K, split-K
+]
+DRY_CASES = [(128, 256, 32, False, False, torch.bfloat16, (1, 40)), (256, 512, 64, True, True, torch.float16, (17,)),
+             (192, 256, -1, True, False, torch.bfloat16, (5,))]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def child_check(configs) -> None:
+    dev = torch.device("cuda")
+    from sdquant.kernels import int4_cuda
+    t = time.time()
+    ok = int4_cuda.available()
+    print(f"BUILD {ok} {int4_cuda._STATE.get('reason')} {time.time() - t:.1f}s", flush=True)
+    if not ok:
+        return
+    print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64)] for c in configs}), flush=True)
+    rows = int4_tune.check_configs(dev, configs, CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
+    print("ROWS " + json.dumps(rows), flush=True)
+
+
+def run_checks(configs, timeout: float) -> tuple:
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_wgmma as t; "
+            f"t.child_check({configs!r})")
+    t = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
+        out, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as ex:
+        out = ex.stdout.decode() if isinstance(ex.stdout, bytes) else (ex.stdout or "")
+        rc = -9
+    lines = out.splitlines()
+    build = next((ln for ln in lines if ln.startswith("BUILD")), "")
+    log(f"check child rc={rc} in {time.time() - t:.1f} s; {build}")
+    occ = next((json.loads(ln[4:]) for ln in lines if ln.startswith("OCC ")), {})
+    if occ:
+        log("  resident CTAs/SM at M = 16/32/64: " + ", ".join(f"v{c}: {v}" for c, v in occ.items()))
+    got = next((ln for ln in lines if ln.startswith("ROWS ")), None)
+    if got is None:
+        log("  no check rows; tail:\n" + "\n".join(lines[-40:]))
+        return [], [], build, occ
+    rows = json.loads(got[5:])
+    per = int4_tune.summarize_checks(rows)
+    passing = [c for c in configs if c in per and per[c]["pass"] == per[c]["n"]]
+    for c in configs:
+        d = per.get(c, {"n": 0, "pass": 0, "worst": {}})
+        log(f"  v{c}: {d['pass']}/{d['n']} pass, worst " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(d["worst"].items())))
+    return passing, rows, build, occ
+
+
+def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float) -> list:
+    dtype = torch.bfloat16
+    rows = []
+    timer = (lambda call, n: gemm.time_cpu(call, n)) if dry else (lambda call, n: gemm.time_rotating(call, n))
+    for (k, n) in shapes:
+        if time.time() - t_start > budget_s:
+            log(f"budget reached before {k}x{n}")
+            break
+        t0 = time.time()
+        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
+        w_ref = qw.dequantize(dtype)
+        wbytes = n * k // 2 + n * (k // gemm.GS) * 4
+        ncopy = 1 if dry else gemm.n_copies(wbytes)
+        lay_c = [int4_layout.repack_cuda(qw, dtype) for _ in range(ncopy)]
+        lay_t = [int4_layout.repack_triton(qw, dtype) for _ in range(ncopy)]
+        dense = [w_ref.clone() for _ in range(1 if dry else gemm.n_copies(n * k * 2))]
+        tiny = None
+        if not dry:
+            w4, sz = gemm.tinygemm_pack(qw, dtype)
+            tiny = [(w4.clone(), sz.clone()) for _ in range(ncopy)]
+        cop, top = torch.ops.sdquant.w4a16_cuda, torch.ops.sdquant.w4a16_triton
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = (x.double() @ w_ref.double().t()).float()
+            provs = {"bf16": (lambda i: torch.nn.functional.linear(x, dense[i]), len(dense)),
+                     "triton": (lambda i: top(x, lay_t[i]["qweight"], lay_t[i]["scales"], lay_t[i]["zs"],
+                                              lay_t[i]["perm"], None), ncopy)}
+            if m <= 32:
+                provs["cuda_default"] = (lambda i: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
+                                                       lay_c[i]["perm"], lay_c[i]["locks"], None), ncopy)
+            if tiny is not None and m <= 64:
+                provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
+            for c in configs:
+                provs[f"v{c}"] = (lambda i, c=c: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
+                                                     lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, c), ncopy)
+            row = {"K": k, "N": n, "M": m}
+            for name, (call, nrot) in provs.items():
+                try:
+                    err = gemm.rel_err(call(0), ref)
+                    us = timer(call, nrot)
+                except Exception as ex:  # noqa: BLE001 - reported in the row
+                    log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+                    row[name] = None
+                    continue
+                row[name] = round(us, 2)
+                row[name + "_err"] = err
+            rows.append(row)
+            log("  " + json.dumps(row))
+        log(f"shape {k}x{n} done in {time.time() - t0:.1f} s")
+        del lay_c, lay_t, dense, tiny
+        if not dry:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, configs) -> str:
+    head = ["K×N", "M", "bf16", "Triton op", "CUDA default", "tinygemm", *[f"v{c}" for c in configs],
+            "best wgmma ×bf16", "÷ best before"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        new = [r.get(f"v{c}") for c in configs if r.get(f"v{c}") is not None]
+        old = [r.get(k) for k in ("triton", "cuda_default") if r.get(k) is not None]
+        best = min(new) if new else None
+        fmt = (lambda v: "–" if v is None else f"{v:.1f}")
+        out.append("| " + " | ".join([f"{r['K']}×{r['N']}", str(r["M"]), fmt(r.get("bf16")), fmt(r.get("triton")),
+                                       fmt(r.get("cuda_default")), fmt(r.get("tinygemm")),
+                                       *[fmt(r.get(f"v{c}")) for c in configs],
+                                       "–" if best is None or not r.get("bf16") else f"{r['bf16'] / best:.2f}",
+                                       "–" if best is None or not old else f"{min(old) / best:.2f}"]) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--check-timeout", type=float, default=300.0)
+    ap.add_argument("--dry", action="store_true", help="CPU: the op's PyTorch path on tiny shapes (no build, no timing "
+                                                       "of any kernel)")
+    args = ap.parse_args(argv)
+    from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
+    t_start = time.time()
+    configs = [int(c) for c in args.configs.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+              "configs": configs}
+    if args.dry:
+        dev = torch.device("cpu")
+        rows = int4_tune.check_configs(dev, configs, DRY_CASES)
+        passing = [c for c in configs if all(r["pass"] for r in rows if r["config"] == c)]
+        result["checks"] = rows
+        shapes, ms = [(256, 512)], [3, 40]
+    else:
+        dev = torch.device("cuda")
+        result["device"] = torch.cuda.get_device_name(0)
+        passing, rows, build, occ = run_checks(configs, args.check_timeout)
+        result.update(checks=rows, build=build, occupancy=occ)
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        ms = [int(v) for v in args.ms.split(",")]
+    result["passing"] = passing
+    result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start)
+    (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
+    log(f"\nchecks: {len(passing)}/{len(configs)} configs pass; wall {time.time() - t_start:.0f} s")
+    log(table(result["rows"], passing))
+    return 0 if len(passing) == len(configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,4 @@
+// Instantiates the wgmma W4A16 kernel (variants 62-63) for __nv_bfloat16 activations (see w4a16_wgmma.cuh).
+#include "w4a16_wgmma.cuh"
+
+SDQ_W4A16_WGMMA_PART(__nv_bfloat16, wgmma_bf16)

@@ -1,0 +1,330 @@
+// sdquant W4A16 GEMM for sm_90a on the warpgroup MMA (wgmma), for M = 1-256 per launch (variants 62-63; built for
+// the batched-decode range M = 17-256, where the mma.sync kernels of w4a16_kernel.cuh re-read every weight once per
+// 32 tokens and run out of tensor-core issue).
+//
+// Design (why each piece is there):
+// * Same fragment layout as the other kernels (int4_layout.repack_cuda), so a layer keeps one copy of its weights.
+//   Word w of lane l's 16 bytes at (block, K step) is exactly the register-A fragment of an m64k16 wgmma for the
+//   16 features 16w..16w+15 of the block -- if the warpgroup's warps each bring a *different* block. So warp v of
+//   the CTA streams block 4 * tile + v (512 contiguous bytes a K step), and the CTA issues four wgmmas a K step:
+//   wgmma u takes word u from every warp, i.e. rows 16u..16u+15 of each warp's block. Four accumulator sets of
+//   m64 x NTOK cover the CTA's 256 features.
+// * Swap-AB: weights are wgmma's 64-row A operand (from registers, dequantized), the tokens its N (16 / 32 / 64),
+//   the activation tile B comes from shared memory through a descriptor (K-major, 128-byte swizzle, written by
+//   cp.async with the swizzle applied to the address).
+// * Dequantization per weight, in the activation dtype: the exact (code - zero) from the magic-number conversion
+//   (Ops<T>::codes, shared with the other kernels), times the group scale (one mul per pair). The wgmma sums in
+//   fp32 over the whole K range; no per-group fp32 sums.
+// * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
+//   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
+//   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
+// * Register-A wgmmas cannot overlap the dequantization in the same warpgroup (see the wait in the main loop); the
+//   four wgmmas of a K step run back to back, and 2-3 CTAs per SM overlap each other's dequantization and MMAs.
+// * Split-K over gridDim.z with fp32 partials; the last CTA of a (feature tile, token tile) -- counted on a lock it
+//   resets -- sums the partials in split order: deterministic, one launch.
+// * Token tiles over gridDim.x (fastest), so the CTAs that share a weight tile run together and share it in L2.
+#pragma once
+#include "w4a16_kernel.cuh"
+#include "w4a16_wgmma_mma.cuh"
+
+namespace sdq_w4a16 {
+namespace {
+
+constexpr int WG_BLOCKS = 4;  // 64-feature blocks per CTA, one per warp
+constexpr int WG_KS = 4;      // 16-deep K steps per stage (a stage = 64 K)
+
+template <int NTOK, int STAGES>
+struct WgSmem {
+  static constexpr int X_BYTES = NTOK * 128;                 // NTOK rows x 64 K, 128-byte swizzled
+  static constexpr int W_BYTES = WG_BLOCKS * WG_KS * 512;    // [warp][K step][lane] 16 B
+  static constexpr int SZ_BYTES = 2 * 2 * WG_BLOCKS * 128;   // [group 0/1][scales/zeros][warp][g8] 16 B
+  static constexpr int STAGE = (X_BYTES + W_BYTES + SZ_BYTES + 1023) / 1024 * 1024;
+  static constexpr int TOTAL = STAGES * STAGE + 1024;        // + slack to align the base to 1024 B
+};
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t a) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a)
+               : "memory");
+  return r;
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile (rows of 64 x 16-bit = 128 B, 8-row atoms
+// of 1024 B): start address, leading offset unused (1), stride offset 1024 B, swizzle mode 1 (128 B).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// A group's scale of rows g8 (lo) / g8 + 8 (hi) of tile u as an activation-dtype pair (s, s)
+template <typename T>
+__device__ __forceinline__ uint32_t wg_scale_pair(uint32_t h2, int hi);
+template <>
+__device__ __forceinline__ uint32_t wg_scale_pair<half>(uint32_t h2, int hi) {
+  const half2 v = *reinterpret_cast<const half2*>(&h2);
+  const half2 r = hi ? __high2half2(v) : __low2half2(v);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <>
+__device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, int hi) {
+  const float f = hi ? __high2float(*reinterpret_cast<const half2*>(&h2))
+                     : __low2float(*reinterpret_cast<const half2*>(&h2));
+  const __nv_bfloat162 r = __float2bfloat162_rn(f);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// One stage's copies: weights (4 blocks x 4 K steps), scales/zeros of the stage's first and last group
+// (WITH_X = false) or the activation tile (WITH_X = true).
+template <int NTOK, bool WITH_X>
+__device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
+                                              int tid) {
+  using L = WgSmem<NTOK, 2>;
+  const int kb = p.k / 16;
+  if constexpr (!WITH_X) {
+    const char* b = static_cast<const char*>(p.b);
+#pragma unroll
+    for (int w = 0; w < WG_BLOCKS; ++w)
+      cp_async16_s(st + L::X_BYTES + w * 2048 + tid * 16,
+                   b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + tid * 16);
+    const int gk = p.group_k16;
+    const int ga = ks0 / gk, gb = (ks0 + WG_KS - 1) / gk;
+    const int gsel = tid >> 6, which = (tid >> 5) & 1, w = (tid >> 3) & 3, g8 = tid & 7;
+    const int grp = gsel ? gb : ga;
+    const char* src = static_cast<const char*>(which ? p.zs : p.s) +
+                      ((static_cast<size_t>(grp) * (p.n / 64) + nb0 + w) * 8 + g8) * 16;
+    cp_async16_s(st + L::X_BYTES + L::W_BYTES + tid * 16, src);
+  } else {
+    const char* a = static_cast<const char*>(p.a);
+#pragma unroll
+    for (int i = 0; i < NTOK * 8 / 128; ++i) {
+      const int ci = tid + 128 * i, r = ci >> 3, c = ci & 7;
+      const int row = m0 + r;
+      const bool valid = row < p.m;
+      const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
+      cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+    }
+  }
+}
+
+template <typename T, int NTOK, int STAGES>
+__global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p) {
+  using O = Ops<T>;
+  using L = WgSmem<NTOK, STAGES>;
+  constexpr int PF = STAGES - 2;  // stages requested ahead of the one computed
+  constexpr int ND = NTOK / 2;    // accumulator registers per wgmma
+  static_assert(STAGES >= 3, "the pipeline needs a slack stage");
+  extern __shared__ uint8_t wg_smem_raw[];
+  const uint32_t sraw = smem_addr(wg_smem_raw);
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int m0 = blockIdx.x * NTOK;
+  const int nb0 = blockIdx.y * WG_BLOCKS;
+  const int split = blockIdx.z;
+  const int nst_all = p.k / 64;
+  const int st0 = static_cast<int>(static_cast<long long>(nst_all) * split / p.splits);
+  const int st1 = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits);
+  const int nst = st1 - st0;
+
+  float acc[4][ND];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
+
+  // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel), then
+  // their activations; group s holds stage s (group 0 also the later stages' weights: waits stay conservative)
+#pragma unroll
+  for (int s = 0; s < PF; ++s)
+    if (s < nst) wg_load_stage<NTOK, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+  if (p.pdl) griddep_wait();
+#pragma unroll
+  for (int s = 0; s < PF; ++s) {
+    if (s < nst) wg_load_stage<NTOK, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+    cp_async_commit();
+  }
+
+  uint32_t af[4][4];
+  for (int s = 0; s < nst; ++s) {
+    cp_async_wait<PF - 1>();
+    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read by anyone
+    {
+      const int sn = s + PF;
+      if (sn < nst) {
+        const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
+        wg_load_stage<NTOK, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+        wg_load_stage<NTOK, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+      }
+      cp_async_commit();
+    }
+    const uint32_t st = sbase + (s % STAGES) * L::STAGE;
+    const uint64_t desc = wg_desc(st);
+    const int ks0 = (st0 + s) * WG_KS;
+    const int ga = ks0 / p.group_k16;
+    uint32_t sp[4][2], zl[4][2], zh[4][2];
+    int cur = -1;
+#pragma unroll
+    for (int kk = 0; kk < WG_KS; ++kk) {
+      const uint4 wq = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + kk) * 512 + lane * 16);
+      const int gsel = (ks0 + kk) / p.group_k16 != ga;
+      if (gsel != cur) {  // the group's scales and zero pairs (every stage starts one)
+        cur = gsel;
+        const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
+        const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
+        const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          sp[u][0] = wg_scale_pair<T>(sw[u], 0);
+          sp[u][1] = wg_scale_pair<T>(sw[u], 1);
+          O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
+          O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
+        }
+      }
+      // Every earlier wgmma must be complete before af is rewritten: ptxas serializes the wgmmas (a wait after
+      // each one, C7513) when a non-wgmma instruction defines their A registers while any wgmma is in flight, so the
+      // dequantization of one step cannot overlap the previous step's wgmmas in this warpgroup; the other CTAs on
+      // the SM (2-3) fill the tensor cores meanwhile.
+      wg_wait<0>();
+      const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint32_t c[4];
+        O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
+        af[u][0] = O::mul2(c[0], sp[u][0]);
+        af[u][1] = O::mul2(c[2], sp[u][1]);
+        af[u][2] = O::mul2(c[1], sp[u][0]);
+        af[u][3] = O::mul2(c[3], sp[u][1]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+      wg_fence();
+#pragma unroll
+      for (int u = 0; u < 4; ++u) WgMma<T, NTOK>::mma(acc[u], af[u], desc + 2 * kk);  // +32 B along K
+      wg_commit();
+#pragma unroll
+      for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+  if (p.pdl) griddep_launch_dependents();
+
+  // acc[u][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8]
+  const int fbase = 64 * (nb0 + warp) + g8;
+  T* y = static_cast<T*>(p.c);
+  if (p.splits == 1) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int c = 0; c < NTOK / 8; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = m0 + 8 * c + 2 * t4 + e;
+            if (tok < p.m) y[static_cast<size_t>(tok) * p.n + fbase + 16 * u + 8 * h] = O::one(acc[u][4 * c + 2 * h + e]);
+          }
+    return;
+  }
+  float* part = p.partial;
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int c = 0; c < NTOK / 8; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = m0 + 8 * c + 2 * t4 + e;
+          if (tok < p.m)
+            part[(static_cast<size_t>(split) * p.m + tok) * p.n + fbase + 16 * u + 8 * h] = acc[u][4 * c + 2 * h + e];
+        }
+  __threadfence();
+  __syncthreads();
+  __shared__ int s_last;
+  int* lock = p.locks + blockIdx.y * WG_BLOCKS + blockIdx.x;
+  if (tid == 0) s_last = atomicAdd(lock, 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int rows = min(NTOK, p.m - m0);
+  for (int i = tid; i < rows * 256; i += 128) {
+    const int tok = m0 + i / 256, f = 64 * nb0 + i % 256;
+    float v = 0.f;
+    for (int q = 0; q < p.splits; ++q) v += __ldcg(part + (static_cast<size_t>(q) * p.m + tok) * p.n + f);
+    y[static_cast<size_t>(tok) * p.n + f] = O::one(v);
+  }
+  if (tid == 0) *lock = 0;
+}
+
+template <typename T, int NTOK, int STAGES>
+struct WgKern {
+  static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
+  static int setup() {
+    static const int rc = static_cast<int>(cudaFuncSetAttribute(
+        w4a16_wgmma_kernel<T, NTOK, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    return rc;
+  }
+  static int per_sm() {
+    if (setup()) return 0;
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES>, 128, SMEM);
+    return n;
+  }
+  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
+    if (const int rc = setup()) return rc;
+    const dim3 grid((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(128);
+    cfg.dynamicSmemBytes = SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p.pdl ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES>, p);
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
+// op: 0 launch, 1 resident CTAs per SM, 3 scratch floats (as run_op in w4a16_kernel.cuh); NTOK from p.m.
+template <typename T, int STAGES>
+int wgmma_run(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if (op == 3) return p.splits > 1 ? p.splits * p.m * p.n : 0;
+  if (op == 2) return WG_BLOCKS;
+  if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features, token tiles, split-K)
+  if (op == 5) return 4;  // warps
+  if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
+  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES>::per_sm() : WgKern<T, 16, STAGES>::launch(p, stream);
+  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES>::per_sm() : WgKern<T, 32, STAGES>::launch(p, stream);
+  return op == 1 ? WgKern<T, 64, STAGES>::per_sm() : WgKern<T, 64, STAGES>::launch(p, stream);
+}
+
+}  // namespace
+}  // namespace sdq_w4a16
+
+// w4a16_part_wgmma_*.cu: one C entry per dtype (variant 62: 4 stages, 63: 6 stages)
+#define SDQ_W4A16_WGMMA_PART(T, NAME)                                                          \
+  extern "C" int sdq_w4a16_part_##NAME(int v, int op, const SdqW4A16Params* p, cudaStream_t s) { \
+    return v == 63 ? sdq_w4a16::wgmma_run<T, 6>(op, *p, s) : sdq_w4a16::wgmma_run<T, 4>(op, *p, s);  \
+  }
