@@ -149,6 +149,33 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
     return rows
 
 
+NCU_ITEMS = [(8192, 28672, 32, 62), (8192, 28672, 64, 62), (8192, 28672, 128, 62), (8192, 28672, 32, 63)]
+
+
+def ncu(out: Path, items, timeout: float = 300) -> None:
+    """Profile the items (K, N, M, config) with ncu (int4_tune.ncu_child launches each twice); key lines to the log."""
+    import shutil
+    ncu_bin = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
+            f"t.ncu_child({items!r})")
+    cmd = [ncu_bin, "--clock-control", "none", "--kernel-name", "regex:wgmma", "--section", "SpeedOfLight",
+           "--section", "Occupancy", "--section", "SchedulerStats", "--section", "WarpStateStats",
+           "--section", "LaunchStats", sys.executable, "-c", code]
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
+        txt, rc = r.stdout + "\n" + r.stderr, r.returncode
+    except Exception as ex:  # noqa: BLE001
+        txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
+    (out / "int4_wgmma_ncu.txt").write_text(txt)
+    log(f"ncu rc={rc} in {time.time() - t:.0f} s; report in int4_wgmma_ncu.txt")
+    keep = ("ITEM", "Duration", "DRAM Throughput", "Compute (SM)", "Achieved Occupancy", "Registers Per", "Grid Size",
+            "Issue Slots Busy", "No Eligible", "Eligible Warps", "Warp Cycles Per Issued", "stalled", "L2 Cache Thr")
+    for ln in txt.splitlines():
+        if any(kw in ln for kw in keep):
+            log(ln.rstrip()[:220])
+
+
 def table(rows, configs) -> str:
     head = ["K×N", "M", "bf16", "Triton op", "CUDA default", "tinygemm", *[f"v{c}" for c in configs],
             "best wgmma ×bf16", "÷ best before"]
@@ -174,6 +201,7 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
+    ap.add_argument("--ncu", action="store_true", help="after the timing, profile NCU_ITEMS with ncu")
     ap.add_argument("--dry", action="store_true", help="CPU: the op's PyTorch path on tiny shapes (no build, no timing "
                                                        "of any kernel)")
     args = ap.parse_args(argv)
@@ -200,6 +228,8 @@ def main(argv=None):
     result["passing"] = passing
     result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start)
     (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
+    if args.ncu and not args.dry and passing:
+        ncu(out, [it for it in NCU_ITEMS if it[3] in passing])
     log(f"\nchecks: {len(passing)}/{len(configs)} configs pass; wall {time.time() - t_start:.0f} s")
     log(table(result["rows"], passing))
     return 0 if len(passing) == len(configs) else 1

@@ -20,8 +20,8 @@
 //   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
 // * Register-A wgmmas cannot overlap the dequantization in the same warpgroup (see the wait in the main loop); the
 //   four wgmmas of a K step run back to back, and 2-3 CTAs per SM overlap each other's dequantization and MMAs.
-// * Split-K over gridDim.z with fp32 partials; the last CTA of a (feature tile, token tile) -- counted on a lock it
-//   resets -- sums the partials in split order: deterministic, one launch.
+// * Split-K over gridDim.z with fp32 partials stored in register order; the last CTA of a (feature tile, token tile)
+//   -- counted on a lock it resets -- sums them in split order: deterministic, one launch.
 // * Token tiles over gridDim.x (fastest), so the CTAs that share a weight tile run together and share it in L2.
 #pragma once
 #include "w4a16_kernel.cuh"
@@ -123,13 +123,14 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES>
+template <typename T, int NTOK, int STAGES, int KB>
 __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
   constexpr int PF = STAGES - 2;  // stages requested ahead of the one computed
   constexpr int ND = NTOK / 2;    // accumulator registers per wgmma
   static_assert(STAGES >= 3, "the pipeline needs a slack stage");
+  static_assert(WG_KS % KB == 0, "KB K steps a wgmma batch");
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sraw = smem_addr(wg_smem_raw);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
     cp_async_commit();
   }
 
-  uint32_t af[4][4];
+  uint32_t af[KB][4][4];
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<PF - 1>();
     __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read by anyone
@@ -181,42 +182,50 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
     uint32_t sp[4][2], zl[4][2], zh[4][2];
     int cur = -1;
 #pragma unroll
-    for (int kk = 0; kk < WG_KS; ++kk) {
-      const uint4 wq = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + kk) * 512 + lane * 16);
-      const int gsel = (ks0 + kk) / p.group_k16 != ga;
-      if (gsel != cur) {  // the group's scales and zero pairs (every stage starts one)
-        cur = gsel;
-        const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
-        const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
-        const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
+    for (int k0 = 0; k0 < WG_KS; k0 += KB) {
+      uint4 wq[KB];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          sp[u][0] = wg_scale_pair<T>(sw[u], 0);
-          sp[u][1] = wg_scale_pair<T>(sw[u], 1);
-          O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
-          O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
-        }
-      }
+      for (int j = 0; j < KB; ++j) wq[j] = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + k0 + j) * 512 + lane * 16);
       // Every earlier wgmma must be complete before af is rewritten: ptxas serializes the wgmmas (a wait after
       // each one, C7513) when a non-wgmma instruction defines their A registers while any wgmma is in flight, so the
-      // dequantization of one step cannot overlap the previous step's wgmmas in this warpgroup; the other CTAs on
-      // the SM (2-3) fill the tensor cores meanwhile.
+      // dequantization of KB steps cannot overlap the previous steps' wgmmas in this warpgroup; the other CTAs on
+      // the SM (2-4) fill the tensor cores meanwhile.
       wg_wait<0>();
-      const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        uint32_t c[4];
-        O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-        af[u][0] = O::mul2(c[0], sp[u][0]);
-        af[u][1] = O::mul2(c[2], sp[u][1]);
-        af[u][2] = O::mul2(c[1], sp[u][0]);
-        af[u][3] = O::mul2(c[3], sp[u][1]);
+      for (int j = 0; j < KB; ++j) {
+        const int gsel = (ks0 + k0 + j) / p.group_k16 != ga;
+        if (gsel != cur) {  // the group's scales and zero pairs (every stage starts one)
+          cur = gsel;
+          const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
+          const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
+          const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            sp[u][0] = wg_scale_pair<T>(sw[u], 0);
+            sp[u][1] = wg_scale_pair<T>(sw[u], 1);
+            O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
+            O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
+          }
+        }
+        const uint32_t q[4] = {wq[j].x, wq[j].y, wq[j].z, wq[j].w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint32_t c[4];
+          O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
+          af[j][u][0] = O::mul2(c[0], sp[u][0]);
+          af[j][u][1] = O::mul2(c[2], sp[u][1]);
+          af[j][u][2] = O::mul2(c[1], sp[u][0]);
+          af[j][u][3] = O::mul2(c[3], sp[u][1]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
       wg_fence();
 #pragma unroll
-      for (int u = 0; u < 4; ++u) WgMma<T, NTOK>::mma(acc[u], af[u], desc + 2 * kk);  // +32 B along K
+      for (int j = 0; j < KB; ++j)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          WgMma<T, NTOK>::mma(acc[u], af[j][u], desc + 2 * (k0 + j));  // +32 B along K a step
       wg_commit();
 #pragma unroll
       for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
@@ -227,10 +236,15 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
   if (p.pdl) griddep_launch_dependents();
 
-  // acc[u][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8]
+  // acc[u][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8]; wg_pos(q, ...) is
+  // that element's offset in split q's partial ([splits, m, n] fp32), wg_pos(0, ...) its offset in y
   const int fbase = 64 * (nb0 + warp) + g8;
   T* y = static_cast<T*>(p.c);
-  if (p.splits == 1) {
+  const auto wg_pos = [&](int q, int u, int c, int h, int e) -> size_t {
+    return (static_cast<size_t>(q) * p.m + m0 + 8 * c + 2 * t4 + e) * p.n + fbase + 16 * u + 8 * h;
+  };
+  const auto tok_ok = [&](int c, int e) { return m0 + 8 * c + 2 * t4 + e < p.m; };
+  const auto store_y = [&]() {
 #pragma unroll
     for (int u = 0; u < 4; ++u)
 #pragma unroll
@@ -238,25 +252,31 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int tok = m0 + 8 * c + 2 * t4 + e;
-            if (tok < p.m) y[static_cast<size_t>(tok) * p.n + fbase + 16 * u + 8 * h] = O::one(acc[u][4 * c + 2 * h + e]);
-          }
+          for (int e = 0; e < 2; ++e)
+            if (tok_ok(c, e)) y[wg_pos(0, u, c, h, e)] = O::one(acc[u][4 * c + 2 * h + e]);
+  };
+  if (p.splits == 1) {
+    store_y();
     return;
   }
-  float* part = p.partial;
+  // Split-K: every CTA writes its accumulators to its partial slot as they sit in registers (float4 j of thread
+  // tid at j * 128 + tid: coalesced, constant offsets); the last of the tile's splits (counted on the lock, which
+  // it resets) re-sums every split's slot in split order into its registers and writes y. The order is fixed
+  // whichever CTA is last. Scratch: [splits, N / 256, token tiles, NTOK * 256] fp32.
+  constexpr int NC = NTOK / 8;
+  const size_t slot = static_cast<size_t>(ND) * 128;  // float4s a CTA
+  const size_t tile_id = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const size_t tiles = static_cast<size_t>(gridDim.y) * gridDim.x;
+  float4* part = reinterpret_cast<float4*>(p.partial);
+  {
+    float4* mine = part + (split * tiles + tile_id) * slot + tid;
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < 4; ++u)
 #pragma unroll
-    for (int c = 0; c < NTOK / 8; ++c)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = m0 + 8 * c + 2 * t4 + e;
-          if (tok < p.m)
-            part[(static_cast<size_t>(split) * p.m + tok) * p.n + fbase + 16 * u + 8 * h] = acc[u][4 * c + 2 * h + e];
-        }
+      for (int c = 0; c < NC; ++c)
+        __stcg(mine + (u * NC + c) * 128,
+               make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
+  }
   __threadfence();
   __syncthreads();
   __shared__ int s_last;
@@ -265,28 +285,39 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  const int rows = min(NTOK, p.m - m0);
-  for (int i = tid; i < rows * 256; i += 128) {
-    const int tok = m0 + i / 256, f = 64 * nb0 + i % 256;
-    float v = 0.f;
-    for (int q = 0; q < p.splits; ++q) v += __ldcg(part + (static_cast<size_t>(q) * p.m + tok) * p.n + f);
-    y[static_cast<size_t>(tok) * p.n + f] = O::one(v);
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
+  for (int q = 0; q < p.splits; ++q) {
+    const float4* src = part + (q * tiles + tile_id) * slot + tid;
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float4 v = __ldcg(src + (u * NC + c) * 128);
+        acc[u][4 * c] += v.x;
+        acc[u][4 * c + 1] += v.y;
+        acc[u][4 * c + 2] += v.z;
+        acc[u][4 * c + 3] += v.w;
+      }
   }
+  store_y();
   if (tid == 0) *lock = 0;
 }
 
-template <typename T, int NTOK, int STAGES>
+template <typename T, int NTOK, int STAGES, int KB>
 struct WgKern {
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
     static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_kernel<T, NTOK, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
   static int per_sm() {
     if (setup()) return 0;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES>, 128, SMEM);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, 128, SMEM);
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -302,29 +333,33 @@ struct WgKern {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES>, p);
+    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, p);
     return static_cast<int>(cudaGetLastError());
   }
 };
 
 // op: 0 launch, 1 resident CTAs per SM, 3 scratch floats (as run_op in w4a16_kernel.cuh); NTOK from p.m.
-template <typename T, int STAGES>
+template <typename T, int STAGES, int KB>
 int wgmma_run(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (op == 3) return p.splits > 1 ? p.splits * p.m * p.n : 0;
+  if (op == 3) {  // [splits, N / 256, token tiles, NTOK * 256] fp32
+    const int ntok = p.m <= 16 ? 16 : (p.m <= 32 ? 32 : 64);
+    return p.splits > 1 ? p.splits * ((p.m + ntok - 1) / ntok) * ntok * p.n : 0;
+  }
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features, token tiles, split-K)
   if (op == 5) return 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
-  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES>::per_sm() : WgKern<T, 16, STAGES>::launch(p, stream);
-  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES>::per_sm() : WgKern<T, 32, STAGES>::launch(p, stream);
-  return op == 1 ? WgKern<T, 64, STAGES>::per_sm() : WgKern<T, 64, STAGES>::launch(p, stream);
+  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES, KB>::per_sm() : WgKern<T, 16, STAGES, KB>::launch(p, stream);
+  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES, KB>::per_sm() : WgKern<T, 32, STAGES, KB>::launch(p, stream);
+  return op == 1 ? WgKern<T, 64, STAGES, KB>::per_sm() : WgKern<T, 64, STAGES, KB>::launch(p, stream);
 }
 
 }  // namespace
 }  // namespace sdq_w4a16
 
-// w4a16_part_wgmma_*.cu: one C entry per dtype (variant 62: 4 stages, 63: 6 stages)
+// w4a16_part_wgmma_*.cu: one C entry per dtype (variant 62: 4 stages, one K step a wgmma batch; 63: 4 stages, two
+// K steps a batch -- half the waits, 16 more registers)
 #define SDQ_W4A16_WGMMA_PART(T, NAME)                                                          \
   extern "C" int sdq_w4a16_part_##NAME(int v, int op, const SdqW4A16Params* p, cudaStream_t s) { \
-    return v == 63 ? sdq_w4a16::wgmma_run<T, 6>(op, *p, s) : sdq_w4a16::wgmma_run<T, 4>(op, *p, s);  \
+    return v == 63 ? sdq_w4a16::wgmma_run<T, 4, 2>(op, *p, s) : sdq_w4a16::wgmma_run<T, 4, 1>(op, *p, s);  \
   }
