@@ -95,6 +95,7 @@ def run_checks(configs, timeout: float) -> tuple:
 
 
 def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float) -> list:
+    from sdquant.kernels import int4_cuda
     dtype = torch.bfloat16
     rows = []
     timer = (lambda call, n: gemm.time_cpu(call, n)) if dry else (lambda call, n: gemm.time_rotating(call, n))
@@ -121,9 +122,11 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
             provs = {"bf16": (lambda i: torch.nn.functional.linear(x, dense[i]), len(dense)),
                      "triton": (lambda i: top(x, lay_t[i]["qweight"], lay_t[i]["scales"], lay_t[i]["zs"],
                                               lay_t[i]["perm"], None), ncopy)}
-            if m <= 32:
+            if m <= 32:  # the CUDA op's choice before the wgmma kernel (auto_config without it)
+                prev = int4_cuda.auto_config(m, n, k, dtype, wgmma=False)
                 provs["cuda_default"] = (lambda i: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
-                                                       lay_c[i]["perm"], lay_c[i]["locks"], None), ncopy)
+                                                       lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, prev),
+                                         ncopy)
             if tiny is not None and m <= 64:
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
             for c in configs:
@@ -177,7 +180,7 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
 
 
 def table(rows, configs) -> str:
-    head = ["K×N", "M", "bf16", "Triton op", "CUDA default", "tinygemm", *[f"v{c}" for c in configs],
+    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", *[f"v{c}" for c in configs],
             "best wgmma ×bf16", "÷ best before"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -193,6 +196,30 @@ def table(rows, configs) -> str:
     return "\n".join(out)
 
 
+def update_table(json_path: str, table_path: str) -> None:
+    """Write the wgmma kernel's times into the crossover table's "cuda" column at the buckets where the op now runs
+    it (auto_config -> a WGMMA variant), for the table's int4 entries that the run measured."""
+    from sdquant.kernels import dispatch, int4_cuda
+    d = json.loads(Path(json_path).read_text())
+    tab = json.loads(Path(table_path).read_text())
+    buckets = tab["buckets"]
+    changed = []
+    for r in d["rows"]:
+        k, n, m = r["K"], r["N"], r["M"]
+        c = int4_cuda.auto_config(m, n, k)
+        if m not in buckets or c % 64 not in int4_cuda.WGMMA_VARIANTS or r.get(f"v{c}") is None:
+            continue
+        for e in tab["entries"]:
+            if e["kind"] == "int4" and e["N"] == n and e["K"] == k and e["dtype"] == "bfloat16":
+                e["us"]["cuda"][buckets.index(m)] = r[f"v{c}"]
+                changed.append(f"{k}x{n}@M{m}")
+    tab.setdefault("meta", {})["int4_cuda_wgmma"] = (
+        f"cuda column at {', '.join(changed)}: the wgmma kernel (auto_config), bench/int4_wgmma.py "
+        f"{d.get('date')} commit {d.get('commit')}")
+    dispatch.write_table(tab, table_path)
+    log(f"updated {len(changed)} cells: {', '.join(changed)}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -201,10 +228,15 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
+    ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
+                    help="write a run's wgmma times into a crossover table (no GPU needed) and exit")
     ap.add_argument("--ncu", action="store_true", help="after the timing, profile NCU_ITEMS with ncu")
     ap.add_argument("--dry", action="store_true", help="CPU: the op's PyTorch path on tiny shapes (no build, no timing "
                                                        "of any kernel)")
     args = ap.parse_args(argv)
+    if args.update_table:
+        update_table(*args.update_table)
+        return 0
     from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
     t_start = time.time()
     configs = [int(c) for c in args.configs.split(",")]

@@ -266,9 +266,34 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
     return old
 
 
-def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
+# The wgmma kernel (variant 62, csrc/w4a16_wgmma.cuh) over the configs above, where it was measured faster
+# (bench/int4_wgmma.py, H200 run 2, docs/BENCHMARKS.md "INT4 wgmma kernel"): every M > 32 (the older kernels re-read
+# the weights once per 32 rows there), and at M = 17-32 / 9-16 on the shapes listed. Needs N % 256 == 0.
+# Run 2, µs, v62 against the previous config in the same process: M = 32: 8192x28672 71.8 vs 98.2, 4096x28672 40.6 vs
+# 54.3, 14336x4096 30.3 vs 37.1, 28672x8192 66.4 vs 90.2 (4096x4096: 17.9 vs 17.3, kept); M = 16: 4096x28672 34.9
+# vs 38.1, 28672x8192 57.4 vs 61.6.
+WGMMA_DEFAULT = {64: 62, 128: 62, 256: 62}
+WGMMA_SHAPE_CONFIGS: dict = {
+    (8192, 28672, 32): 62, (4096, 28672, 32): 62, (14336, 4096, 32): 62, (28672, 8192, 32): 62,
+    (4096, 28672, 16): 62, (28672, 8192, 16): 62,
+}
+
+
+def wgmma_bucket(m: int) -> int:
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        if m <= b:
+            return b
+    return 256
+
+
+def auto_config(m: int, n: int, k: int, dtype=torch.bfloat16, wgmma: bool = True) -> int:
     """The kernel config the op uses when called with config=-1 (measured winners; at M = 17-32 variant 0 or one of
-    NT4_VARIANTS)."""
+    NT4_VARIANTS; the wgmma kernel where WGMMA_* say, unless ``wgmma`` is False: the choice before it existed)."""
+    if wgmma and n % 256 == 0:
+        bw = wgmma_bucket(m)
+        c = WGMMA_SHAPE_CONFIGS.get((k, n, bw), WGMMA_DEFAULT.get(bw))
+        if c is not None:
+            return c
     b = m_bucket(m)
     c = SHAPE_CONFIGS.get((k, n, b), DEFAULT_CONFIGS.get(b, 0))
     if b > 16 and c % 64 not in NT4_VARIANTS:
