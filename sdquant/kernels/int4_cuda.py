@@ -271,11 +271,13 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 # the weights once per 32 rows there), and at M = 17-32 / 9-16 on the shapes listed. Needs N % 256 == 0.
 # Run 2, µs, v62 against the previous config in the same process: M = 32: 8192x28672 71.8 vs 98.2, 4096x28672 40.6 vs
 # 54.3, 14336x4096 30.3 vs 37.1, 28672x8192 66.4 vs 90.2 (4096x4096: 17.9 vs 17.3, kept); M = 16: 4096x28672 34.9
-# vs 38.1, 28672x8192 57.4 vs 61.6.
+# vs 38.1, 28672x8192 57.4 vs 61.6. Run 3 (the confirm pass, all seven shapes) repeated these within 1 µs and added
+# 8192x10240 (M = 16: 26.3 vs 34.4; M = 32: 32.1 vs 49.4) and 8192x28672 at M = 16 (62.1 vs 65.1; run 2 62.6 vs 65.1).
 WGMMA_DEFAULT = {64: 62, 128: 62, 256: 62}
 WGMMA_SHAPE_CONFIGS: dict = {
     (8192, 28672, 32): 62, (4096, 28672, 32): 62, (14336, 4096, 32): 62, (28672, 8192, 32): 62,
-    (4096, 28672, 16): 62, (28672, 8192, 16): 62,
+    (8192, 10240, 32): 62,
+    (4096, 28672, 16): 62, (28672, 8192, 16): 62, (8192, 10240, 16): 62, (8192, 28672, 16): 62,
 }
 
 
