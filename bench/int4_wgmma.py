@@ -152,7 +152,7 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
     return rows
 
 
-NCU_ITEMS = [(8192, 28672, 32, 62), (8192, 28672, 64, 62), (8192, 28672, 128, 62), (8192, 28672, 32, 63)]
+NCU_ITEMS = [(8192, 28672, 64, 62), (8192, 28672, 64, 63), (8192, 28672, 128, 63)]
 
 
 def ncu(out: Path, items, timeout: float = 300) -> None:

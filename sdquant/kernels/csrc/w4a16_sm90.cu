@@ -1,6 +1,6 @@
 // sdquant W4A16 decode GEMM for sm_90: the C interface (w4a16.h). The kernels and the design notes are in
 // w4a16_kernel.cuh; the w4a16_part_*.cu files instantiate them per (dtype, token tiles).
-#include "w4a16_kernel.cuh"
+#include "w4a16_wgmma.cuh"  // (includes w4a16_kernel.cuh)
 
 #define SDQ_DECL(NAME) extern "C" int sdq_w4a16_part_##NAME(int, int, const SdqW4A16Params*, cudaStream_t);
 SDQ_DECL(f16_nt1)
@@ -112,7 +112,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   if (kind == 4) {
     // wgmma kernel: tiles of 256 features x NTOK tokens; the splits that fill the resident slots once (or
     // target2 / 2 CTAs per SM), at least 4 stages of 64 K a split
-    const int ntok = m <= 16 ? 16 : (m <= 32 ? 32 : 64);
+    const int ntok = sdq_w4a16::wgmma_cta_tokens(variant, m);
     const int tiles = (n / 256) * ((m + ntok - 1) / ntok);
     const int slots = sms * (per_sm < 1 ? 1 : per_sm);
     const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;
