@@ -159,10 +159,9 @@ STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
 NT4_VARIANTS = (2, 5, 37, 42)  # instantiated for M = 17-32 too (four token tiles); the others stop at M = 16
 BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
-# csrc/w4a16_wgmma.cuh: warpgroup MMA, 256 features x 16/32/64 tokens a CTA (63: 128 above M = 64), M <= 256 a launch,
-# N % 256 == 0; the weight scaled in the activation dtype (both dtypes). 62: the dequantized weights are the wgmma's
-# register A operand (one warpgroup a CTA); 63: they go through shared memory (two warpgroups, dequantization of the
-# next stage overlapping the wgmmas)
+# csrc/w4a16_wgmma.cuh: warpgroup MMA, the dequantized weights the register A operand, 256 features x 16/32/64 tokens a
+# CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes). Split-K: 62 sums the
+# splits in the last CTA of a tile, 63 in a second kernel over the whole GPU
 WGMMA_VARIANTS = (62, 63)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel

@@ -25,8 +25,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17 (+ 2 x 2 at four tiles);
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
     # variants 58-61 and their probe: 2 x 2 x 5;
-    # the linear read probe once; the wgmma kernels: 62 (register A) 2 dtypes x 3 token tiles, 63 (shared-memory A)
-    # 2 dtypes x 4 token tilings
+    # the linear read probe once; the wgmma kernel: 2 dtypes x 3 token tiles x {62: last-CTA fix-up, 63: separate
+    # reduction kernel (2 dtypes)}
     assert sum("w4a16_kernel" in ln for ln in kernels) == 84  # + variants 2 and 5 at four tiles (2 x 2 K steps)
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
@@ -35,8 +35,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
-    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 6
-    assert sum("w4a16_wgmma_ss_kernel" in ln for ln in kernels) == 8
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 12
+    assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2
     # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
     # wgmmas are in flight, or too few registers for the pipeline)
     assert not [ln for ln in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]

@@ -27,6 +27,8 @@
 #include "w4a16_kernel.cuh"
 #include "w4a16_wgmma_mma.cuh"
 
+#include <algorithm>
+
 namespace sdq_w4a16 {
 namespace {
 
@@ -123,7 +125,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES, int KB>
+template <typename T, int NTOK, int STAGES, int KB, bool SEPARATE>
 __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
@@ -259,6 +261,18 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
     store_y();
     return;
   }
+  if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int c = 0; c < NTOK / 8; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (tok_ok(c, e)) __stcg(p.partial + wg_pos(split, u, c, h, e), acc[u][4 * c + 2 * h + e]);
+    return;
+  }
   // Split-K: every CTA writes its accumulators to its partial slot as they sit in registers (float4 j of thread
   // tid at j * 128 + tid: coalesced, constant offsets); the last of the tile's splits (counted on the lock, which
   // it resets) re-sums every split's slot in split order into its registers and writes y. The order is fixed
@@ -308,253 +322,46 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   if (tid == 0) *lock = 0;
 }
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void st_shared_b32(uint32_t a, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
-}
-
-// Variant 63: the dequantized weights go through shared memory, and both wgmma operands come from there (SS). Two
-// warpgroups a CTA. All eight warps dequantize a stage (warp w: block w % 4, K steps 2 (w / 4) and 2 (w / 4) + 1) into
-// a double-buffered A tile (four 64 x 64 tiles, 128-byte swizzled like B); then each warpgroup issues its wgmmas.
-// A registers are not wgmma operands here, so a warpgroup dequantizes stage s + 1 while its wgmmas of stage s run
-// (wgmma.wait_group 1 before the A buffer of stage s - 1 is rewritten). TS = 2: the warpgroups take two 64-token halves
-// of a 128-token tile (the weights dequantized once for both); TS = 1: the same tokens, K steps 0-1 / 2-3 of each
-// stage, summed through shared memory at the end.
-template <typename T, int NTOK, int TS, int STAGES>
-__global__ void __launch_bounds__(256) w4a16_wgmma_ss_kernel(const SdqW4A16Params p) {
-  using O = Ops<T>;
-  constexpr int NX = NTOK * TS;  // tokens a CTA
-  using L = WgSmem<NX, STAGES>;
-  constexpr int PF = STAGES - 2;
-  constexpr int ND = NTOK / 2;
-  constexpr int A_TILE = 64 * 128, A_STAGE = 4 * A_TILE;
-  static_assert(STAGES >= 3 && (TS == 1 || TS == 2), "bad wgmma SS config");
-  static_assert(TS == 2 || STAGES * L::STAGE >= 128 * 4 * ND * 4, "the K-part reduction reuses the stages");
-  extern __shared__ uint8_t wg_smem_raw[];
-  const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
-  const uint32_t abase = sbase + STAGES * L::STAGE;
-
-  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
-  const int half = wg % TS, kpart = wg / TS;
-  const bool owner = kpart == 0;  // holds the final sums of its token half
-  const int v = warp & 3, kq = (warp >> 2) * 2;
-  const int m0 = blockIdx.x * NX;
-  const int nb0 = blockIdx.y * WG_BLOCKS;
-  const int split = blockIdx.z;
-  const int nst_all = p.k / 64;
-  const int st0 = static_cast<int>(static_cast<long long>(nst_all) * split / p.splits);
-  const int st1 = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits);
-  const int nst = st1 - st0;
-
-  float acc[4][ND];
-#pragma unroll
-  for (int u = 0; u < 4; ++u)
-#pragma unroll
-    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
-
-  // warpgroup 0 copies weights and scales, warpgroup 1 activations (after the PDL wait)
-#pragma unroll
-  for (int s = 0; s < PF; ++s)
-    if (s < nst && wg == 0) wg_load_stage<NX, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+// Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
+// four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
+// CTA, which costs most where the tiles are few and the splits many: N = 4096 at M >= 32).
+template <typename T>
+__global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) {
   if (p.pdl) griddep_wait();
-#pragma unroll
-  for (int s = 0; s < PF; ++s) {
-    if (s < nst && wg == 1) wg_load_stage<NX, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid - 128);
-    cp_async_commit();
-  }
-
-  for (int s = 0; s < nst; ++s) {
-    cp_async_wait<PF - 1>();
-    wg_wait<1>();     // this warpgroup's wgmmas of stage s - 2 are done
-    __syncthreads();  // everyone's; stage s landed
-    {
-      const int sn = s + PF;
-      if (sn < nst) {
-        const uint32_t stn = sbase + (sn % STAGES) * L::STAGE;
-        if (wg == 0) wg_load_stage<NX, false>(p, stn, (st0 + sn) * WG_KS, nb0, m0, tid);
-        else wg_load_stage<NX, true>(p, stn, (st0 + sn) * WG_KS, nb0, m0, tid - 128);
-      }
-      cp_async_commit();
-    }
-    const uint32_t st = sbase + (s % STAGES) * L::STAGE;
-    const uint32_t at = abase + (s & 1) * A_STAGE;
-    const int ks0 = (st0 + s) * WG_KS;
-    const int ga = ks0 / p.group_k16;
-    // dequantize this warp's two K steps of block v into A (row 16 v + g8 (+ 8), K chunk 2 kk (+ 1), swizzled);
-    // one K step at a time (fewer live registers next to the NTOK * 2 accumulators)
-#pragma unroll 1
-    for (int j = 0; j < 2; ++j) {
-      const int kk = kq + j;
-      const uint4 wq = ld_shared_v4(st + L::X_BYTES + (v * WG_KS + kk) * 512 + lane * 16);
-      const int gsel = (ks0 + kk) / p.group_k16 != ga;
-      const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + v * 128 + g8 * 16;
-      const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
-      const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
-      const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
-      const uint32_t r0 = (16 * v + g8) * 128, r1 = r0 + 8 * 128;
-      const uint32_t c0 = ((2 * kk) ^ g8) << 4, c1 = ((2 * kk + 1) ^ g8) << 4;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        uint32_t zl[2], zh[2], c[4];
-        O::zero_pairs(zw[u], 0, zl[0], zh[0]);
-        O::zero_pairs(zw[u], 1, zl[1], zh[1]);
-        O::codes(q[u], zl, zh, c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-        const uint32_t s0 = wg_scale_pair<T>(sw[u], 0), s1 = wg_scale_pair<T>(sw[u], 1);
-        const uint32_t au = at + u * A_TILE + 4 * t4;
-        st_shared_b32(au + r0 + c0, O::mul2(c[0], s0));
-        st_shared_b32(au + r1 + c0, O::mul2(c[2], s1));
-        st_shared_b32(au + r0 + c1, O::mul2(c[1], s0));
-        st_shared_b32(au + r1 + c1, O::mul2(c[3], s1));
-      }
-    }
-    fence_proxy_async();  // the generic-proxy stores of A, visible to the wgmmas (async proxy)
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
-    wg_fence();
-    const uint64_t db = wg_desc(st + half * NTOK * 128), da = wg_desc(at);
-#pragma unroll
-    for (int j = 0; j < 4 / (2 / TS); ++j) {
-      const int kk = (TS == 2 ? 0 : 2 * kpart) + j;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) WgMmaSS<T, NTOK>::mma(acc[u], da + (u * A_TILE >> 4) + 2 * kk, db + 2 * kk);
-    }
-    wg_commit();
-#pragma unroll
-    for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
-  }
-  wg_wait<0>();
-#pragma unroll
-  for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
-  if (p.pdl) griddep_launch_dependents();
-
-  if constexpr (TS == 1) {  // K parts: warpgroup 1 hands its sums to warpgroup 0 (fixed order: part 0 + part 1)
-    __syncthreads();        // every wgmma (and the last reads of the stages) done
-    float* red = reinterpret_cast<float*>(wg_smem_raw + (sbase - smem_addr(wg_smem_raw)));
-    if (!owner) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int i = 0; i < ND; ++i) red[(u * ND + i) * 128 + (tid & 127)] = acc[u][i];
-    }
-    __syncthreads();
-    if (owner) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int i = 0; i < ND; ++i) acc[u][i] += red[(u * ND + i) * 128 + tid];
-    }
-  }
-
-  // acc[u][4c + 2h + e] = y[token m0 + half NTOK + 8c + 2t4 + e][feature 64 (nb0 + warp % 4) + 16u + 8h + g8]
-  const int fbase = 64 * (nb0 + v) + g8;
-  const int mt = m0 + half * NTOK;
+  const size_t n4 = static_cast<size_t>(p.m) * p.n / 4;
+  const size_t stride = static_cast<size_t>(p.m) * p.n / 4;
+  const float4* part = reinterpret_cast<const float4*>(p.partial);
   T* y = static_cast<T*>(p.c);
-  const auto store_y = [&]() {
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int c = 0; c < NTOK / 8; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int tok = mt + 8 * c + 2 * t4 + e;
-            if (tok < p.m) y[static_cast<size_t>(tok) * p.n + fbase + 16 * u + 8 * h] = O::one(acc[u][4 * c + 2 * h + e]);
-          }
-  };
-  // split-K as in the RS kernel: partials in register order ([splits, N / 256, token tiles, NX * 256] fp32)
-  if (p.splits > 1) {
-    constexpr int NC = NTOK / 8;
-    const size_t slot = static_cast<size_t>(TS) * ND * 128;
-    const size_t tile_id = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-    const size_t tiles = static_cast<size_t>(gridDim.y) * gridDim.x;
-    float4* part = reinterpret_cast<float4*>(p.partial);
-    const int lid = half * 128 + (tid & 127);
-    if (owner) {
-      float4* mine = part + (split * tiles + tile_id) * slot + lid;
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int c = 0; c < NC; ++c)
-          __stcg(mine + (u * NC + c) * 128 * TS,
-                 make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float4 a = __ldcg(part + i);
+    for (int q = 1; q < p.splits; ++q) {
+      const float4 b = __ldcg(part + q * stride + i);
+      a.x += b.x;
+      a.y += b.y;
+      a.z += b.z;
+      a.w += b.w;
     }
-    __threadfence();
-    __syncthreads();
-    __shared__ int s_last_ss;
-    int* lock = p.locks + blockIdx.y * WG_BLOCKS + blockIdx.x;
-    if (tid == 0) s_last_ss = atomicAdd(lock, 1) == p.splits - 1;
-    __syncthreads();
-    if (!s_last_ss || !owner) return;
-    __threadfence();
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
-    for (int q = 0; q < p.splits; ++q) {
-      const float4* src = part + (q * tiles + tile_id) * slot + lid;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        asm volatile("" ::: "memory");  // loads in batches of one u, not all at once
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const float4 x4 = __ldcg(src + (u * NC + c) * 128 * TS);
-          acc[u][4 * c] += x4.x;
-          acc[u][4 * c + 1] += x4.y;
-          acc[u][4 * c + 2] += x4.z;
-          acc[u][4 * c + 3] += x4.w;
-        }
-      }
-    }
-    if (tid == 0) *lock = 0;
+    const auto lo = Ops<T>::pack(a.x, a.y), hi = Ops<T>::pack(a.z, a.w);
+    uint2 o;
+    o.x = *reinterpret_cast<const uint32_t*>(&lo);
+    o.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(y)[i] = o;
   }
-  if (owner) store_y();
 }
 
-template <typename T, int NTOK, int TS, int STAGES>
-struct WgSSKern {
-  static constexpr int SMEM = WgSmem<NTOK * TS, STAGES>::STAGE * STAGES + 2 * 4 * 64 * 128 + 1024;
-  static int setup() {
-    static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_ss_kernel<T, NTOK, TS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
-    return rc;
-  }
-  static int per_sm() {
-    if (setup()) return 0;
-    int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_ss_kernel<T, NTOK, TS, STAGES>, 256, SMEM);
-    return n;
-  }
-  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
-    if (const int rc = setup()) return rc;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((p.m + NTOK * TS - 1) / (NTOK * TS), p.n / 256, p.splits);
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = SMEM;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_ss_kernel<T, NTOK, TS, STAGES>, p);
-    return static_cast<int>(cudaGetLastError());
-  }
-};
-
-template <typename T, int NTOK, int STAGES, int KB>
+template <typename T, int NTOK, int STAGES, int KB, bool SEPARATE>
 struct WgKern {
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
     static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
   static int per_sm() {
     if (setup()) return 0;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, 128, SMEM);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, 128, SMEM);
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -570,43 +377,54 @@ struct WgKern {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, KB>, p);
+    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, p);
+    if (SEPARATE && p.splits > 1) {
+      if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+      static int sms = 0;
+      if (sms == 0) {
+        int dev = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      }
+      const long long n4 = static_cast<long long>(p.m) * p.n / 4;
+      const int blocks = static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms));
+      cfg.gridDim = dim3(blocks);
+      cfg.blockDim = dim3(256);
+      cfg.dynamicSmemBytes = 0;
+      cudaLaunchKernelEx(&cfg, wg_reduce_kernel<T>, p);
+    }
     return static_cast<int>(cudaGetLastError());
   }
 };
 
-// Tokens a CTA of variant v at m rows (62: 16 / 32 / 64; 63: the same up to 64, then 128).
-__host__ __device__ inline int wgmma_cta_tokens(int v, int m) {
-  return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 || v != 63 ? 64 : 128));
+// op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
+// w4a16_kernel.cuh); the token tile from p.m. v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
+template <typename T, int STAGES, bool SEP>
+int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES, 1, SEP>::per_sm() : WgKern<T, 16, STAGES, 1, SEP>::launch(p, stream);
+  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES, 1, SEP>::per_sm() : WgKern<T, 32, STAGES, 1, SEP>::launch(p, stream);
+  return op == 1 ? WgKern<T, 64, STAGES, 1, SEP>::per_sm() : WgKern<T, 64, STAGES, 1, SEP>::launch(p, stream);
 }
 
-// op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
-// w4a16_kernel.cuh); the token tile from p.m.
 template <typename T, int STAGES>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (op == 3) {  // [splits, N / 256, token tiles, tokens a CTA * 256] fp32
-    const int nx = wgmma_cta_tokens(v, p.m);
-    return p.splits > 1 ? p.splits * ((p.m + nx - 1) / nx) * nx * p.n : 0;
+  if (op == 3) {
+    if (p.splits <= 1) return 0;
+    if (v == 63) return p.splits * p.m * p.n;  // [splits, m, n]
+    const int ntok = p.m <= 16 ? 16 : (p.m <= 32 ? 32 : 64);  // [splits, N / 256, token tiles, NTOK * 256]
+    return p.splits * ((p.m + ntok - 1) / ntok) * ntok * p.n;
   }
   if (op == 2) return WG_BLOCKS;
-  if (op == 4) return 4;  // kind: a wgmma kernel (tiles of 256 features x wgmma_cta_tokens, split-K)
-  if (op == 5) return v == 63 ? 8 : 4;  // warps
+  if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
+  if (op == 5) return 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
-  if (v == 63) {
-    if (p.m <= 16) return op == 1 ? WgSSKern<T, 16, 1, STAGES>::per_sm() : WgSSKern<T, 16, 1, STAGES>::launch(p, stream);
-    if (p.m <= 32) return op == 1 ? WgSSKern<T, 32, 1, STAGES>::per_sm() : WgSSKern<T, 32, 1, STAGES>::launch(p, stream);
-    if (p.m <= 64) return op == 1 ? WgSSKern<T, 64, 1, STAGES>::per_sm() : WgSSKern<T, 64, 1, STAGES>::launch(p, stream);
-    return op == 1 ? WgSSKern<T, 64, 2, STAGES>::per_sm() : WgSSKern<T, 64, 2, STAGES>::launch(p, stream);
-  }
-  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES, 1>::per_sm() : WgKern<T, 16, STAGES, 1>::launch(p, stream);
-  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES, 1>::per_sm() : WgKern<T, 32, STAGES, 1>::launch(p, stream);
-  return op == 1 ? WgKern<T, 64, STAGES, 1>::per_sm() : WgKern<T, 64, STAGES, 1>::launch(p, stream);
+  return v == 63 ? wgmma_run_t<T, STAGES, true>(op, p, stream) : wgmma_run_t<T, STAGES, false>(op, p, stream);
 }
 
 }  // namespace
 }  // namespace sdq_w4a16
 
-// w4a16_part_wgmma_*.cu: one C entry per dtype (variant 62: register-A kernel, 63: shared-memory-A kernel; 4 stages)
+// w4a16_part_wgmma_*.cu: one C entry per dtype (variants 62-63, 4 stages)
 #define SDQ_W4A16_WGMMA_PART(T, NAME)                                                          \
   extern "C" int sdq_w4a16_part_##NAME(int v, int op, const SdqW4A16Params* p, cudaStream_t s) { \
     return sdq_w4a16::wgmma_run<T, 4>(v, op, *p, s);  \
