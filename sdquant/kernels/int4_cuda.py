@@ -267,18 +267,21 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
     return old
 
 
-# The wgmma kernel (variant 62, csrc/w4a16_wgmma.cuh) over the configs above, where it was measured faster
-# (bench/int4_wgmma.py, H200 run 2, docs/BENCHMARKS.md "INT4 wgmma kernel"): every M > 32 (the older kernels re-read
-# the weights once per 32 rows there), and at M = 17-32 / 9-16 on the shapes listed. Needs N % 256 == 0.
-# Run 2, µs, v62 against the previous config in the same process: M = 32: 8192x28672 71.8 vs 98.2, 4096x28672 40.6 vs
-# 54.3, 14336x4096 30.3 vs 37.1, 28672x8192 66.4 vs 90.2 (4096x4096: 17.9 vs 17.3, kept); M = 16: 4096x28672 34.9
-# vs 38.1, 28672x8192 57.4 vs 61.6. Run 3 (the confirm pass, all seven shapes) repeated these within 1 µs and added
-# 8192x10240 (M = 16: 26.3 vs 34.4; M = 32: 32.1 vs 49.4) and 8192x28672 at M = 16 (62.1 vs 65.1; run 2 62.6 vs 65.1).
-WGMMA_DEFAULT = {64: 62, 128: 62, 256: 62}
+# The wgmma kernel (variants 62-63, csrc/w4a16_wgmma.cuh) over the configs above, where it was measured faster
+# (bench/int4_wgmma.py, H200 runs 2-5, docs/BENCHMARKS.md "INT4 wgmma kernel"; raw bench/results/int4_wgmma_h200_run*):
+# every M > 32 (the older kernels re-read the weights once per 32 rows there), and at M = 9-32 on the shapes listed.
+# Needs N % 256 == 0. 63 (split-K summed by a second kernel) is the default above M = 32 and wins on the narrow shapes
+# (run 5, M = 32: 4096x4096 13.4 us vs the previous config's 17.4, 4096x6144 16.4 vs 20.5, 14336x4096 26.1 vs 37.5);
+# 62 (summed in the last CTA of a tile) where it was > 3% faster than 63 in run 5 (M = 32: 8192x28672 70.8 vs 77.0,
+# 4096x28672 40.3 vs 43.5) or the two tie and 62 was measured in runs 2-5 (e.g. 28672x8192 M = 32: 66.1-66.6 vs the
+# previous config's 89.6-90.5). Points where neither beat the previous config by > 3% keep it (e.g. 14336x4096 and
+# 4096x4096 at M = 9-16).
+WGMMA_DEFAULT = {64: 63, 128: 63, 256: 63}
 WGMMA_SHAPE_CONFIGS: dict = {
-    (8192, 28672, 32): 62, (4096, 28672, 32): 62, (14336, 4096, 32): 62, (28672, 8192, 32): 62,
-    (8192, 10240, 32): 62,
-    (4096, 28672, 16): 62, (28672, 8192, 16): 62, (8192, 10240, 16): 62, (8192, 28672, 16): 62,
+    (8192, 28672, 32): 62, (4096, 28672, 32): 62, (28672, 8192, 32): 62, (8192, 10240, 32): 62,
+    (14336, 4096, 32): 63, (4096, 4096, 32): 63, (4096, 6144, 32): 63,
+    (4096, 28672, 16): 62, (28672, 8192, 16): 62, (8192, 28672, 16): 62, (8192, 10240, 16): 63, (4096, 6144, 16): 63,
+    (4096, 28672, 128): 62,
 }
 
 

@@ -79,14 +79,15 @@ def test_config_encoding_and_defaults():
     for m in (1, 2, 3, 8, 9, 16):
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
         assert 0 <= v < int4_cuda.N_VARIANTS
-    assert int4_cuda.auto_config(17, 4096, 4096) == 37     # M = 17-32: a variant instantiated at four token tiles
+    assert int4_cuda.auto_config(17, 4096, 4096, wgmma=False) == 37  # M = 17-32: a variant instantiated at 4 token tiles
     assert int4_cuda.auto_config(33, 8192, 28672, wgmma=False) == 0  # (32-row launches of the same config)
     # the wgmma kernel: every M > 32 where N % 256 == 0, and the measured points at M <= 32
     for m in (33, 64, 100, 256, 1000):
-        assert int4_cuda.auto_config(m, 28672, 8192) == 62
+        assert int4_cuda.auto_config(m, 28672, 8192) in int4_cuda.WGMMA_VARIANTS
     assert int4_cuda.auto_config(33, 64 * 5, 4096) == 0     # N % 256 != 0: not the wgmma kernel
-    assert int4_cuda.auto_config(32, 28672, 8192) == 62 and int4_cuda.auto_config(32, 4096, 4096) == 37
+    assert int4_cuda.auto_config(32, 28672, 8192) == 62 and int4_cuda.auto_config(32, 4096, 4096) == 63
     assert int4_cuda.auto_config(16, 28672, 4096) == 62 and int4_cuda.auto_config(16, 4096, 4096) == 37
+    assert int4_cuda.auto_config(32, 4096, 4096, wgmma=False) == 37
     for (k, n, b), c in int4_cuda.SHAPE_CONFIGS.items():
         assert b <= 16 or c % 64 in (0, *int4_cuda.NT4_VARIANTS), (k, n, b)
     for v, twin in int4_cuda.WSCALE_TWIN.items():           # fp16 never gets a per-weight-scale variant
