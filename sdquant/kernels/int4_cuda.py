@@ -224,6 +224,21 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     return old
 
 
+# Activations of the direct kernel (variants 8-12) staged in shared memory (1) or read through L1 every K step (0,
+# the measured default). bench/read_order.py --factors (H200, 2026-12-01) found the M = 1 activation reads alone
+# taking the bare weight stream from 29.7 to 52.3 us on 8192x28672.
+_XS = [0]
+
+
+def set_x_smem(enabled: bool) -> int:
+    """The direct kernel (variants 8-12) copies its CTA's activation range to shared memory once and reads its MMA
+    fragments there (when it fits in 16 KB: M x the CTA's K range), from now on in this process. Read at launch
+    time, so set it before a CUDA graph is captured. Returns the previous setting."""
+    old = _XS[0]
+    _XS[0] = 1 if enabled else 0
+    return old
+
+
 def m_bucket(m: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if m <= b:
@@ -386,7 +401,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
     y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                  _PDL[0])
+                  _PDL[0], _XS[0])
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)

@@ -17,6 +17,8 @@ struct SdqW4A16Params {
   int is_bf16;
   int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
   int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
+  int xs;              // 1: the direct kernel (variants 8-12) copies its CTA's activation range to shared memory once
+                       // and reads the MMA fragments there, instead of through L1 every K step (int4_cuda.set_x_smem)
   int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 50-61, else ignored): the
                        // kernel may start while the previous kernel of the stream finishes; it reads weights
                        // first (direct kernel; the cp.async kernel waits at its start) and waits

@@ -12,7 +12,7 @@ constexpr int64_t kMaxRowsWgmma = 256;  // variants 62-63 (the wgmma kernel): 4 
 
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
-                    int64_t pdl) {
+                    int64_t pdl, int64_t xs) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
               "w4a16_cuda: all tensors must be on a CUDA device");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_cuda: x must be a contiguous [M, K] matrix");
@@ -59,6 +59,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
     p.evict_first = evict_first ? 1 : 0;
     p.variant = static_cast<int>(variant);
     p.pdl = static_cast<int>(pdl);
+    p.xs = static_cast<int>(xs);
     const long long scratch = sdq_w4a16_scratch_floats(&p);  // split-K or stream-K partials
     at::Tensor partial;
     if (scratch > 0) partial = at::empty({scratch}, x.options().dtype(at::kFloat));

@@ -22,8 +22,25 @@ struct DCfg {
 template <typename C, int NT>
 struct DSmem {
   static constexpr int RED_BYTES = (C::KW - 1) * C::WNN * NT * 16 * 32 * 4;
-  static constexpr int TOTAL = RED_BYTES;
+  static constexpr int XS_BYTES = 16384;  // p.xs: the CTA's activation rows x K range (+ 8 padding) when they fit
+  static constexpr int TOTAL = RED_BYTES + XS_BYTES;
 };
+
+// load_x_steps from the CTA's shared-memory copy (rows of `stride` elements; xs already offset by the warp's range
+// and 2 t): the padding of 8 elements a row puts the 8 rows of a fragment on different banks
+template <typename T, int NT, int KS>
+__device__ __forceinline__ void load_x_steps_smem(const T* xs, int stride, int off, int g8, int m,
+                                                  uint32_t (&xx)[KS][NT][2]) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = nt * 8 + g8;
+      const T* xr = xs + r * stride + off + kk * 16;
+      xx[kk][nt][0] = r < m ? *reinterpret_cast<const uint32_t*>(xr) : 0u;
+      xx[kk][nt][1] = r < m ? *reinterpret_cast<const uint32_t*>(xr + 8) : 0u;
+    }
+}
 
 __device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
   uint4 r;
@@ -56,6 +73,14 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
                       (static_cast<size_t>(active ? nb : 0) * kb_total + static_cast<size_t>(a) * KS) * 32 + lane;
   const T* xsrc = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(a) * KS * 16 + 2 * t4;
+  // p.xs: the CTA's K range of the activations in shared memory (all its warps' stages lie inside the split's range)
+  const int stages_total = p.k / 16 / KS;
+  const int cst0 = static_cast<int>((static_cast<long long>(stages_total) * split) / p.splits);
+  const int cst1 = static_cast<int>((static_cast<long long>(stages_total) * (split + 1)) / p.splits);
+  const int xrange = (cst1 - cst0) * KS * 16, xstride = xrange + 8, xrows = m < NT * 8 ? m : NT * 8;
+  const bool xs_on = p.xs && xrows * xstride * 2 <= DSmem<C, NT>::XS_BYTES;
+  T* xsm = reinterpret_cast<T*>(smem + DSmem<C, NT>::RED_BYTES);
+  const T* xss = xsm + (a - cst0) * KS * 16 + 2 * t4;
 
   uint4 wq[D][KS];
   uint32_t xq[D][KS][NT][2];
@@ -65,7 +90,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
-    load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
+    if (xs_on) load_x_steps_smem<T, NT, KS>(xss, xstride, s * KS * 16, g8, m, xx);
+    else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
 
   float acc[NT][4][4], accg[NT][4][4];
@@ -91,6 +117,16 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   if (iters > 0) load_sz(grp);
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();  // early trigger: the next kernel may launch now (and wait)
+  if (xs_on) {  // the CTA's activation range, 16 bytes a thread at a time
+    const int cpr = xrange / 8;
+    const T* x0 = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(cst0) * KS * 16;
+    for (int i = threadIdx.x; i < xrows * cpr; i += THREADS) {
+      const int r = i / cpr, c = i - r * cpr;
+      *reinterpret_cast<uint4*>(xsm + r * xstride + c * 8) =
+          __ldg(reinterpret_cast<const uint4*>(x0 + static_cast<size_t>(r) * p.k + c * 8));
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int j = 0; j < D; ++j)
     if (j < iters) issue_x(j, xq[j]);
