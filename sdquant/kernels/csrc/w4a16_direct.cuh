@@ -19,10 +19,13 @@ struct DCfg {
   static constexpr int KIND = 1;
 };
 
+#ifndef SDQ_DIRECT_XS_BYTES
+#define SDQ_DIRECT_XS_BYTES 16384
+#endif
 template <typename C, int NT>
 struct DSmem {
   static constexpr int RED_BYTES = (C::KW - 1) * C::WNN * NT * 16 * 32 * 4;
-  static constexpr int XS_BYTES = 16384;  // p.xs: the CTA's activation rows x K range (+ 8 padding) when they fit
+  static constexpr int XS_BYTES = SDQ_DIRECT_XS_BYTES;  // p.xs: the CTA's activation rows x K range (+ 8) if they fit
   static constexpr int TOTAL = RED_BYTES + XS_BYTES;
 };
 

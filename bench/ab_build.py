@@ -1,0 +1,97 @@
+"""A/B two builds of the CUDA W4A16 extension in one process (H200): the kernel sources of another commit (--old,
+a directory holding sdquant/kernels/csrc from e.g. ``git archive <rev> sdquant/kernels/csrc``), this tree, and
+this tree with extra nvcc defines (--new-defines). Each build is its own module; the same layouts and activations
+go through each, outputs must be bit-identical, and each config is timed interleaved (A, B, C, A, B, C) at
+M = 1-8 on the Llama shapes (bench/gemm.py's method). Used to tell a code change from a machine difference.
+
+    python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemm  # noqa: E402
+
+from sdquant.kernels import int4_cuda, int4_layout  # noqa: E402
+
+
+def build(name: str, csrc: Path, defines) -> object:
+    from torch.utils.cpp_extension import load
+    srcs = [csrc / "w4a16_binding.cpp", csrc / "w4a16_sm90.cu", *sorted(csrc.glob("w4a16_part_*.cu"))]
+    d = Path(os.environ.get("SDQUANT_CACHE_DIR", "/tmp/sdq_ab")) / name
+    d.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    ext = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-std=c++17"],
+               extra_cuda_cflags=[*int4_cuda.NVCC_FLAGS, *defines], extra_include_paths=[str(csrc)],
+               build_directory=str(d), verbose=False)
+    print(f"built {name} from {csrc} {defines} in {time.time() - t:.0f} s", flush=True)
+    return ext
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--new-defines", default="")
+    ap.add_argument("--configs", default="10")
+    ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    here = Path(int4_cuda.__file__).parent / "csrc"
+    exts = {"old": build("sdq_ab_old", Path(args.old) / "sdquant/kernels/csrc", []),
+            "new": build("sdq_ab_new", here, [])}
+    if args.new_defines:
+        exts["new+defs"] = build("sdq_ab_newdefs", here, args.new_defines.split(","))
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for (k, n) in gemm.RUN_ORDER:
+        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
+        lays = [int4_layout.repack_cuda(qw, dt) for _ in range(gemm.n_copies(n * k // 2))]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            for c in [int(v) for v in args.configs.split(",")]:
+                calls, outs = {}, {}
+                for name, ext in exts.items():
+                    extra = () if name == "old" else (0,)
+
+                    def call(i, ext=ext, extra=extra):
+                        L = lays[i]
+                        return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64,
+                                         c // 64, 0, *extra)
+                    calls[name] = call
+                    outs[name] = call(0)
+                same = all(torch.equal(outs["old"], o) for o in outs.values())
+                ts = {name: [] for name in exts}
+                for _ in range(args.rounds):
+                    for name, call in calls.items():
+                        ts[name].append(gemm.time_rotating(call, len(lays)))
+                row = {"K": k, "N": n, "M": m, "config": c, "identical": same,
+                       **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del lays
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "ab_build.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                              "commit": os.environ.get("SDQUANT_COMMIT"),
+                                                              "old": args.old, "new_defines": args.new_defines,
+                                                              "rows": rows}, indent=1))
+    names = list(exts)
+    print("\n| K×N | M | config | " + " | ".join(names) + " | identical |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    for r in rows:
+        print(f"| {r['K']}×{r['N']} | {r['M']} | v{r['config']} | " + " | ".join(f"{r[nm]:.1f}" for nm in names)
+              + f" | {r['identical']} |")
+
+
+if __name__ == "__main__":
+    main()
