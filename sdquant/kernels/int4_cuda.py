@@ -193,9 +193,15 @@ WGMMA_VARIANTS = (62, 63)
 # 53.3 / 61.0 (bf16 48.9 / 50.1) -> bucket 32 = 2 there.
 # 4096x6144 at M = 9-16 -> the default 37 (it kept run 4's v4 until 7e): v37 15.3 / 14.7 us in runs 7a / 7e against
 # bf16 16.2 / 15.4 in the same runs, where v4 took 17.4 against bf16's 15.7 in run 5 (slower than bf16).
+# 2026-12-01 (858258f, bench/ab_build.py: the direct kernel of a73e897 and of this tree built side by side in one
+# process, outputs bit-identical): the direct kernel after the set_x_smem change (activations still through L1) is
+# 7-12% faster on the large shapes at M = 1-4 (8192x28672 50.8 -> 44.9 us, 28672x8192 47.1 -> 41.8, 4096x28672 27.0 ->
+# 24.2); the cause is the compiled code (the same with the 16 KB shared-memory reservation compiled out), not the
+# machine. With it v10 beat the stream-K / cp.async configs of 8192x28672 (M = 1: v17 48.9) and 28672x8192 (M = 1-2: v5
+# 44.8 / 45.8 against v10 42.0 / 42.5) in bench/x_smem.py's run, so those points moved to v10.
 DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
-    (8192, 28672, 1): 17, (28672, 8192, 1): 5, (28672, 8192, 2): 5, (4096, 6144, 1): 11,
+    (8192, 28672, 1): 10, (28672, 8192, 1): 10, (28672, 8192, 2): 10, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0,
     (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5, (4096, 128256, 16): 5,
     (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
@@ -203,7 +209,7 @@ SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the
 # fp32-group-sum twin was much slower there in bf16 (v13 56.7 us vs v5 49.7 at 8192x28672 M=1, run 5)
-FP16_SHAPE_CONFIGS: dict = {(8192, 28672, 1): 5}
+FP16_SHAPE_CONFIGS: dict = {}  # (8192, 28672, 1) -> 5 until that point moved from v17 to v10
 
 
 # Programmatic dependent launch of variants 0-12 (cp.async and direct kernels): 0 off (default), 1 on, 2 on + early
