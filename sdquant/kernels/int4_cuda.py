@@ -26,15 +26,18 @@
                  every warp an equal share of the flattened block x K-step space; 50-57 the bulk-copy kernel of
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
                  shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
-                 flat grid of 46-49, every warp one contiguous byte range of the fragments);
-                 M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
+                 flat grid of 46-49, every warp one contiguous byte range of the fragments; 62-63 the wgmma kernel
+                 of csrc/w4a16_wgmma.cuh, the fragments as the register A operand of warpgroup MMAs, 256 features x
+                 16-64 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
+                 second kernel (63)); 1-61: M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS,
+                 instantiated up to M = 32);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
 
-Best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32 runs in one
-launch, larger M in 32-row launches that each re-read the weights (the dispatcher should prefer the Triton GEMM
-or cuBLAS there). ``set_pdl`` launches variants 0-12 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
+Variants 0-61 are best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32
+runs in one launch, larger M in 32-row launches that each re-read the weights. The wgmma kernel (62-63) takes 256
+rows a launch; ``auto_config`` runs it above M = 32 and at the M = 9-32 points where it was measured faster. ``set_pdl`` launches variants 0-12 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
 does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 

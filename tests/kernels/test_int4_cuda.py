@@ -230,3 +230,57 @@ def test_wgmma_wrappers_are_generated_from_the_tool():
     tool = Path(__file__).resolve().parents[2] / "tools" / "gen_wgmma.py"
     assert subprocess.run([sys.executable, str(tool), "--check"]).returncode == 0, \
         "csrc/w4a16_wgmma_mma.cuh differs from tools/gen_wgmma.py's output: re-run the tool"
+
+
+def _run_bench(script: str, *args, timeout: int = 600):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, str(root / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(root))
+
+
+def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
+    """bench/int4_wgmma.py and bench/x_smem.py --dry (CPU op path, tiny shapes): the checks pass for both wgmma
+    variants, every provider is timed, and the tables print."""
+    import json
+    r = _run_bench("int4_wgmma.py", "--dry", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "int4_wgmma.json").read_text())
+    assert d["passing"] == [62, 63] and d["checks"] and all(c["pass"] for c in d["checks"])
+    assert {c["config"] for c in d["checks"]} == {62, 63} and {c["M"] for c in d["checks"]} >= {1, 17, 40}
+    for row in d["rows"]:
+        assert row["bf16"] > 0 and row["v62"] > 0 and row["v63"] > 0 and row["v62_err"] < 1e-2
+    assert "| K×N | M | bf16 |" in r.stdout
+    r = _run_bench("x_smem.py", "--dry", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "x_smem.json").read_text())["rows"]
+    assert rows and all(row["v10_identical"] and row["v10_xs0"] > 0 for row in rows)
+
+
+def test_int4_wgmma_update_table_writes_only_the_buckets_the_op_routes_to_wgmma(tmp_path):
+    """--update-table: the "cuda" column gets a run's wgmma time exactly where auto_config picks a wgmma variant;
+    other buckets, columns and entries stay as they were."""
+    import json
+    from sdquant.kernels import dispatch
+    table = json.loads(dispatch.SHIPPED_TABLE.read_text())
+    buckets = table["buckets"]
+    run = {"date": "d", "commit": "c", "rows": [
+        {"K": 8192, "N": 28672, "M": m, "v62": 1000.0 + m, "v63": 2000.0 + m} for m in (1, 16, 32, 64, 128)]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    r = _run_bench("int4_wgmma.py", "--update-table", str(tmp_path / "run.json"), str(tmp_path / "table.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = json.loads((tmp_path / "table.json").read_text())
+    for e_old, e_new in zip(table["entries"], new["entries"]):
+        hit = e_old["kind"] == "int4" and (e_old["K"], e_old["N"]) == (8192, 28672)
+        for col, vals in e_old["us"].items():
+            for i, (a, b) in enumerate(zip(vals, e_new["us"][col])):
+                m = buckets[i]
+                c = int4_cuda.auto_config(m, 28672, 8192)
+                if hit and col == "cuda" and m in (16, 32, 64, 128) and c in int4_cuda.WGMMA_VARIANTS:
+                    assert b == (1000.0 if c == 62 else 2000.0) + m
+                else:
+                    assert a == b, (col, m)
+    assert "int4_cuda_wgmma" in new["meta"]

@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 struct SdqW4A16Params {
-  const void* a;       // [m, k] fp16/bf16, row-major, rows 16-byte aligned (k % 8 == 0), m <= 32
+  const void* a;       // [m, k] fp16/bf16, row-major, rows 16-byte aligned (k % 8 == 0), m <= 32 (256: 62-63)
   const void* b;       // [n/64, k/16, 32 lanes, 4] int32 fragments (int4_layout.repack_cuda)
   const void* s;       // [g, n/64, 8, 8] scales, fp16 (applied in fp32 to the group sums)
   const void* zs;      // [g, n/64, 8, 8] integer zero points stored in the activation dtype
@@ -16,7 +16,7 @@ struct SdqW4A16Params {
   int splits;          // split-K factor (>= 1), or the grid size G of a stream-K variant; sdq_w4a16_auto_splits picks it
   int is_bf16;
   int evict_first;     // 1: weights copied with an L2 evict-first policy (variant 0 only)
-  int variant;         // kernel variant id (w4a16_sm90.cu's list; 0 = the run-3 kernel, the only one for m > 16)
+  int variant;         // kernel variant id (w4a16_kernel.cuh's list; 0 = the run-3 kernel; 62-63 w4a16_wgmma.cuh)
   int xs;              // 1: the direct kernel (variants 8-12) copies its CTA's activation range to shared memory once
                        // and reads the MMA fragments there, instead of through L1 every K step (int4_cuda.set_x_smem)
   int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 50-61, else ignored): the

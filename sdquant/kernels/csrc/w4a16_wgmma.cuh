@@ -19,9 +19,13 @@
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
 //   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
 // * Register-A wgmmas cannot overlap the dequantization in the same warpgroup (see the wait in the main loop); the
-//   four wgmmas of a K step run back to back, and 2-3 CTAs per SM overlap each other's dequantization and MMAs.
-// * Split-K over gridDim.z with fp32 partials stored in register order; the last CTA of a (feature tile, token tile)
-//   -- counted on a lock it resets -- sums them in split order: deterministic, one launch.
+//   four wgmmas of a K step (KB steps: 2 measured no faster, so 1 is instantiated) run back to back, and 2-4 CTAs
+//   per SM overlap each other's dequantization and MMAs. A shared-memory-A variant (SS wgmmas overlapping the next
+//   stage's dequantization) was slower: docs/BENCHMARKS.md "INT4 wgmma kernel".
+// * Split-K over gridDim.z, deterministic (fixed split order). Variant 62: fp32 partials stored in register order;
+//   the last CTA of a (feature tile, token tile) -- counted on a lock it resets -- sums them, one launch. Variant 63:
+//   plain [splits, m, n] partials summed by wg_reduce_kernel over the whole GPU (better where tiles are few and
+//   splits many, e.g. N = 4096).
 // * Token tiles over gridDim.x (fastest), so the CTAs that share a weight tile run together and share it in L2.
 #pragma once
 #include "w4a16_kernel.cuh"
