@@ -188,8 +188,9 @@ def summarize_checks(rows) -> dict:
     return per
 
 
-def child_check(configs) -> None:
-    """Entry of the checking child: build, then print one JSON line per finished config."""
+def child_check(configs, cases=None, occ_ms=(1, 16)) -> None:
+    """Entry of the checking child: build, then print the occupancy at occ_ms, a START line before each config and
+    the check rows (``cases``: CHECK_CASES, plus LEAN_CHECK_CASES for the lean variants) as one JSON line."""
     dev = torch.device("cuda")
     from sdquant.kernels import int4_cuda
     t = time.time()
@@ -197,9 +198,9 @@ def child_check(configs) -> None:
     print(f"BUILD {ok} {int4_cuda._STATE.get('reason')} {time.time() - t:.1f}s", flush=True)
     if not ok:
         return
-    print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in (1, 16)] for c in configs}), flush=True)
-    rows = check_configs(dev, configs, CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
-    lean = [c for c in configs if c % 64 >= 28]
+    print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in occ_ms] for c in configs}), flush=True)
+    rows = check_configs(dev, configs, cases or CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
+    lean = [c for c in configs if 28 <= c % 64 < 62] if cases is None else []
     if lean:
         rows += check_configs(dev, lean, LEAN_CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
     print("ROWS " + json.dumps(rows), flush=True)
@@ -517,8 +518,29 @@ def ncu_child(items) -> None:
         torch.cuda.synchronize()
 
 
-def ncu_main(json_path, out, timeout: float = 400) -> None:
+def run_ncu(items, report: Path, kernel_regex: str, sections, keep, timeout: float, width: int = 220) -> None:
+    """Profile ncu_child(items) under ncu (kernels matching kernel_regex, the given sections, clocks not locked);
+    the full report to ``report``, the lines containing any of ``keep`` to the log."""
     import shutil
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
+            f"t.ncu_child({items!r})")
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{kernel_regex}",
+           *[a for sec in sections for a in ("--section", sec)], sys.executable, "-c", code]
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
+        txt, rc = r.stdout + "\n" + r.stderr, r.returncode
+    except Exception as ex:  # noqa: BLE001
+        txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
+    report.write_text(txt)
+    log(f"ncu rc={rc} in {time.time() - t:.0f} s; report in {report.name}")
+    for ln in txt.splitlines():
+        if any(kw in ln for kw in keep):
+            log(ln.rstrip()[:width])
+
+
+def ncu_main(json_path, out, timeout: float = 400) -> None:
     d = json.loads(Path(json_path).read_text())
     ch = d.get("chosen") or {}
     dflt = {int(b): c for b, c in (ch.get("DEFAULT_CONFIGS") or {}).items()}
@@ -535,27 +557,13 @@ def ncu_main(json_path, out, timeout: float = 400) -> None:
             items.append((k, n, m, c))
         if m == 1:
             items += [(k, n, m, "probe0"), (k, n, m, "probe4")]
-    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
-            f"t.ncu_child({items!r})")
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:w4a16|probe", "--section", "SpeedOfLight",
-           "--section", "Occupancy", "--section", "LaunchStats", "--section", "SchedulerStats", "--section",
-           "WarpStateStats", "--section", "MemoryWorkloadAnalysis", sys.executable, "-c", code]
     log("ncu items: " + "; ".join(f"{i}: {it}" for i, it in enumerate(items)))
-    t = time.time()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
-        txt, rc = r.stdout + "\n" + r.stderr, r.returncode
-    except Exception as ex:  # noqa: BLE001
-        txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
-    (out / "int4_ncu.txt").write_text(txt)
-    log(f"ncu rc={rc} in {time.time() - t:.0f} s; report in int4_ncu.txt")
-    keep = ("ITEM", "w4a16", "probe", "DRAM Throughput", "Memory Throughput", "Duration", "Achieved Occupancy",
-            "Registers Per", "Grid Size", "Block Size", "Issue Slots Busy", "No Eligible", "Active Warps Per",
-            "Eligible Warps", "Warp Cycles Per Issued", "Theoretical Occupancy", "L2 Hit", "Mem Busy", "Max Bandwidth")
-    for ln in txt.splitlines():
-        if any(kw in ln for kw in keep):
-            log(ln.rstrip()[:160])
+    run_ncu(items, out / "int4_ncu.txt", "w4a16|probe",
+            ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats", "MemoryWorkloadAnalysis"),
+            ("ITEM", "w4a16", "probe", "DRAM Throughput", "Memory Throughput", "Duration", "Achieved Occupancy",
+             "Registers Per", "Grid Size", "Block Size", "Issue Slots Busy", "No Eligible", "Active Warps Per",
+             "Eligible Warps", "Warp Cycles Per Issued", "Theoretical Occupancy", "L2 Hit", "Mem Busy",
+             "Max Bandwidth"), timeout, width=160)
     (out / "int4_ncu.log").write_text("\n".join(LOG) + "\n")
 
 

@@ -53,16 +53,8 @@ def log(*a):
 
 
 def child_check(configs) -> None:
-    dev = torch.device("cuda")
-    from sdquant.kernels import int4_cuda
-    t = time.time()
-    ok = int4_cuda.available()
-    print(f"BUILD {ok} {int4_cuda._STATE.get('reason')} {time.time() - t:.1f}s", flush=True)
-    if not ok:
-        return
-    print("OCC " + json.dumps({c: [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64)] for c in configs}), flush=True)
-    rows = int4_tune.check_configs(dev, configs, CHECK_CASES, progress=lambda c: print(f"START {c}", flush=True))
-    print("ROWS " + json.dumps(rows), flush=True)
+    """Entry of the checking child (run_checks): int4_tune's, with this kernel's cases."""
+    int4_tune.child_check(configs, CHECK_CASES, occ_ms=(16, 32, 64))
 
 
 def run_checks(configs, timeout: float) -> tuple:
@@ -157,26 +149,11 @@ NCU_ITEMS = [(8192, 28672, 64, 62), (8192, 28672, 64, 63), (8192, 28672, 128, 63
 
 def ncu(out: Path, items, timeout: float = 300) -> None:
     """Profile the items (K, N, M, config) with ncu (int4_tune.ncu_child launches each twice); key lines to the log."""
-    import shutil
-    ncu_bin = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
-            f"t.ncu_child({items!r})")
-    cmd = [ncu_bin, "--clock-control", "none", "--kernel-name", "regex:wgmma", "--section", "SpeedOfLight",
-           "--section", "Occupancy", "--section", "SchedulerStats", "--section", "WarpStateStats",
-           "--section", "LaunchStats", sys.executable, "-c", code]
-    t = time.time()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
-        txt, rc = r.stdout + "\n" + r.stderr, r.returncode
-    except Exception as ex:  # noqa: BLE001
-        txt, rc = f"ncu failed: {type(ex).__name__}: {ex}", -1
-    (out / "int4_wgmma_ncu.txt").write_text(txt)
-    log(f"ncu rc={rc} in {time.time() - t:.0f} s; report in int4_wgmma_ncu.txt")
-    keep = ("ITEM", "Duration", "DRAM Throughput", "Compute (SM)", "Achieved Occupancy", "Registers Per", "Grid Size",
-            "Issue Slots Busy", "No Eligible", "Eligible Warps", "Warp Cycles Per Issued", "stalled", "L2 Cache Thr")
-    for ln in txt.splitlines():
-        if any(kw in ln for kw in keep):
-            log(ln.rstrip()[:220])
+    int4_tune.run_ncu(items, out / "int4_wgmma_ncu.txt", "wgmma",
+                      ("SpeedOfLight", "Occupancy", "SchedulerStats", "WarpStateStats", "LaunchStats"),
+                      ("ITEM", "Duration", "DRAM Throughput", "Compute (SM)", "Achieved Occupancy", "Registers Per",
+                       "Grid Size", "Issue Slots Busy", "No Eligible", "Eligible Warps", "Warp Cycles Per Issued",
+                       "stalled", "L2 Cache Thr"), timeout)
 
 
 def table(rows, configs) -> str:

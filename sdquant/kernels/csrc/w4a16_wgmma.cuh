@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   const auto wg_pos = [&](int q, int u, int c, int h, int e) -> size_t {
     return (static_cast<size_t>(q) * p.m + m0 + 8 * c + 2 * t4 + e) * p.n + fbase + 16 * u + 8 * h;
   };
-  const auto tok_ok = [&](int c, int e) { return m0 + 8 * c + 2 * t4 + e < p.m; };
-  const auto store_y = [&]() {
+  // f(u, c, h, e, accumulator) for every accumulator element of a token below m
+  const auto each_valid = [&](auto&& f) {
 #pragma unroll
     for (int u = 0; u < 4; ++u)
 #pragma unroll
@@ -259,22 +259,17 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (tok_ok(c, e)) y[wg_pos(0, u, c, h, e)] = O::one(acc[u][4 * c + 2 * h + e]);
+            if (m0 + 8 * c + 2 * t4 + e < p.m) f(u, c, h, e, acc[u][4 * c + 2 * h + e]);
+  };
+  const auto store_y = [&]() {
+    each_valid([&](int u, int c, int h, int e, float v) { y[wg_pos(0, u, c, h, e)] = O::one(v); });
   };
   if (p.splits == 1) {
     store_y();
     return;
   }
   if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int c = 0; c < NTOK / 8; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (tok_ok(c, e)) __stcg(p.partial + wg_pos(split, u, c, h, e), acc[u][4 * c + 2 * h + e]);
+    each_valid([&](int u, int c, int h, int e, float v) { __stcg(p.partial + wg_pos(split, u, c, h, e), v); });
     return;
   }
   // Split-K: every CTA writes its accumulators to its partial slot as they sit in registers (float4 j of thread
