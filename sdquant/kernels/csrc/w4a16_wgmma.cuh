@@ -379,12 +379,9 @@ struct WgKern {
     cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, p);
     if (SEPARATE && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
-      static int sms = 0;
-      if (sms == 0) {
-        int dev = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-      }
+      int dev = 0, sms = 132;  // the current device's (a process may drive several)
+      cudaGetDevice(&dev);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
       const long long n4 = static_cast<long long>(p.m) * p.n / 4;
       const int blocks = static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms));
       cfg.gridDim = dim3(blocks);
