@@ -29,22 +29,6 @@ struct DSmem {
   static constexpr int TOTAL = RED_BYTES + XS_BYTES;
 };
 
-// load_x_steps from the CTA's shared-memory copy (rows of `stride` elements; xs already offset by the warp's range
-// and 2 t): the padding of 8 elements a row puts the 8 rows of a fragment on different banks
-template <typename T, int NT, int KS>
-__device__ __forceinline__ void load_x_steps_smem(const T* xs, int stride, int off, int g8, int m,
-                                                  uint32_t (&xx)[KS][NT][2]) {
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int r = nt * 8 + g8;
-      const T* xr = xs + r * stride + off + kk * 16;
-      xx[kk][nt][0] = r < m ? *reinterpret_cast<const uint32_t*>(xr) : 0u;
-      xx[kk][nt][1] = r < m ? *reinterpret_cast<const uint32_t*>(xr + 8) : 0u;
-    }
-}
-
 __device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -93,7 +77,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
-    if (xs_on) load_x_steps_smem<T, NT, KS>(xss, xstride, s * KS * 16, g8, m, xx);
+    if (xs_on) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);  // the padded rows: no bank conflicts
     else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
 

@@ -271,20 +271,27 @@ __device__ __forceinline__ void load_group_sz(const SdqW4A16Params& p, int g, in
   z = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
 }
 
-// The B fragments (activations) of KS consecutive K steps at element offset off of xsrc = p.a + 2 t (+ a base):
-// rows past M read as zero.
-template <typename T, int NT, int KS>
-__device__ __forceinline__ void load_x_steps(const SdqW4A16Params& p, const T* xsrc, int off, int g8, int m,
-                                             uint32_t (&xx)[KS][NT][2]) {
+// The B fragments (activations) of KS consecutive K steps at element offset off of xsrc = (row 0) + 2 t (+ a base),
+// rows `stride` elements apart: rows past M read as zero. SMEM: xsrc is a shared-memory copy (plain loads), else
+// global memory (read through L1). load_x_steps: the activations of p, rows p.k apart.
+template <typename T, int NT, int KS, bool SMEM, typename Stride>
+__device__ __forceinline__ void load_x_rows(const T* xsrc, Stride stride, int off, int g8, int m,
+                                            uint32_t (&xx)[KS][NT][2]) {
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int r = nt * 8 + g8;
-      const T* xr = xsrc + static_cast<size_t>(r) * p.k + off + kk * 16;
-      xx[kk][nt][0] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr)) : 0u;
-      xx[kk][nt][1] = r < m ? __ldg(reinterpret_cast<const unsigned int*>(xr + 8)) : 0u;
+      const T* xr = xsrc + static_cast<Stride>(r) * stride + off + kk * 16;
+      const unsigned int* w = reinterpret_cast<const unsigned int*>(xr);
+      xx[kk][nt][0] = r < m ? (SMEM ? w[0] : __ldg(w)) : 0u;
+      xx[kk][nt][1] = r < m ? (SMEM ? w[4] : __ldg(w + 4)) : 0u;
     }
+}
+template <typename T, int NT, int KS>
+__device__ __forceinline__ void load_x_steps(const SdqW4A16Params& p, const T* xsrc, int off, int g8, int m,
+                                             uint32_t (&xx)[KS][NT][2]) {
+  load_x_rows<T, NT, KS, false>(xsrc, static_cast<size_t>(p.k), off, g8, m, xx);
 }
 
 // Epilogue shared by the kernels: acc[nt][w][2h + e] = y[token nt*8 + 2t + e][feature nb*64 + 16w + 8h + g].
