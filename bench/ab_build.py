@@ -9,6 +9,7 @@ M = 1-8 on the Llama shapes (bench/gemm.py's method). Used to tell a code change
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -61,14 +62,16 @@ def main(argv=None):
             for c in [int(v) for v in args.configs.split(",")]:
                 calls, outs = {}, {}
                 for name, ext in exts.items():
-                    extra = () if name == "old" else (0,)
-
-                    def call(i, ext=ext, extra=extra):
+                    def call(i, ext=ext, extra=(0,)):
                         L = lays[i]
                         return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64,
                                          c // 64, 0, *extra)
+                    try:
+                        outs[name] = call(0)
+                    except TypeError:  # a build from before the binding's x-in-shared-memory argument
+                        call = functools.partial(call, extra=())
+                        outs[name] = call(0)
                     calls[name] = call
-                    outs[name] = call(0)
                 same = all(torch.equal(outs["old"], o) for o in outs.values())
                 ts = {name: [] for name in exts}
                 for _ in range(args.rounds):

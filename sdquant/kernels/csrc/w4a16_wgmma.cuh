@@ -18,10 +18,13 @@
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
 //   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
-// * Register-A wgmmas cannot overlap the dequantization in the same warpgroup (see the wait in the main loop); the
-//   four wgmmas of a K step (KB steps: 2 measured no faster, so 1 is instantiated) run back to back, and 2-4 CTAs
-//   per SM overlap each other's dequantization and MMAs. A shared-memory-A variant (SS wgmmas overlapping the next
-//   stage's dequantization) was slower: docs/BENCHMARKS.md "INT4 wgmma kernel".
+// * The dequantization of K step t overlaps the wgmmas of step t - 1: two register sets of A fragments, and a
+//   wgmma.wait_group 1 before a set is rewritten. ptxas keeps that pipeline only if no branch sits between a wgmma
+//   and the wait that retires it (else it serializes every wgmma, warning C7513, which the CI compile test rejects):
+//   so the group's scales are loaded once a stage where a stage lies inside one group (ONE_GROUP: group a multiple
+//   of 64), and reloaded branch-free every K step otherwise (groups 32, 96, ...). The first version waited for every
+//   wgmma before the next dequantization (a data-dependent group branch sat in the loop): docs/BENCHMARKS.md.
+//   A shared-memory-A variant (SS wgmmas) was slower: docs/BENCHMARKS.md "INT4 wgmma kernel".
 // * Split-K over gridDim.z, deterministic (fixed split order). Variant 62: fp32 partials stored in register order;
 //   the last CTA of a (feature tile, token tile) -- counted on a lock it resets -- sums them, one launch. Variant 63:
 //   plain [splits, m, n] partials summed by wg_reduce_kernel over the whole GPU (better where tiles are few and
@@ -129,14 +132,13 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES, int KB, bool SEPARATE>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
 __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
   constexpr int PF = STAGES - 2;  // stages requested ahead of the one computed
   constexpr int ND = NTOK / 2;    // accumulator registers per wgmma
   static_assert(STAGES >= 3, "the pipeline needs a slack stage");
-  static_assert(WG_KS % KB == 0, "KB K steps a wgmma batch");
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sraw = smem_addr(wg_smem_raw);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -168,10 +170,29 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
     cp_async_commit();
   }
 
-  uint32_t af[KB][4][4];
+  // The scales of group slot gsel (0: the stage's first group, 1: its last) as activation-dtype pairs and the
+  // zero pairs of the magic-number conversion
+  uint32_t sp[4][2], zl[4][2], zh[4][2];
+  const auto load_group = [&](uint32_t st, int gsel) {
+    const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
+    const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
+    const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      sp[u][0] = wg_scale_pair<T>(sw[u], 0);
+      sp[u][1] = wg_scale_pair<T>(sw[u], 1);
+      O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
+      O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
+    }
+  };
+  // A fragments of two K steps: step t is dequantized into af[t & 1] while the wgmmas of step t - 1 run; the
+  // wait<1> before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the
+  // wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the group known per stage) and
+  // otherwise a branch-free group reload every K step.
+  uint32_t af[2][4][4];
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<PF - 1>();
-    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read by anyone
+    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
     {
       const int sn = s + PF;
       if (sn < nst) {
@@ -184,54 +205,28 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
     const uint32_t st = sbase + (s % STAGES) * L::STAGE;
     const uint64_t desc = wg_desc(st);
     const int ks0 = (st0 + s) * WG_KS;
-    const int ga = ks0 / p.group_k16;
-    uint32_t sp[4][2], zl[4][2], zh[4][2];
-    int cur = -1;
+    if constexpr (ONE_GROUP) load_group(st, 0);
 #pragma unroll
-    for (int k0 = 0; k0 < WG_KS; k0 += KB) {
-      uint4 wq[KB];
+    for (int k0 = 0; k0 < WG_KS; ++k0) {
+      if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
+      const uint4 wq = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16);
+      const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
+      wg_wait<1>();
+      uint32_t(&f)[4][4] = af[k0 & 1];
 #pragma unroll
-      for (int j = 0; j < KB; ++j) wq[j] = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + k0 + j) * 512 + lane * 16);
-      // Every earlier wgmma must be complete before af is rewritten: ptxas serializes the wgmmas (a wait after
-      // each one, C7513) when a non-wgmma instruction defines their A registers while any wgmma is in flight, so the
-      // dequantization of KB steps cannot overlap the previous steps' wgmmas in this warpgroup; the other CTAs on
-      // the SM (2-4) fill the tensor cores meanwhile.
-      wg_wait<0>();
-#pragma unroll
-      for (int j = 0; j < KB; ++j) {
-        const int gsel = (ks0 + k0 + j) / p.group_k16 != ga;
-        if (gsel != cur) {  // the group's scales and zero pairs (every stage starts one)
-          cur = gsel;
-          const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
-          const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
-          const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            sp[u][0] = wg_scale_pair<T>(sw[u], 0);
-            sp[u][1] = wg_scale_pair<T>(sw[u], 1);
-            O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
-            O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
-          }
-        }
-        const uint32_t q[4] = {wq[j].x, wq[j].y, wq[j].z, wq[j].w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          uint32_t c[4];
-          O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-          af[j][u][0] = O::mul2(c[0], sp[u][0]);
-          af[j][u][1] = O::mul2(c[2], sp[u][1]);
-          af[j][u][2] = O::mul2(c[1], sp[u][0]);
-          af[j][u][3] = O::mul2(c[3], sp[u][1]);
-        }
+      for (int u = 0; u < 4; ++u) {
+        uint32_t c[4];
+        O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
+        f[u][0] = O::mul2(c[0], sp[u][0]);
+        f[u][1] = O::mul2(c[2], sp[u][1]);
+        f[u][2] = O::mul2(c[1], sp[u][0]);
+        f[u][3] = O::mul2(c[3], sp[u][1]);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
       wg_fence();
 #pragma unroll
-      for (int j = 0; j < KB; ++j)
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          WgMma<T, NTOK>::mma(acc[u], af[j][u], desc + 2 * (k0 + j));  // +32 B along K a step
+      for (int u = 0; u < 4; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
       wg_commit();
 #pragma unroll
       for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
@@ -349,18 +344,18 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-template <typename T, int NTOK, int STAGES, int KB, bool SEPARATE>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
 struct WgKern {
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
     static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
   static int per_sm() {
     if (setup()) return 0;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, 128, SMEM);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, 128, SMEM);
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -376,7 +371,7 @@ struct WgKern {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, KB, SEPARATE>, p);
+    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, p);
     if (SEPARATE && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
       int dev = 0, sms = 132;  // the current device's (a process may drive several)
@@ -395,11 +390,17 @@ struct WgKern {
 
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
 // w4a16_kernel.cuh); the token tile from p.m. v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
+template <typename T, int NTOK, int STAGES, bool SEP>
+int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if (p.group_k16 % WG_KS == 0)  // every 64-K stage inside one group
+    return op == 1 ? WgKern<T, NTOK, STAGES, true, SEP>::per_sm() : WgKern<T, NTOK, STAGES, true, SEP>::launch(p, stream);
+  return op == 1 ? WgKern<T, NTOK, STAGES, false, SEP>::per_sm() : WgKern<T, NTOK, STAGES, false, SEP>::launch(p, stream);
+}
 template <typename T, int STAGES, bool SEP>
 int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (p.m <= 16) return op == 1 ? WgKern<T, 16, STAGES, 1, SEP>::per_sm() : WgKern<T, 16, STAGES, 1, SEP>::launch(p, stream);
-  if (p.m <= 32) return op == 1 ? WgKern<T, 32, STAGES, 1, SEP>::per_sm() : WgKern<T, 32, STAGES, 1, SEP>::launch(p, stream);
-  return op == 1 ? WgKern<T, 64, STAGES, 1, SEP>::per_sm() : WgKern<T, 64, STAGES, 1, SEP>::launch(p, stream);
+  if (p.m <= 16) return wgmma_run_n<T, 16, STAGES, SEP>(op, p, stream);
+  if (p.m <= 32) return wgmma_run_n<T, 32, STAGES, SEP>(op, p, stream);
+  return wgmma_run_n<T, 64, STAGES, SEP>(op, p, stream);
 }
 
 template <typename T, int STAGES>
