@@ -1,7 +1,7 @@
 """A/B two builds of the CUDA W4A16 extension in one process (H200): the kernel sources of another commit (--old,
 a directory holding sdquant/kernels/csrc from e.g. ``git archive <rev> sdquant/kernels/csrc``), this tree, and
 this tree with extra nvcc defines (--new-defines). Each build is its own module; the same layouts and activations
-go through each, outputs must be bit-identical, and each config is timed interleaved (A, B, C, A, B, C) at
+go through each, outputs compared (bit-identical, else the relative difference to the old build), and each config is timed interleaved (A, B, C, A, B, C) at
 M = 1-8 on the Llama shapes (bench/gemm.py's method). Used to tell a code change from a machine difference.
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
@@ -73,11 +73,13 @@ def main(argv=None):
                         outs[name] = call(0)
                     calls[name] = call
                 same = all(torch.equal(outs["old"], o) for o in outs.values())
+                ref = outs["old"].float()
+                rel = max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())
                 ts = {name: [] for name in exts}
                 for _ in range(args.rounds):
                     for name, call in calls.items():
                         ts[name].append(gemm.time_rotating(call, len(lays)))
-                row = {"K": k, "N": n, "M": m, "config": c, "identical": same,
+                row = {"K": k, "N": n, "M": m, "config": c, "identical": same, "max_rel_vs_old": rel,
                        **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -93,7 +95,7 @@ def main(argv=None):
     print("|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:
         print(f"| {r['K']}×{r['N']} | {r['M']} | v{r['config']} | " + " | ".join(f"{r[nm]:.1f}" for nm in names)
-              + f" | {r['identical']} |")
+              + f" | {r['identical']} ({r['max_rel_vs_old']:.1e}) |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "sdquant" / "kernels" / "csrc" / "w4a16_wgmma_mma.cuh"
-NS = (16, 32, 64)
+NS = (16, 32, 64, 128)
 TYPES = (("bf16", "__nv_bfloat16"), ("f16", "half"))
 
 

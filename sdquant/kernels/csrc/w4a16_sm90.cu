@@ -112,7 +112,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
   if (kind == 4) {
     // wgmma kernel: tiles of 256 features x NTOK tokens; the splits that fill the resident slots once (or
     // target2 / 2 CTAs per SM), at least 4 stages of 64 K a split
-    const int ntok = m <= 16 ? 16 : (m <= 32 ? 32 : 64);
+    const int ntok = sdq_wg_ntok(m);
     const int tiles = (n / 256) * ((m + ntok - 1) / ntok);
     const int slots = sms * (per_sm < 1 ? 1 : per_sm);
     const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;

@@ -57,11 +57,16 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, 
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t a) {
-  uint4 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a)
-               : "memory");
-  return r;
+// N = 4 or 2 consecutive 32-bit words from shared memory (one 16- or 8-byte load)
+template <int N>
+__device__ __forceinline__ void ld_shared_words(uint32_t a, uint32_t (&w)[N]) {
+  if constexpr (N == 4) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a)
+                 : "memory");
+  } else {
+    static_assert(N == 2, "4 or 2 words");
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(a) : "memory");
+  }
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -99,9 +104,9 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// One stage's copies: weights (4 blocks x 4 K steps), scales/zeros of the stage's first and last group
-// (WITH_X = false) or the activation tile (WITH_X = true).
-template <int NTOK, bool WITH_X>
+// One stage's copies by the CTA's NT threads: weights (4 blocks x 4 K steps), scales/zeros of the stage's first and
+// last group (WITH_X = false) or the activation tile (WITH_X = true).
+template <int NTOK, int NT, bool WITH_X>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
                                               int tid) {
   using L = WgSmem<NTOK, 2>;
@@ -109,9 +114,11 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   if constexpr (!WITH_X) {
     const char* b = static_cast<const char*>(p.b);
 #pragma unroll
-    for (int w = 0; w < WG_BLOCKS; ++w)
-      cp_async16_s(st + L::X_BYTES + w * 2048 + tid * 16,
-                   b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + tid * 16);
+    for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // 16-byte chunk c: block c / 128, offset c % 128
+      const int c = tid + NT * i, w = c >> 7, off = (c & 127) * 16;
+      cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+    }
+    if (NT > 128 && tid >= 128) return;
     const int gk = p.group_k16;
     const int ga = ks0 / gk, gb = (ks0 + WG_KS - 1) / gk;
     const int gsel = tid >> 6, which = (tid >> 5) & 1, w = (tid >> 3) & 3, g8 = tid & 7;
@@ -122,8 +129,8 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   } else {
     const char* a = static_cast<const char*>(p.a);
 #pragma unroll
-    for (int i = 0; i < NTOK * 8 / 128; ++i) {
-      const int ci = tid + 128 * i, r = ci >> 3, c = ci & 7;
+    for (int ci = tid; ci < NTOK * 8; ci += NT) {
+      const int r = ci >> 3, c = ci & 7;
       const int row = m0 + r;
       const bool valid = row < p.m;
       const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
@@ -132,18 +139,23 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
-__global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p) {
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
+__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
+  constexpr int NT = 128 * WGS;   // threads
+  constexpr int NU = 4 / WGS;     // wgmma row tiles (words of a lane's 16 fragment bytes) per warpgroup
   constexpr int PF = STAGES - 2;  // stages requested ahead of the one computed
   constexpr int ND = NTOK / 2;    // accumulator registers per wgmma
+  static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
   static_assert(STAGES >= 3, "the pipeline needs a slack stage");
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sraw = smem_addr(wg_smem_raw);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  // warpgroup wg owns row tiles u = NU * wg + j (j < NU): word u of each lane's fragment, features 16u..16u+15 of
+  // every block; warp v of a warpgroup brings block nb0 + v (rows 16v..16v+15 of each of its m64 tiles)
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
   const int m0 = blockIdx.x * NTOK;
   const int nb0 = blockIdx.y * WG_BLOCKS;
   const int split = blockIdx.z;
@@ -152,9 +164,9 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   const int st1 = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits);
   const int nst = st1 - st0;
 
-  float acc[4][ND];
+  float acc[NU][ND];
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
+  for (int u = 0; u < NU; ++u)
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
 
@@ -162,23 +174,24 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   // their activations; group s holds stage s (group 0 also the later stages' weights: waits stay conservative)
 #pragma unroll
   for (int s = 0; s < PF; ++s)
-    if (s < nst) wg_load_stage<NTOK, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+    if (s < nst) wg_load_stage<NTOK, NT, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
   if (p.pdl) griddep_wait();
 #pragma unroll
   for (int s = 0; s < PF; ++s) {
-    if (s < nst) wg_load_stage<NTOK, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+    if (s < nst) wg_load_stage<NTOK, NT, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
     cp_async_commit();
   }
 
   // The scales of group slot gsel (0: the stage's first group, 1: its last) as activation-dtype pairs and the
   // zero pairs of the magic-number conversion
-  uint32_t sp[4][2], zl[4][2], zh[4][2];
+  uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   const auto load_group = [&](uint32_t st, int gsel) {
     const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
-    const uint4 s4 = ld_shared_v4(sz), z4 = ld_shared_v4(sz + 512);
-    const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w}, zw[4] = {z4.x, z4.y, z4.z, z4.w};
+    uint32_t sw[NU], zw[NU];
+    ld_shared_words<NU>(sz + 4 * NU * wg, sw);
+    ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < NU; ++u) {
       sp[u][0] = wg_scale_pair<T>(sw[u], 0);
       sp[u][1] = wg_scale_pair<T>(sw[u], 1);
       O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
@@ -189,7 +202,7 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   // wait<1> before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the
   // wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the group known per stage) and
   // otherwise a branch-free group reload every K step.
-  uint32_t af[2][4][4];
+  uint32_t af[2][NU][4];
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<PF - 1>();
     __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
@@ -197,8 +210,8 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
       const int sn = s + PF;
       if (sn < nst) {
         const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
-        wg_load_stage<NTOK, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
-        wg_load_stage<NTOK, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+        wg_load_stage<NTOK, NT, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+        wg_load_stage<NTOK, NT, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
       }
       cp_async_commit();
     }
@@ -209,12 +222,12 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
 #pragma unroll
     for (int k0 = 0; k0 < WG_KS; ++k0) {
       if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-      const uint4 wq = ld_shared_v4(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16);
-      const uint32_t q[4] = {wq.x, wq.y, wq.z, wq.w};
+      uint32_t q[NU];
+      ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, q);
       wg_wait<1>();
-      uint32_t(&f)[4][4] = af[k0 & 1];
+      uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < NU; ++u) {
         uint32_t c[4];
         O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
         f[u][0] = O::mul2(c[0], sp[u][0]);
@@ -223,22 +236,23 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
         f[u][3] = O::mul2(c[3], sp[u][1]);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
       wg_fence();
 #pragma unroll
-      for (int u = 0; u < 4; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
+      for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
       wg_commit();
 #pragma unroll
-      for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
     }
   }
   wg_wait<0>();
 #pragma unroll
-  for (int u = 0; u < 4; ++u) wg_fence_acc(acc[u]);
+  for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
   if (p.pdl) griddep_launch_dependents();
 
-  // acc[u][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8]; wg_pos(q, ...) is
-  // that element's offset in split q's partial ([splits, m, n] fp32), wg_pos(0, ...) its offset in y
+  // acc[j][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8], u = NU wg + j;
+  // wg_pos(q, ...) is that element's offset in split q's partial ([splits, m, n] fp32), wg_pos(0, ...) its offset
+  // in y
   const int fbase = 64 * (nb0 + warp) + g8;
   T* y = static_cast<T*>(p.c);
   const auto wg_pos = [&](int q, int u, int c, int h, int e) -> size_t {
@@ -247,14 +261,14 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   // f(u, c, h, e, accumulator) for every accumulator element of a token below m
   const auto each_valid = [&](auto&& f) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int j = 0; j < NU; ++j)
 #pragma unroll
       for (int c = 0; c < NTOK / 8; ++c)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (m0 + 8 * c + 2 * t4 + e < p.m) f(u, c, h, e, acc[u][4 * c + 2 * h + e]);
+            if (m0 + 8 * c + 2 * t4 + e < p.m) f(NU * wg + j, c, h, e, acc[j][4 * c + 2 * h + e]);
   };
   const auto store_y = [&]() {
     each_valid([&](int u, int c, int h, int e, float v) { y[wg_pos(0, u, c, h, e)] = O::one(v); });
@@ -272,17 +286,17 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   // it resets) re-sums every split's slot in split order into its registers and writes y. The order is fixed
   // whichever CTA is last. Scratch: [splits, N / 256, token tiles, NTOK * 256] fp32.
   constexpr int NC = NTOK / 8;
-  const size_t slot = static_cast<size_t>(ND) * 128;  // float4s a CTA
+  const size_t slot = static_cast<size_t>(ND) * 128;  // float4s a CTA (NU * NC float4s a thread)
   const size_t tile_id = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const size_t tiles = static_cast<size_t>(gridDim.y) * gridDim.x;
   float4* part = reinterpret_cast<float4*>(p.partial);
   {
     float4* mine = part + (split * tiles + tile_id) * slot + tid;
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < NU; ++u)
 #pragma unroll
       for (int c = 0; c < NC; ++c)
-        __stcg(mine + (u * NC + c) * 128,
+        __stcg(mine + (u * NC + c) * NT,
                make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
   }
   __threadfence();
@@ -294,17 +308,17 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const SdqW4A16Params p
   if (!s_last) return;
   __threadfence();
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
+  for (int u = 0; u < NU; ++u)
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   for (int q = 0; q < p.splits; ++q) {
     const float4* src = part + (q * tiles + tile_id) * slot + tid;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < NU; ++u) {
       asm volatile("" ::: "memory");  // loads in batches of one u (NTOK / 2 registers), not all at once
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        const float4 v = __ldcg(src + (u * NC + c) * 128);
+        const float4 v = __ldcg(src + (u * NC + c) * NT);
         acc[u][4 * c] += v.x;
         acc[u][4 * c + 1] += v.y;
         acc[u][4 * c + 2] += v.z;
@@ -346,16 +360,18 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 
 template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
 struct WgKern {
+  static constexpr int WGS = NTOK >= SDQ_WG_SPLIT_NTOK || NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
     static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
   static int per_sm() {
     if (setup()) return 0;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, 128, SMEM);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, 128 * WGS,
+                                                  SMEM);
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -363,7 +379,7 @@ struct WgKern {
     const dim3 grid((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(128);
+    cfg.blockDim = dim3(128 * WGS);
     cfg.dynamicSmemBytes = SMEM;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
@@ -371,7 +387,7 @@ struct WgKern {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE>, p);
+    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, p);
     if (SEPARATE && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
       int dev = 0, sms = 132;  // the current device's (a process may drive several)
@@ -398,9 +414,14 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 template <typename T, int STAGES, bool SEP>
 int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (p.m <= 16) return wgmma_run_n<T, 16, STAGES, SEP>(op, p, stream);
-  if (p.m <= 32) return wgmma_run_n<T, 32, STAGES, SEP>(op, p, stream);
-  return wgmma_run_n<T, 64, STAGES, SEP>(op, p, stream);
+  switch (sdq_wg_ntok(p.m)) {
+    case 16: return wgmma_run_n<T, 16, STAGES, SEP>(op, p, stream);
+    case 32: return wgmma_run_n<T, 32, STAGES, SEP>(op, p, stream);
+#if SDQ_WG_NTOK128
+    case 128: return wgmma_run_n<T, 128, STAGES, SEP>(op, p, stream);
+#endif
+    default: return wgmma_run_n<T, 64, STAGES, SEP>(op, p, stream);
+  }
 }
 
 template <typename T, int STAGES>
@@ -408,12 +429,15 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 3) {
     if (p.splits <= 1) return 0;
     if (v == 63) return p.splits * p.m * p.n;  // [splits, m, n]
-    const int ntok = p.m <= 16 ? 16 : (p.m <= 32 ? 32 : 64);  // [splits, N / 256, token tiles, NTOK * 256]
+    const int ntok = sdq_wg_ntok(p.m);  // [splits, N / 256, token tiles, NTOK * 256]
     return p.splits * ((p.m + ntok - 1) / ntok) * ntok * p.n;
   }
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) return 4;  // warps
+  if (op == 5) {  // warps
+    const int ntok = sdq_wg_ntok(p.m);
+    return ntok >= SDQ_WG_SPLIT_NTOK || ntok > 64 ? 8 : 4;
+  }
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
   return v == 63 ? wgmma_run_t<T, STAGES, true>(op, p, stream) : wgmma_run_t<T, STAGES, false>(op, p, stream);
 }
