@@ -26,16 +26,9 @@ struct SdqW4A16Params {
                        // lets the next kernel launch after its main loop (1) or right after its wait (2)
 };
 
-// The wgmma kernel (variants 62-63): its token tile for m rows (16 / 32 / 64; 128 above 64 rows where built with
-// SDQ_WG_NTOK128) and its warpgroups per CTA at that tile (2 from SDQ_WG_SPLIT_NTOK tokens on: each warpgroup then
-// owns 128 of the CTA's 256 features, half the accumulators per thread, twice the warps per SM)
-#ifndef SDQ_WG_NTOK128
-#define SDQ_WG_NTOK128 0
-#endif
-#ifndef SDQ_WG_SPLIT_NTOK
-#define SDQ_WG_SPLIT_NTOK 64
-#endif
-static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 || !SDQ_WG_NTOK128 ? 64 : 128)); }
+// The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each
+// 128 of the 256 features); the others one.
+static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,8 +8,9 @@
 //   16 features 16w..16w+15 of the block -- if the warpgroup's warps each bring a *different* block. So warp v of
 //   the CTA streams block 4 * tile + v (512 contiguous bytes a K step), and the CTA issues four wgmmas a K step:
 //   wgmma u takes word u from every warp, i.e. rows 16u..16u+15 of each warp's block. Four accumulator sets of
-//   m64 x NTOK cover the CTA's 256 features.
-// * Swap-AB: weights are wgmma's 64-row A operand (from registers, dequantized), the tokens its N (16 / 32 / 64),
+//   m64 x NTOK cover the CTA's 256 features. At NTOK = 128 the CTA has two warpgroups (WGS = 2): warpgroup w takes
+//   words 2w, 2w + 1 (an 8-byte shared-memory read) and keeps two accumulator sets, 128 registers a thread.
+// * Swap-AB: weights are wgmma's 64-row A operand (from registers, dequantized), the tokens its N (16-128),
 //   the activation tile B comes from shared memory through a descriptor (K-major, 128-byte swizzle, written by
 //   cp.async with the swizzle applied to the address).
 // * Dequantization per weight, in the activation dtype: the exact (code - zero) from the magic-number conversion
@@ -360,7 +361,9 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 
 template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
 struct WgKern {
-  static constexpr int WGS = NTOK >= SDQ_WG_SPLIT_NTOK || NTOK > 64 ? 2 : 1;
+  // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
+  // measured 5-18% slower than one of 256 (docs/BENCHMARKS.md "INT4 wgmma kernel", run 9)
+  static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
     static const int rc = static_cast<int>(cudaFuncSetAttribute(
@@ -417,9 +420,7 @@ int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   switch (sdq_wg_ntok(p.m)) {
     case 16: return wgmma_run_n<T, 16, STAGES, SEP>(op, p, stream);
     case 32: return wgmma_run_n<T, 32, STAGES, SEP>(op, p, stream);
-#if SDQ_WG_NTOK128
     case 128: return wgmma_run_n<T, 128, STAGES, SEP>(op, p, stream);
-#endif
     default: return wgmma_run_n<T, 64, STAGES, SEP>(op, p, stream);
   }
 }
@@ -434,10 +435,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   }
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) {  // warps
-    const int ntok = sdq_wg_ntok(p.m);
-    return ntok >= SDQ_WG_SPLIT_NTOK || ntok > 64 ? 8 : 4;
-  }
+  if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
   return v == 63 ? wgmma_run_t<T, STAGES, true>(op, p, stream) : wgmma_run_t<T, STAGES, false>(op, p, stream);
 }
