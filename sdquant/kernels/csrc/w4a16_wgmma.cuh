@@ -114,9 +114,10 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   const int kb = p.k / 16;
   if constexpr (!WITH_X) {
     const char* b = static_cast<const char*>(p.b);
+    const int off = (tid & 127) * 16;
 #pragma unroll
-    for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // 16-byte chunk c: block c / 128, offset c % 128
-      const int c = tid + NT * i, w = c >> 7, off = (c & 127) * 16;
+    for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
+      const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
       cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
     }
     if (NT > 128 && tid >= 128) return;
@@ -129,9 +130,11 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
     cp_async16_s(st + L::X_BYTES + L::W_BYTES + tid * 16, src);
   } else {
     const char* a = static_cast<const char*>(p.a);
+    static_assert(NTOK * 8 % NT == 0 || NT > NTOK * 8, "whole rounds of 16-byte chunks");
 #pragma unroll
-    for (int ci = tid; ci < NTOK * 8; ci += NT) {
-      const int r = ci >> 3, c = ci & 7;
+    for (int i = 0; i < (NTOK * 8 + NT - 1) / NT; ++i) {
+      const int ci = tid + NT * i, r = ci >> 3, c = ci & 7;
+      if (NT > NTOK * 8 && ci >= NTOK * 8) break;
       const int row = m0 + r;
       const bool valid = row < p.m;
       const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
@@ -156,7 +159,8 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 
   // warpgroup wg owns row tiles u = NU * wg + j (j < NU): word u of each lane's fragment, features 16u..16u+15 of
   // every block; warp v of a warpgroup brings block nb0 + v (rows 16v..16v+15 of each of its m64 tiles)
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2,
+            t4 = lane & 3;
   const int m0 = blockIdx.x * NTOK;
   const int nb0 = blockIdx.y * WG_BLOCKS;
   const int split = blockIdx.z;
