@@ -206,7 +206,8 @@ DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
     (8192, 28672, 1): 10, (28672, 8192, 1): 10, (28672, 8192, 2): 10, (4096, 6144, 1): 11,
     (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0,
-    (4096, 128256, 1): 5, (4096, 128256, 2): 5, (4096, 128256, 4): 5, (4096, 128256, 8): 5, (4096, 128256, 16): 5,
+    # lm_head: v12 87.7-88.1 us vs v5 93.2-98.2 and v10 90.5-91.3 at M = 1-8 (int4_tune run 8, both passes)
+    (4096, 128256, 1): 12, (4096, 128256, 2): 12, (4096, 128256, 4): 12, (4096, 128256, 8): 12, (4096, 128256, 16): 5,
     (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
     (14336, 4096, 32): 2, (4096, 4096, 32): 37, (4096, 6144, 32): 37, (4096, 28672, 32): 2, (8192, 10240, 32): 2,
 }
@@ -292,14 +293,13 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 
 
 # The wgmma kernel (variants 62-63, csrc/w4a16_wgmma.cuh) over the configs above, where it was measured faster
-# (bench/int4_wgmma.py, H200 runs 2-5, docs/BENCHMARKS.md "INT4 wgmma kernel"; raw bench/results/int4_wgmma_h200_run*):
+# (bench/int4_wgmma.py, H200 runs 2-11, docs/BENCHMARKS.md "INT4 wgmma kernel"; raw bench/results/int4_wgmma_h200_run*):
 # every M > 32 (the older kernels re-read the weights once per 32 rows there), and at M = 9-32 on the shapes listed.
 # Needs N % 256 == 0. 63 (split-K summed by a second kernel) is the default above M = 32 and wins on the narrow shapes
-# (run 5, M = 32: 4096x4096 13.4 us vs the previous config's 17.4, 4096x6144 16.4 vs 20.5, 14336x4096 26.1 vs 37.5);
-# 62 (summed in the last CTA of a tile) where it was > 3% faster than 63 in run 5 (M = 32: 8192x28672 70.8 vs 77.0,
-# 4096x28672 40.3 vs 43.5) or the two tie and 62 was measured in runs 2-5 (e.g. 28672x8192 M = 32: 66.1-66.6 vs the
-# previous config's 89.6-90.5). Points where neither beat the previous config by > 3% keep it (e.g. 14336x4096 and
-# 4096x4096 at M = 9-16).
+# (run 11, M = 32: 4096x4096 12.5 us vs the previous config's 17.3, 4096x6144 14.2 vs 20.1, 14336x4096 22.0 vs 37.3);
+# 62 (summed in the last CTA of a tile) where it was faster or the two tie (run 11, M = 32: 8192x28672 62.2 vs 66.5,
+# 4096x28672 36.5 vs 37.5, 28672x8192 59.1 vs 59.7). At M = 9-16 where either beat the previous config by > 3% (run 11:
+# 14336x4096 19.5 vs 21.6, 8192x28672 53.0 vs 65.0); 4096x4096 keeps v37 there (10.7 vs 63's 10.7).
 WGMMA_DEFAULT = {64: 63, 128: 63, 256: 63}
 WGMMA_SHAPE_CONFIGS: dict = {
     (8192, 28672, 32): 62, (4096, 28672, 32): 62, (28672, 8192, 32): 62, (8192, 10240, 32): 62,
