@@ -518,15 +518,16 @@ def ncu_child(items) -> None:
         torch.cuda.synchronize()
 
 
-def run_ncu(items, report: Path, kernel_regex: str, sections, keep, timeout: float, width: int = 220) -> None:
-    """Profile ncu_child(items) under ncu (kernels matching kernel_regex, the given sections, clocks not locked);
-    the full report to ``report``, the lines containing any of ``keep`` to the log."""
+def run_ncu(items, report: Path, kernel_regex: str, sections, keep, timeout: float, width: int = 220,
+            extra=()) -> None:
+    """Profile ncu_child(items) under ncu (kernels matching kernel_regex, the given sections, clocks not locked,
+    ``extra`` ncu arguments); the full report to ``report``, the lines containing any of ``keep`` to the log."""
     import shutil
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_tune as t; "
             f"t.ncu_child({items!r})")
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{kernel_regex}",
-           *[a for sec in sections for a in ("--section", sec)], sys.executable, "-c", code]
+           *[a for sec in sections for a in ("--section", sec)], *extra, sys.executable, "-c", code]
     t = time.time()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)

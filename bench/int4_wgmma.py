@@ -144,7 +144,7 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
     return rows
 
 
-NCU_ITEMS = [(8192, 28672, 32, 62), (8192, 28672, 128, 62)]
+NCU_ITEMS = [(8192, 28672, 32, 62), (8192, 28672, 128, 63)]
 
 
 def ncu(out: Path, items, timeout: float = 300) -> None:
@@ -154,6 +154,9 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
                       ("ITEM", "Duration", "DRAM Throughput", "Compute (SM)", "Achieved Occupancy", "Registers Per",
                        "Grid Size", "Issue Slots Busy", "No Eligible", "Eligible Warps", "Warp Cycles Per Issued",
                        "stalled", "L2 Cache Thr"), timeout)
+    # the stall reasons (the section's body: warp cycles per issued instruction spent in each state)
+    int4_tune.run_ncu(items, out / "int4_wgmma_ncu_stalls.txt", "wgmma", ("WarpStateStats",),
+                      ("ITEM", "Stall", "stall"), timeout, extra=("--print-details", "all"))
 
 
 def table(rows, configs) -> str:
