@@ -28,10 +28,6 @@ struct SdqW4A16Params {
 
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each
 // 128 of the 256 features); the others one.
-// Token tiles up to this many tokens keep 4 A register sets (3 K steps of wgmmas in flight), wider ones 2
-#ifndef SDQ_WG_DEEP_NTOK
-#define SDQ_WG_DEEP_NTOK 32
-#endif
 static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
 
 #ifdef __cplusplus

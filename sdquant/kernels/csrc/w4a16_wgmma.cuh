@@ -18,11 +18,11 @@
 //   fp32 over the whole K range; no per-group fp32 sums.
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
-//   overwritten only after the wgmmas that read it (<= 3 K steps in flight, all of the previous stage) are complete.
-// * The dequantization of K step t overlaps the wgmmas of the steps before it: DEPTH register sets of A fragments
-//   (4 at <= 32 tokens, else 2), and a wgmma.wait_group DEPTH - 1 before a set is rewritten. ptxas keeps that
-//   pipeline only if no branch sits between a wgmma and the wait that retires it (else it serializes every wgmma,
-//   warning C7513, which the CI compile test rejects): so the group's scales are loaded once a stage where a stage lies inside one group (ONE_GROUP: group a multiple
+//   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
+// * The dequantization of K step t overlaps the wgmmas of step t - 1: two register sets of A fragments, and a
+//   wgmma.wait_group 1 before a set is rewritten. ptxas keeps that pipeline only if no branch sits between a wgmma
+//   and the wait that retires it (else it serializes every wgmma, warning C7513, which the CI compile test rejects):
+//   so the group's scales are loaded once a stage where a stage lies inside one group (ONE_GROUP: group a multiple
 //   of 64), and reloaded branch-free every K step otherwise (groups 32, 96, ...). The first version waited for every
 //   wgmma before the next dequantization (a data-dependent group branch sat in the loop): docs/BENCHMARKS.md.
 //   A shared-memory-A variant (SS wgmmas) was slower: docs/BENCHMARKS.md "INT4 wgmma kernel".
@@ -203,17 +203,14 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
       O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
     }
   };
-  // A fragments of DEPTH K steps: step t is dequantized into af[t % DEPTH] while the wgmmas of the DEPTH - 1 steps
-  // before it may still run; the wait<DEPTH - 1> before it retires step t - DEPTH, the last reader of that set.
-  // DEPTH = 4 where the registers allow it (<= 32 tokens), 2 at 64-128 tokens (already 224-255 registers). No branch
-  // may sit between a wgmma and the wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the
-  // group known per stage) and otherwise a branch-free group reload every K step.
-  constexpr int DEPTH = NTOK <= SDQ_WG_DEEP_NTOK ? 4 : 2;
-  static_assert(WG_KS % DEPTH == 0, "a stage's K steps cycle through the register sets");
-  uint32_t af[DEPTH][NU][4];
+  // A fragments of two K steps: step t is dequantized into af[t & 1] while the wgmmas of step t - 1 run; the
+  // wait<1> before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the
+  // wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the group known per stage) and
+  // otherwise a branch-free group reload every K step.
+  uint32_t af[2][NU][4];
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<PF - 1>();
-    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 3 K steps in flight)
+    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
     {
       const int sn = s + PF;
       if (sn < nst) {
@@ -232,8 +229,8 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
       if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
       uint32_t q[NU];
       ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, q);
-      wg_wait<DEPTH - 1>();
-      uint32_t(&f)[NU][4] = af[k0 % DEPTH];
+      wg_wait<1>();
+      uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
       for (int u = 0; u < NU; ++u) {
         uint32_t c[4];
