@@ -1,8 +1,9 @@
 """A/B two builds of the CUDA W4A16 extension in one process (H200): the kernel sources of another commit (--old,
 a directory holding sdquant/kernels/csrc from e.g. ``git archive <rev> sdquant/kernels/csrc``), this tree, and
 this tree with extra nvcc defines (--new-defines). Each build is its own module; the same layouts and activations
-go through each, outputs compared (bit-identical, else the relative difference to the old build), and each config is timed interleaved (A, B, C, A, B, C) at
-M = 1-8 on the Llama shapes (bench/gemm.py's method). Used to tell a code change from a machine difference.
+go through each, outputs are compared (bit-identical, else the relative difference to the old build), and each
+config is timed interleaved (A, B, C, A, B, C) at M = 1-8 (--ms) on the Llama shapes (bench/gemm.py's method).
+Used to tell a code change from a machine difference.
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
 """

@@ -150,7 +150,8 @@ NCU_ITEMS = [(8192, 28672, 32, 62), (8192, 28672, 128, 63)]
 def ncu(out: Path, items, timeout: float = 300) -> None:
     """Profile the items (K, N, M, config) with ncu (int4_tune.ncu_child launches each twice); key lines to the log."""
     int4_tune.run_ncu(items, out / "int4_wgmma_ncu.txt", "wgmma",
-                      ("SpeedOfLight", "Occupancy", "SchedulerStats", "WarpStateStats", "LaunchStats", "ComputeWorkloadAnalysis"),
+                      ("SpeedOfLight", "Occupancy", "SchedulerStats", "WarpStateStats", "LaunchStats",
+                       "ComputeWorkloadAnalysis"),
                       ("ITEM", "Duration", "DRAM Throughput", "Compute (SM)", "Achieved Occupancy", "Registers Per",
                        "Grid Size", "Issue Slots Busy", "No Eligible", "Eligible Warps", "Warp Cycles Per Issued",
                        "stalled", "L2 Cache Thr"), timeout)
