@@ -366,7 +366,8 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
-  // measured 5-18% slower than one of 256 (docs/BENCHMARKS.md "INT4 wgmma kernel", run 9)
+  // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
+  // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
   static int setup() {
