@@ -82,12 +82,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   };
 
   float acc[NT][4][4], accg[NT][4][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
+  frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
 

@@ -193,6 +193,19 @@ struct Ops<__nv_bfloat16> {
   }
 };
 
+// f(nt, w, e) for every element of a lane's NT x 4 x 4 fragment array (token tile nt, 16-row tile w, element e:
+// token nt * 8 + 2 t4 + (e & 1), row 16 w + 8 (e >> 1) + g8), fully unrolled. The output and K-warp reduction loops
+// of the cp.async and stream-K kernels stay written out: through this helper ptxas scheduled them differently.
+template <int NT, typename F>
+__device__ __forceinline__ void frag_each(F&& f) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(nt, w, e);
+}
+
 // The direct-family kernels' group arithmetic (direct, bulk-copy and flat bulk-copy kernels): each K step's MMAs
 // accumulate the exact (code - zero) x activation products into accg (group_step); when a group ends, group_flush adds
 // scale x accg to acc once; group_begin unpacks the next group's scales and zero pairs. A lane holds those of its rows
@@ -203,16 +216,11 @@ struct Ops<__nv_bfloat16> {
 template <int NT, bool RAW = false>
 __device__ __forceinline__ void group_flush(float (&acc)[NT][4][4], float (&accg)[NT][4][4], const float (&sf)[4][2],
                                             const float (*nz)[2] = nullptr, float (*xs)[4] = nullptr) {
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
-        if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
-        accg[i][w][e] = 0.f;
-      }
+  frag_each<NT>([&](int i, int w, int e) {
+    acc[i][w][e] = fmaf(sf[w][e >> 1], accg[i][w][e], acc[i][w][e]);
+    if constexpr (RAW) acc[i][w][e] = fmaf(nz[w][e >> 1], xs[i][e & 1], acc[i][w][e]);
+    accg[i][w][e] = 0.f;
+  });
   if constexpr (RAW) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -460,12 +468,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
   };
 
   float acc[NT][4][4], accg[NT][4][4];  // totals, and the current group's sum of (code - zero) * x
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = accg[i][j][e] = 0.f;
+  frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
 
   float sf[4][2] = {};                 // fp32 scales of rows (w, h)
   uint32_t zl[4][2] = {}, zh[4][2] = {};

@@ -113,12 +113,7 @@ __device__ __forceinline__ void lean_segment(const SdqW4A16Params& p, float (&ac
 
   constexpr int NG = WS ? 1 : NT;  // fp32 group sums (unused with WS)
   float accg[NG][4][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = 0.f; });
 #pragma unroll
   for (int i = 0; i < NG; ++i)
 #pragma unroll
@@ -250,12 +245,7 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
     return;
   }
   float* red = reinterpret_cast<float*>(ln_dyn);  // [warp][NT * 16][32]
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[((warp * NT + nt) * 16 + w * 4 + e) * 32 + lane] = acc[nt][w][e];
+  frag_each<NT>([&](int nt, int w, int e) { red[((warp * NT + nt) * 16 + w * 4 + e) * 32 + lane] = acc[nt][w][e]; });
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   if (S > 1) cluster.sync();  // every CTA's sums are in its shared memory (release / acquire across the cluster)
@@ -321,28 +311,18 @@ __device__ __forceinline__ void flat_segment_out(const SdqW4A16Params& p, const 
   const int kbt = p.k / 16, m = p.m, n = p.n;
   T* out = reinterpret_cast<T*>(p.c);
   if (a == 0 && e == kbt) {  // the whole block: write y
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int w4 = 0; w4 < 4; ++w4)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int tok = nt * 8 + 2 * t4 + (q & 1);
-          if (tok < m) out[static_cast<size_t>(tok) * n + nb * 64 + 16 * w4 + 8 * (q >> 1) + g8] = O::one(acc[nt][w4][q]);
-        }
+    frag_each<NT>([&](int nt, int w4, int q) {
+      const int tok = nt * 8 + 2 * t4 + (q & 1);
+      if (tok < m) out[static_cast<size_t>(tok) * n + nb * 64 + 16 * w4 + 8 * (q >> 1) + g8] = O::one(acc[nt][w4][q]);
+    });
     return;
   }
   const bool first_seg = nb == static_cast<int>(sk_begin(U, W, w) / kbt);
   float* part = p.partial + (static_cast<size_t>(w) * 2 + (first_seg ? 0 : 1)) * m * 64;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int w4 = 0; w4 < 4; ++w4)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int tok = nt * 8 + 2 * t4 + (q & 1);
-        if (tok < m) __stcg(part + tok * 64 + 16 * w4 + 8 * (q >> 1) + g8, acc[nt][w4][q]);
-      }
+  frag_each<NT>([&](int nt, int w4, int q) {
+    const int tok = nt * 8 + 2 * t4 + (q & 1);
+    if (tok < m) __stcg(part + tok * 64 + 16 * w4 + 8 * (q >> 1) + g8, acc[nt][w4][q]);
+  });
   const long long bu0 = static_cast<long long>(nb) * kbt;
   const int c0 = sk_owner(U, W, bu0), c1 = sk_owner(U, W, bu0 + kbt - 1);  // the warps holding this block's segments
   __threadfence();  // this lane's partials are visible device-wide before the warp is counted

@@ -195,12 +195,7 @@ __device__ __forceinline__ void sk_segment(const SdqW4A16Params& p, float (&acc)
 
   constexpr int NG = C::WSCALE ? 1 : NT;  // group-sum accumulators (unused with WSCALE)
   float accg[NG][4][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = 0.f; });
 #pragma unroll
   for (int i = 0; i < NG; ++i)
 #pragma unroll
