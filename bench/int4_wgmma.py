@@ -52,14 +52,62 @@ def log(*a):
     print(*a, flush=True)
 
 
-def child_check(configs) -> None:
-    """Entry of the checking child (run_checks): int4_tune's, with this kernel's cases."""
-    int4_tune.child_check(configs, CHECK_CASES, occ_ms=(16, 32, 64))
+def label(config: int, pipe: int) -> str:
+    """A timed kernel: config 62 / 63 on the shipped pipeline ("62") or on experiment pipe p of
+    int4_cuda.set_wgmma_pipe ("62p1")."""
+    return str(config) if pipe == 0 else f"{config}p{pipe}"
 
 
-def run_checks(configs, timeout: float) -> tuple:
+def parse_label(lab: str) -> tuple:
+    c, _, p = str(lab).partition("p")
+    return int(c), int(p or 0)
+
+
+class pipe_set:
+    """Run a block with int4_cuda.set_wgmma_pipe(pipe) in force (launches, split-K and occupancy read it)."""
+
+    def __init__(self, pipe: int):
+        self.pipe = pipe
+
+    def __enter__(self):
+        from sdquant.kernels import int4_cuda
+        self.old = int4_cuda.set_wgmma_pipe(self.pipe) if self.pipe else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            from sdquant.kernels import int4_cuda
+            int4_cuda.set_wgmma_pipe(self.old)
+        return False
+
+
+def child_check(configs, pipes=(0,)) -> None:
+    """Entry of the checking child (run_checks): int4_tune's checks with this kernel's cases, once per pipeline;
+    rows and occupancy are labelled "62", "62p1", ..."""
+    from sdquant.kernels import int4_cuda
+    t = time.time()
+    ok = int4_cuda.available()
+    print(f"BUILD {ok} {int4_cuda._STATE.get('reason')} {time.time() - t:.1f}s", flush=True)
+    if not ok:
+        return
+    dev = torch.device("cuda")
+    occ, rows = {}, []
+    for pipe in pipes:
+        with pipe_set(pipe):
+            for c in configs:
+                occ[label(c, pipe)] = [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64, 128)]
+            got = int4_tune.check_configs(dev, configs, CHECK_CASES,
+                                          progress=lambda c, pipe=pipe: print(f"START {label(c, pipe)}", flush=True))
+        for r in got:
+            r["config"] = label(r["config"], pipe)
+        rows += got
+    print("OCC " + json.dumps(occ), flush=True)
+    print("ROWS " + json.dumps(rows), flush=True)
+
+
+def run_checks(configs, timeout: float, pipes=(0,)) -> tuple:
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_wgmma as t; "
-            f"t.child_check({configs!r})")
+            f"t.child_check({configs!r}, {tuple(pipes)!r})")
     t = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
@@ -72,15 +120,16 @@ def run_checks(configs, timeout: float) -> tuple:
     log(f"check child rc={rc} in {time.time() - t:.1f} s; {build}")
     occ = next((json.loads(ln[4:]) for ln in lines if ln.startswith("OCC ")), {})
     if occ:
-        log("  resident CTAs/SM at M = 16/32/64: " + ", ".join(f"v{c}: {v}" for c, v in occ.items()))
+        log("  resident CTAs/SM at M = 16/32/64/128: " + ", ".join(f"v{c}: {v}" for c, v in occ.items()))
     got = next((ln for ln in lines if ln.startswith("ROWS ")), None)
     if got is None:
         log("  no check rows; tail:\n" + "\n".join(lines[-40:]))
         return [], [], build, occ
     rows = json.loads(got[5:])
     per = int4_tune.summarize_checks(rows)
-    passing = [c for c in configs if c in per and per[c]["pass"] == per[c]["n"]]
-    for c in configs:
+    labels = [label(c, pipe) for pipe in pipes for c in configs]
+    passing = [c for c in labels if c in per and per[c]["pass"] == per[c]["n"]]
+    for c in labels:
         d = per.get(c, {"n": 0, "pass": 0, "worst": {}})
         log(f"  v{c}: {d['pass']}/{d['n']} pass, worst " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(d["worst"].items())))
     return passing, rows, build, occ
@@ -121,14 +170,17 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                                          ncopy)
             if tiny is not None and m <= 64:
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
-            for c in configs:
-                provs[f"v{c}"] = (lambda i, c=c: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
-                                                     lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, c), ncopy)
+            pipe_of = {}
+            for lab in configs:  # labels: "62", "63p1", ...
+                c, pipe_of[f"v{lab}"] = parse_label(lab)
+                provs[f"v{lab}"] = (lambda i, c=c: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
+                                                       lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, c), ncopy)
             row = {"K": k, "N": n, "M": m}
             for name, (call, nrot) in provs.items():
                 try:
-                    err = gemm.rel_err(call(0), ref)
-                    us = timer(call, nrot)
+                    with pipe_set(pipe_of.get(name, 0)):
+                        err = gemm.rel_err(call(0), ref)
+                        us = timer(call, nrot)
                 except Exception as ex:  # noqa: BLE001 - reported in the row
                     log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
                     row[name] = None
@@ -207,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
+    ap.add_argument("--pipes", default="0", help="wgmma pipelines to check and time (int4_cuda.set_wgmma_pipe), "
+                                                 "each config on each")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
     ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
@@ -221,20 +275,22 @@ def main(argv=None):
     from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
     t_start = time.time()
     configs = [int(c) for c in args.configs.split(",")]
+    pipes = [int(v) for v in args.pipes.split(",")]
+    labels = [label(c, pipe) for pipe in pipes for c in configs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-              "configs": configs}
+              "configs": labels}
     if args.dry:
         dev = torch.device("cpu")
         rows = int4_tune.check_configs(dev, configs, DRY_CASES)
-        passing = [c for c in configs if all(r["pass"] for r in rows if r["config"] == c)]
+        passing = [str(c) for c in configs if all(r["pass"] for r in rows if r["config"] == c)]
         result["checks"] = rows
         shapes, ms = [(256, 512)], [3, 40]
     else:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name(0)
-        passing, rows, build, occ = run_checks(configs, args.check_timeout)
+        passing, rows, build, occ = run_checks(configs, args.check_timeout, pipes)
         result.update(checks=rows, build=build, occupancy=occ)
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         ms = [int(v) for v in args.ms.split(",")]
@@ -242,10 +298,10 @@ def main(argv=None):
     result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start)
     (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
     if args.ncu and not args.dry and passing:
-        ncu(out, [it for it in NCU_ITEMS if it[3] in passing])
-    log(f"\nchecks: {len(passing)}/{len(configs)} configs pass; wall {time.time() - t_start:.0f} s")
+        ncu(out, [it for it in NCU_ITEMS if str(it[3]) in passing])
+    log(f"\nchecks: {len(passing)}/{len(labels)} configs pass; wall {time.time() - t_start:.0f} s")
     log(table(result["rows"], passing))
-    return 0 if len(passing) == len(configs) else 1
+    return 0 if len(passing) == (len(configs) if args.dry else len(labels)) else 1
 
 
 if __name__ == "__main__":

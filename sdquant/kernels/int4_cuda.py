@@ -249,6 +249,17 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
+def set_wgmma_pipe(pipe: int) -> int:
+    """The wgmma kernel's (variants 62-63) pipeline for launches, split-K and occupancy queries from now on in this
+    process: 0 the shipped one, 1-3 the experiments of ``WgPipe`` in csrc/w4a16_wgmma.cuh (stage counts, a register
+    cap). For bench/int4_wgmma.py --pipes. Read at launch time, so set it before a CUDA graph is captured. Returns
+    the previous setting (0 where the extension is not built)."""
+    if pipe not in (0, 1, 2, 3):
+        raise ValueError(f"pipe: {pipe} is not one of 0-3")
+    ext = extension()
+    return 0 if ext is None else int(ext.set_wg_pipe(int(pipe)))
+
+
 def m_bucket(m: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if m <= b:

@@ -1,7 +1,9 @@
 """The sm_90a W4A16 CUDA kernel: the source compiles with nvcc (where nvcc exists), and the op's layout
 semantics (its CPU path) match the reference. GPU numbers come from bench/gpu_check.py on the H200."""
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +37,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
-    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32  # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes
+    # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes = 32 a pipeline (WgPipe): the shipped one, six stages, the deepest
+    # (its 64-token tile is six stages' kernel: 12 new), the register cap at 32 tokens (4 new)
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 32 + 24 + 8
     assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2
     # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
     # wgmmas are in flight, or too few registers for the pipeline)
@@ -206,7 +210,6 @@ def test_int4_tune_dry_proposes_every_bucket_up_to_32(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     from sdquant.kernels import int4_cuda as ic
     root = Path(__file__).resolve().parents[2]
@@ -248,11 +251,15 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
     r = _run_bench("int4_wgmma.py", "--dry", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads((tmp_path / "int4_wgmma.json").read_text())
-    assert d["passing"] == [62, 63] and d["checks"] and all(c["pass"] for c in d["checks"])
+    assert d["passing"] == ["62", "63"] and d["checks"] and all(c["pass"] for c in d["checks"])
     assert {c["config"] for c in d["checks"]} == {62, 63} and {c["M"] for c in d["checks"]} >= {1, 17, 40}
     for row in d["rows"]:
         assert row["bf16"] > 0 and row["v62"] > 0 and row["v63"] > 0 and row["v62_err"] < 1e-2
     assert "| K×N | M | bf16 |" in r.stdout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import int4_wgmma  # the labels of configs on the wgmma pipelines (--pipes)
+    assert [int4_wgmma.label(63, p) for p in (0, 2)] == ["63", "63p2"]
+    assert [int4_wgmma.parse_label(v) for v in ("62", "63p2")] == [(62, 0), (63, 2)]
     r = _run_bench("x_smem.py", "--dry", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "x_smem.json").read_text())["rows"]

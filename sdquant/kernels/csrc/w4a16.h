@@ -50,6 +50,10 @@ int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t st
 int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 // Runs a tiny kernel that copies through cp.async with an L2::evict_first cache policy; 0 = it worked.
 int sdq_probe_evict_first(cudaStream_t stream);
+// The wgmma kernel's pipeline (shared-memory stages, register cap) for the launches and occupancy queries from now on
+// in this process: 0 the shipped one, 1-3 experiments (WgPipe in w4a16_wgmma.cuh). Returns the previous setting.
+int sdq_w4a16_set_wg_pipe(int pipe);
+int sdq_w4a16_wg_pipe(void);
 #ifdef __cplusplus
 }
 #endif

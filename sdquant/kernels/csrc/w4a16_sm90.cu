@@ -182,6 +182,16 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
   return dispatch_raw(q.variant, 0, q, stream);
 }
 
+namespace {
+int g_wg_pipe = 0;
+}
+extern "C" int sdq_w4a16_set_wg_pipe(int pipe) {
+  const int old = g_wg_pipe;
+  g_wg_pipe = pipe >= 0 && pipe <= 3 ? pipe : 0;
+  return old;
+}
+extern "C" int sdq_w4a16_wg_pipe(void) { return g_wg_pipe; }
+
 extern "C" int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant) {
   SdqW4A16Params q{};
   q.m = m;

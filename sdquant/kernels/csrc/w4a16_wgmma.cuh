@@ -144,7 +144,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
 }
 
 template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
-__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
+__device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
   constexpr int NT = 128 * WGS;   // threads
@@ -335,6 +335,26 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
   if (tid == 0) *lock = 0;
 }
 
+// The kernel: __launch_bounds__ without a CTA count (MINB = 0, the shipped pipelines: ptxas allocates registers
+// differently when given one, even 1) or with MINB resident CTAs per SM asked for (a register cap).
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
+__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>(p);
+}
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, int MINB>
+__global__ void __launch_bounds__(128 * WGS, MINB) w4a16_wgmma_kernel_capped(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>(p);
+}
+
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, int MINB>
+struct WgKernelFn {
+  static constexpr auto value = w4a16_wgmma_kernel_capped<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, MINB>;
+};
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
+struct WgKernelFn<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, 0> {
+  static constexpr auto value = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>;
+};
+
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
 // four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
 // CTA, which costs most where the tiles are few and the splits many: N = 4096 at M >= 32).
@@ -363,23 +383,34 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE>
+// The pipeline of a token tile: shared-memory stages (STAGES - 2 requested ahead) and the resident CTAs per SM that
+// __launch_bounds__ asks ptxas to fit in registers (MINB). PIPE 0 is the shipped choice; 1-3 are the experiments that
+// int4_cuda.set_wgmma_pipe selects (bench/int4_wgmma.py --pipes): 1 six stages, 2 the most stages that keep pipe 1's
+// CTAs per SM (8 / 7 / 6 / 8 at 16 / 32 / 64 / 128 tokens), 3 four stages with registers capped for a third CTA per
+// SM at 32 tokens (168; at 16 tokens the cap for a fourth spilled).
+template <int NTOK, int PIPE>
+struct WgPipe {
+  static constexpr int STAGES = PIPE == 1 ? 6 : PIPE == 2 ? (NTOK == 32 ? 7 : NTOK == 64 ? 6 : 8) : 4;
+  static constexpr int MINB = PIPE == 3 && NTOK == 32 ? 3 : 0;
+};
+
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int MINB>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
+  static constexpr auto kernel = WgKernelFn<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, MINB>::value;
   static int setup() {
-    static const int rc = static_cast<int>(cudaFuncSetAttribute(
-        w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    static const int rc =
+        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
   static int per_sm() {
     if (setup()) return 0;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, 128 * WGS,
-                                                  SMEM);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128 * WGS, SMEM);
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -395,7 +426,7 @@ struct WgKern {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>, p);
+    cudaLaunchKernelEx(&cfg, kernel, p);
     if (SEPARATE && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
       int dev = 0, sms = 132;  // the current device's (a process may drive several)
@@ -414,23 +445,36 @@ struct WgKern {
 
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
 // w4a16_kernel.cuh); the token tile from p.m. v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
-template <typename T, int NTOK, int STAGES, bool SEP>
+template <typename T, int NTOK, int PIPE, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (p.group_k16 % WG_KS == 0)  // every 64-K stage inside one group
-    return op == 1 ? WgKern<T, NTOK, STAGES, true, SEP>::per_sm() : WgKern<T, NTOK, STAGES, true, SEP>::launch(p, stream);
-  return op == 1 ? WgKern<T, NTOK, STAGES, false, SEP>::per_sm() : WgKern<T, NTOK, STAGES, false, SEP>::launch(p, stream);
+  using P = WgPipe<NTOK, PIPE>;
+  if (p.group_k16 % WG_KS == 0) {  // every 64-K stage inside one group
+    using K = WgKern<T, NTOK, P::STAGES, true, SEP, P::MINB>;
+    return op == 1 ? K::per_sm() : K::launch(p, stream);
+  }
+  using K = WgKern<T, NTOK, P::STAGES, false, SEP, P::MINB>;
+  return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
-template <typename T, int STAGES, bool SEP>
+template <typename T, int PIPE, bool SEP>
 int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   switch (sdq_wg_ntok(p.m)) {
-    case 16: return wgmma_run_n<T, 16, STAGES, SEP>(op, p, stream);
-    case 32: return wgmma_run_n<T, 32, STAGES, SEP>(op, p, stream);
-    case 128: return wgmma_run_n<T, 128, STAGES, SEP>(op, p, stream);
-    default: return wgmma_run_n<T, 64, STAGES, SEP>(op, p, stream);
+    case 16: return wgmma_run_n<T, 16, PIPE, SEP>(op, p, stream);
+    case 32: return wgmma_run_n<T, 32, PIPE, SEP>(op, p, stream);
+    case 128: return wgmma_run_n<T, 128, PIPE, SEP>(op, p, stream);
+    default: return wgmma_run_n<T, 64, PIPE, SEP>(op, p, stream);
+  }
+}
+template <typename T, bool SEP>
+int wgmma_run_p(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  switch (sdq_w4a16_wg_pipe()) {
+    case 1: return wgmma_run_t<T, 1, SEP>(op, p, stream);
+    case 2: return wgmma_run_t<T, 2, SEP>(op, p, stream);
+    case 3: return wgmma_run_t<T, 3, SEP>(op, p, stream);
+    default: return wgmma_run_t<T, 0, SEP>(op, p, stream);
   }
 }
 
-template <typename T, int STAGES>
+template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 3) {
     if (p.splits <= 1) return 0;
@@ -442,14 +486,14 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
-  return v == 63 ? wgmma_run_t<T, STAGES, true>(op, p, stream) : wgmma_run_t<T, STAGES, false>(op, p, stream);
+  return v == 63 ? wgmma_run_p<T, true>(op, p, stream) : wgmma_run_p<T, false>(op, p, stream);
 }
 
 }  // namespace
 }  // namespace sdq_w4a16
 
-// w4a16_part_wgmma_*.cu: one C entry per dtype (variants 62-63, 4 stages)
+// w4a16_part_wgmma_*.cu: one C entry per dtype (variants 62-63)
 #define SDQ_W4A16_WGMMA_PART(T, NAME)                                                          \
   extern "C" int sdq_w4a16_part_##NAME(int v, int op, const SdqW4A16Params* p, cudaStream_t s) { \
-    return sdq_w4a16::wgmma_run<T, 4>(v, op, *p, s);  \
+    return sdq_w4a16::wgmma_run<T>(v, op, *p, s);                                             \
   }
