@@ -251,8 +251,8 @@ def set_x_smem(enabled: bool) -> int:
 
 def set_wgmma_pipe(pipe: int) -> int:
     """The wgmma kernel's (variants 62-63) pipeline for launches, split-K and occupancy queries from now on in this
-    process: 0 the shipped one, 1-3 the experiments of ``WgPipe`` in csrc/w4a16_wgmma.cuh (stage counts, a register
-    cap). For bench/int4_wgmma.py --pipes. Read at launch time, so set it before a CUDA graph is captured. Returns
+    process: 0 the shipped one, 1-3 the experiments of ``WgPipe`` in csrc/w4a16_wgmma.cuh (bit 0: a stage's weight
+    words read at once, bit 1: stream-K at the 128-token tile). For bench/int4_wgmma.py --pipes. Read at launch time, so set it before a CUDA graph is captured. Returns
     the previous setting (0 where the extension is not built)."""
     if pipe not in (0, 1, 2, 3):
         raise ValueError(f"pipe: {pipe} is not one of 0-3")

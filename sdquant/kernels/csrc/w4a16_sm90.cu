@@ -116,6 +116,12 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     const int tiles = (n / 256) * ((m + ntok - 1) / ntok);
     const int slots = sms * (per_sm < 1 ? 1 : per_sm);
     const int want = target2 > 0 ? (target2 * sms + 1) / 2 : slots;
+    if (dispatch_m(6, q, nullptr) == 1) {  // stream-K at this token tile: the grid, at least 4 stages a CTA
+      const long long units = static_cast<long long>(tiles) * (k / 64);
+      long long g = want < slots ? want : slots;
+      if (g > units / 4) g = units / 4;
+      return g < 1 ? 1 : static_cast<int>(g);
+    }
     int splits = (want < slots ? want : slots) / (tiles < 1 ? 1 : tiles);
     if (splits > k / 64 / 4) splits = k / 64 / 4;
     return splits < 1 ? 1 : splits;

@@ -143,7 +143,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool QPRE, bool SK>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
@@ -161,31 +161,14 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // every block; warp v of a warpgroup brings block nb0 + v (rows 16v..16v+15 of each of its m64 tiles)
   const int tid = threadIdx.x, wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2,
             t4 = lane & 3;
-  const int m0 = blockIdx.x * NTOK;
-  const int nb0 = blockIdx.y * WG_BLOCKS;
-  const int split = blockIdx.z;
-  const int nst_all = p.k / 64;
-  const int st0 = static_cast<int>(static_cast<long long>(nst_all) * split / p.splits);
-  const int st1 = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits);
-  const int nst = st1 - st0;
 
   float acc[NU][ND];
+  const auto zero_acc = [&]() {
 #pragma unroll
-  for (int u = 0; u < NU; ++u)
+    for (int u = 0; u < NU; ++u)
 #pragma unroll
-    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
-
-  // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel), then
-  // their activations; group s holds stage s (group 0 also the later stages' weights: waits stay conservative)
-#pragma unroll
-  for (int s = 0; s < PF; ++s)
-    if (s < nst) wg_load_stage<NTOK, NT, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
-  if (p.pdl) griddep_wait();
-#pragma unroll
-  for (int s = 0; s < PF; ++s) {
-    if (s < nst) wg_load_stage<NTOK, NT, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
-    cp_async_commit();
-  }
+      for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
+  };
 
   // The scales of group slot gsel (0: the stage's first group, 1: its last) as activation-dtype pairs and the
   // zero pairs of the magic-number conversion
@@ -208,63 +191,92 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the group known per stage) and
   // otherwise a branch-free group reload every K step.
   uint32_t af[2][NU][4];
-  for (int s = 0; s < nst; ++s) {
-    cp_async_wait<PF - 1>();
-    __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
-    {
-      const int sn = s + PF;
-      if (sn < nst) {
-        const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
-        wg_load_stage<NTOK, NT, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
-        wg_load_stage<NTOK, NT, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
-      }
+
+  // The main loop: stages [st0, st1) of 64 K of the tile at tokens m0, blocks nb0, added into acc; every wgmma
+  // retired on return.
+  const auto mainloop = [&](int m0, int nb0, int st0, int st1) {
+    const int nst = st1 - st0;
+    // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel),
+    // then their activations; group s holds stage s (group 0 also the later stages' weights: waits stay
+    // conservative)
+#pragma unroll
+    for (int s = 0; s < PF; ++s)
+      if (s < nst) wg_load_stage<NTOK, NT, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+    if (p.pdl) griddep_wait();
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+      if (s < nst) wg_load_stage<NTOK, NT, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
       cp_async_commit();
     }
-    const uint32_t st = sbase + (s % STAGES) * L::STAGE;
-    const uint64_t desc = wg_desc(st);
-    const int ks0 = (st0 + s) * WG_KS;
-    if constexpr (ONE_GROUP) load_group(st, 0);
+    for (int s = 0; s < nst; ++s) {
+      cp_async_wait<PF - 1>();
+      __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
+      {
+        const int sn = s + PF;
+        if (sn < nst) {
+          const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
+          wg_load_stage<NTOK, NT, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+          wg_load_stage<NTOK, NT, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+        }
+        cp_async_commit();
+      }
+      const uint32_t st = sbase + (s % STAGES) * L::STAGE;
+      const uint64_t desc = wg_desc(st);
+      const int ks0 = (st0 + s) * WG_KS;
+      if constexpr (ONE_GROUP) load_group(st, 0);
+      // QPRE: the stage's four K steps of weight words in one go (else ptxas issues each step's load after the
+      // previous step's wgmma fence)
+      uint32_t qs[QPRE ? WG_KS : 1][NU];
+      if constexpr (QPRE) {
 #pragma unroll
-    for (int k0 = 0; k0 < WG_KS; ++k0) {
-      if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-      uint32_t q[NU];
-      ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, q);
-      wg_wait<1>();
-      uint32_t(&f)[NU][4] = af[k0 & 1];
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        uint32_t c[4];
-        O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-        f[u][0] = O::mul2(c[0], sp[u][0]);
-        f[u][1] = O::mul2(c[2], sp[u][1]);
-        f[u][2] = O::mul2(c[1], sp[u][0]);
-        f[u][3] = O::mul2(c[3], sp[u][1]);
+        for (int k0 = 0; k0 < WG_KS; ++k0)
+          ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, qs[k0]);
       }
 #pragma unroll
-      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-      wg_fence();
+      for (int k0 = 0; k0 < WG_KS; ++k0) {
+        if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
+        uint32_t q[NU];
+        if constexpr (QPRE) {
 #pragma unroll
-      for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
-      wg_commit();
+          for (int u = 0; u < NU; ++u) q[u] = qs[k0][u];
+        } else {
+          ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, q);
+        }
+        wg_wait<1>();
+        uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
-      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+        for (int u = 0; u < NU; ++u) {
+          uint32_t c[4];
+          O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
+          f[u][0] = O::mul2(c[0], sp[u][0]);
+          f[u][1] = O::mul2(c[2], sp[u][1]);
+          f[u][2] = O::mul2(c[1], sp[u][0]);
+          f[u][3] = O::mul2(c[3], sp[u][1]);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+        wg_fence();
+#pragma unroll
+        for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
+        wg_commit();
+#pragma unroll
+        for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+      }
     }
-  }
-  wg_wait<0>();
+    wg_wait<0>();
 #pragma unroll
-  for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-  if (p.pdl) griddep_launch_dependents();
+    for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+  };
 
   // acc[j][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8], u = NU wg + j;
   // wg_pos(q, ...) is that element's offset in split q's partial ([splits, m, n] fp32), wg_pos(0, ...) its offset
   // in y
-  const int fbase = 64 * (nb0 + warp) + g8;
   T* y = static_cast<T*>(p.c);
-  const auto wg_pos = [&](int q, int u, int c, int h, int e) -> size_t {
-    return (static_cast<size_t>(q) * p.m + m0 + 8 * c + 2 * t4 + e) * p.n + fbase + 16 * u + 8 * h;
+  const auto wg_pos = [&](int m0, int nb0, int q, int u, int c, int h, int e) -> size_t {
+    return (static_cast<size_t>(q) * p.m + m0 + 8 * c + 2 * t4 + e) * p.n + 64 * (nb0 + warp) + g8 + 16 * u + 8 * h;
   };
   // f(u, c, h, e, accumulator) for every accumulator element of a token below m
-  const auto each_valid = [&](auto&& f) {
+  const auto each_valid = [&](int m0, auto&& f) {
 #pragma unroll
     for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -275,49 +287,25 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
           for (int e = 0; e < 2; ++e)
             if (m0 + 8 * c + 2 * t4 + e < p.m) f(NU * wg + j, c, h, e, acc[j][4 * c + 2 * h + e]);
   };
-  const auto store_y = [&]() {
-    each_valid([&](int u, int c, int h, int e, float v) { y[wg_pos(0, u, c, h, e)] = O::one(v); });
+  const auto store_y = [&](int m0, int nb0) {
+    each_valid(m0, [&](int u, int c, int h, int e, float v) { y[wg_pos(m0, nb0, 0, u, c, h, e)] = O::one(v); });
   };
-  if (p.splits == 1) {
-    store_y();
-    return;
-  }
-  if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel
-    each_valid([&](int u, int c, int h, int e, float v) { __stcg(p.partial + wg_pos(split, u, c, h, e), v); });
-    return;
-  }
-  // Split-K: every CTA writes its accumulators to its partial slot as they sit in registers (float4 j of thread
-  // tid at j * 128 + tid: coalesced, constant offsets); the last of the tile's splits (counted on the lock, which
-  // it resets) re-sums every split's slot in split order into its registers and writes y. The order is fixed
-  // whichever CTA is last. Scratch: [splits, N / 256, token tiles, NTOK * 256] fp32.
+  // Partial accumulators, as they sit in registers (float4 j of thread tid at j * NT + tid: coalesced, constant
+  // offsets), NU * NC float4s a thread, slot floats4s a CTA
   constexpr int NC = NTOK / 8;
-  const size_t slot = static_cast<size_t>(ND) * 128;  // float4s a CTA (NU * NC float4s a thread)
-  const size_t tile_id = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const size_t tiles = static_cast<size_t>(gridDim.y) * gridDim.x;
+  constexpr size_t slot = static_cast<size_t>(ND) * 128;
   float4* part = reinterpret_cast<float4*>(p.partial);
-  {
-    float4* mine = part + (split * tiles + tile_id) * slot + tid;
+  const auto write_slot = [&](size_t sl) {
+    float4* mine = part + sl * slot + tid;
 #pragma unroll
     for (int u = 0; u < NU; ++u)
 #pragma unroll
       for (int c = 0; c < NC; ++c)
         __stcg(mine + (u * NC + c) * NT,
                make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int s_last;
-  int* lock = p.locks + blockIdx.y * WG_BLOCKS + blockIdx.x;
-  if (tid == 0) s_last = atomicAdd(lock, 1) == p.splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-#pragma unroll
-  for (int u = 0; u < NU; ++u)
-#pragma unroll
-    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
-  for (int q = 0; q < p.splits; ++q) {
-    const float4* src = part + (q * tiles + tile_id) * slot + tid;
+  };
+  const auto add_slot = [&](size_t sl) {
+    const float4* src = part + sl * slot + tid;
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       asm volatile("" ::: "memory");  // loads in batches of one u (NTOK / 2 registers), not all at once
@@ -330,30 +318,97 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         acc[u][4 * c + 3] += v.w;
       }
     }
+  };
+  // after write_slot: true in the one CTA that arrives last of `count` on the lock (which it then owns)
+  __shared__ int s_last;
+  const auto last_of = [&](int* lock, int count) -> bool {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(lock, 1) == count - 1;
+    __syncthreads();
+    const bool last = s_last;
+    if (last) __threadfence();
+    return last;
+  };
+
+  if constexpr (SK) {
+    // Stream-K (the 128-token tile): a grid of G = p.splits CTAs over the U = tiles x stages (tile, 64-K stage)
+    // units in tile order (token tiles fastest, as gridDim.x of the split-K grid); CTA g takes units
+    // [U g / G, U (g + 1) / G). A tile cut between CTAs is summed in CTA order by the last of them to arrive
+    // (deterministic, whichever is last); each CTA has two partial slots, its first segment's and its last's.
+    const int tt = (p.m + NTOK - 1) / NTOK, nst_all = p.k / 64, grid = p.splits, g = blockIdx.x;
+    const long long units = static_cast<long long>(tt) * (p.n / 256) * nst_all;
+    const auto start_of = [&](int cta) { return units * cta / grid; };
+    const auto cta_of = [&](long long unit) {  // the CTA whose range holds unit
+      return static_cast<int>(((unit + 1) * grid + units - 1) / units - 1);
+    };
+    long long u = start_of(g);
+    const long long u_end = start_of(g + 1);
+    for (bool first = true; u < u_end; first = false) {
+      const int t = static_cast<int>(u / nst_all);
+      const int sa = static_cast<int>(u - static_cast<long long>(t) * nst_all);
+      const int sb = static_cast<int>(min(static_cast<long long>(nst_all), u_end - static_cast<long long>(t) * nst_all));
+      const int m0 = (t % tt) * NTOK, nb0 = (t / tt) * WG_BLOCKS;
+      zero_acc();
+      mainloop(m0, nb0, sa, sb);
+      if (sa == 0 && sb == nst_all) {
+        store_y(m0, nb0);
+      } else {
+        write_slot(2 * static_cast<size_t>(g) + (first ? 0 : 1));
+        const long long t0 = static_cast<long long>(t) * nst_all;
+        const int ga = cta_of(t0), gb = cta_of(t0 + nst_all - 1);
+        if (last_of(p.locks + t, gb - ga + 1)) {
+          zero_acc();
+          for (int q = ga; q <= gb; ++q) add_slot(2 * static_cast<size_t>(q) + (start_of(q) >= t0 ? 0 : 1));
+          store_y(m0, nb0);
+          if (tid == 0) p.locks[t] = 0;
+        }
+      }
+      u = static_cast<long long>(t + 1) * nst_all;
+      __syncthreads();  // the next segment's copies overwrite the stages this one read
+    }
+    if (p.pdl) griddep_launch_dependents();
+    return;
   }
-  store_y();
+
+  const int m0 = blockIdx.x * NTOK;
+  const int nb0 = blockIdx.y * WG_BLOCKS;
+  const int split = blockIdx.z;
+  const int nst_all = p.k / 64;
+  zero_acc();
+  mainloop(m0, nb0, static_cast<int>(static_cast<long long>(nst_all) * split / p.splits),
+           static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits));
+  if (p.pdl) griddep_launch_dependents();
+
+  if (p.splits == 1) {
+    store_y(m0, nb0);
+    return;
+  }
+  if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel
+    each_valid(m0, [&](int u, int c, int h, int e, float v) {
+      __stcg(p.partial + wg_pos(m0, nb0, split, u, c, h, e), v);
+    });
+    return;
+  }
+  // Split-K: every CTA writes its accumulators to its partial slot; the last of the tile's splits (counted on the
+  // lock, which it resets) re-sums every split's slot in split order into its registers and writes y. The order is
+  // fixed whichever CTA is last. Scratch: [splits, N / 256, token tiles, NTOK * 256] fp32.
+  const size_t tile_id = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const size_t tiles = static_cast<size_t>(gridDim.y) * gridDim.x;
+  write_slot(split * tiles + tile_id);
+  int* lock = p.locks + blockIdx.y * WG_BLOCKS + blockIdx.x;
+  if (!last_of(lock, p.splits)) return;
+  zero_acc();
+  for (int q = 0; q < p.splits; ++q) add_slot(q * tiles + tile_id);
+  store_y(m0, nb0);
   if (tid == 0) *lock = 0;
 }
 
-// The kernel: __launch_bounds__ without a CTA count (MINB = 0, the shipped pipelines: ptxas allocates registers
-// differently when given one, even 1) or with MINB resident CTAs per SM asked for (a register cap).
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
+// The kernel (__launch_bounds__ without a CTA count: ptxas allocates registers differently when given one, even 1)
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool QPRE, bool SK>
 __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>(p);
+  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, QPRE, SK>(p);
 }
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, int MINB>
-__global__ void __launch_bounds__(128 * WGS, MINB) w4a16_wgmma_kernel_capped(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>(p);
-}
-
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, int MINB>
-struct WgKernelFn {
-  static constexpr auto value = w4a16_wgmma_kernel_capped<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, MINB>;
-};
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS>
-struct WgKernelFn<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, 0> {
-  static constexpr auto value = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS>;
-};
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
 // four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
@@ -383,25 +438,26 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-// The pipeline of a token tile: shared-memory stages (STAGES - 2 requested ahead) and the resident CTAs per SM that
-// __launch_bounds__ asks ptxas to fit in registers (MINB). PIPE 0 is the shipped choice; 1-3 are the experiments that
-// int4_cuda.set_wgmma_pipe selects (bench/int4_wgmma.py --pipes): 1 six stages, 2 the most stages that keep pipe 1's
-// CTAs per SM (8 / 7 / 6 / 8 at 16 / 32 / 64 / 128 tokens), 3 four stages with registers capped for a third CTA per
-// SM at 32 tokens (168; at 16 tokens the cap for a fourth spilled).
+// The pipeline of a token tile. PIPE 0 is the shipped choice; 1-3 are the experiments that int4_cuda.set_wgmma_pipe
+// selects (bench/int4_wgmma.py --pipes): bit 0 QPRE (a stage's four K steps of weight words read from shared memory
+// at once), bit 1 stream-K at the 128-token tile (SK: a grid of the resident slots over the tile x stage units, instead
+// of split-K; variants 62 and 63 alike). (Run 14 measured 6 and 7-8 stages and a register cap for a third CTA per SM
+// at 32 tokens: within 3% of four stages, not kept.)
 template <int NTOK, int PIPE>
 struct WgPipe {
-  static constexpr int STAGES = PIPE == 1 ? 6 : PIPE == 2 ? (NTOK == 32 ? 7 : NTOK == 64 ? 6 : 8) : 4;
-  static constexpr int MINB = PIPE == 3 && NTOK == 32 ? 3 : 0;
+  static constexpr int STAGES = 4;
+  static constexpr bool QPRE = (PIPE & 1) != 0;
+  static constexpr bool SK = (PIPE & 2) != 0 && NTOK == 128;
 };
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int MINB>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, bool QPRE, bool SK>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
-  static constexpr auto kernel = WgKernelFn<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, MINB>::value;
+  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE && !SK, WGS, QPRE, SK>;
   static int setup() {
     static const int rc =
         static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -415,7 +471,7 @@ struct WgKern {
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = setup()) return rc;
-    const dim3 grid((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
+    const dim3 grid = SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(128 * WGS);
@@ -427,7 +483,7 @@ struct WgKern {
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
     cudaLaunchKernelEx(&cfg, kernel, p);
-    if (SEPARATE && p.splits > 1) {
+    if (SEPARATE && !SK && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
       int dev = 0, sms = 132;  // the current device's (a process may drive several)
       cudaGetDevice(&dev);
@@ -444,15 +500,23 @@ struct WgKern {
 };
 
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
-// w4a16_kernel.cuh); the token tile from p.m. v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
+// w4a16_kernel.cuh), 6 whether this M runs stream-K (p.splits is then the grid); the token tile from p.m. v = 62:
+// the last CTA of a tile sums the splits; 63: a second kernel does.
 template <typename T, int NTOK, int PIPE, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   using P = WgPipe<NTOK, PIPE>;
+  if (op == 6) return P::SK ? 1 : 0;
+  if (op == 3) {  // fp32 scratch floats
+    if (P::SK) return p.splits * 2 * NTOK * 256;  // [G, 2 slots, NTOK * 256]
+    if (p.splits <= 1) return 0;
+    if (SEP) return p.splits * p.m * p.n;  // [splits, m, n]
+    return p.splits * ((p.m + NTOK - 1) / NTOK) * NTOK * p.n;  // [splits, N / 256, token tiles, NTOK * 256]
+  }
   if (p.group_k16 % WG_KS == 0) {  // every 64-K stage inside one group
-    using K = WgKern<T, NTOK, P::STAGES, true, SEP, P::MINB>;
+    using K = WgKern<T, NTOK, P::STAGES, true, SEP, P::QPRE, P::SK>;
     return op == 1 ? K::per_sm() : K::launch(p, stream);
   }
-  using K = WgKern<T, NTOK, P::STAGES, false, SEP, P::MINB>;
+  using K = WgKern<T, NTOK, P::STAGES, false, SEP, P::QPRE, P::SK>;
   return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
 template <typename T, int PIPE, bool SEP>
@@ -476,12 +540,6 @@ int wgmma_run_p(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 
 template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (op == 3) {
-    if (p.splits <= 1) return 0;
-    if (v == 63) return p.splits * p.m * p.n;  // [splits, m, n]
-    const int ntok = sdq_wg_ntok(p.m);  // [splits, N / 256, token tiles, NTOK * 256]
-    return p.splits * ((p.m + ntok - 1) / ntok) * ntok * p.n;
-  }
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
