@@ -52,38 +52,38 @@ def log(*a):
     print(*a, flush=True)
 
 
-def label(config: int, pipe: int) -> str:
-    """A timed kernel: config 62 / 63 on the shipped pipeline ("62") or on experiment pipe p of
-    int4_cuda.set_wgmma_pipe ("62p1")."""
-    return str(config) if pipe == 0 else f"{config}p{pipe}"
+def label(config: int, mode: str) -> str:
+    """A timed kernel: config 62 / 63 with the automatic split-K / stream-K choice ("62") or with stream-K of the
+    128-token tile forced off or on (int4_cuda.set_wgmma_stream_k: "62-off", "62-on")."""
+    return str(config) if mode == "auto" else f"{config}-{mode}"
 
 
 def parse_label(lab: str) -> tuple:
-    c, _, p = str(lab).partition("p")
-    return int(c), int(p or 0)
+    c, _, mode = str(lab).partition("-")
+    return int(c), mode or "auto"
 
 
-class pipe_set:
-    """Run a block with int4_cuda.set_wgmma_pipe(pipe) in force (launches, split-K and occupancy read it)."""
+class stream_k_set:
+    """Run a block with int4_cuda.set_wgmma_stream_k(mode) in force (launches and the split / grid choice read it)."""
 
-    def __init__(self, pipe: int):
-        self.pipe = pipe
+    def __init__(self, mode: str):
+        self.mode = mode
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = int4_cuda.set_wgmma_pipe(self.pipe) if self.pipe else None
+        self.old = int4_cuda.set_wgmma_stream_k(self.mode) if self.mode != "auto" else None
         return self
 
     def __exit__(self, *exc):
         if self.old is not None:
             from sdquant.kernels import int4_cuda
-            int4_cuda.set_wgmma_pipe(self.old)
+            int4_cuda.set_wgmma_stream_k(self.old)
         return False
 
 
-def child_check(configs, pipes=(0,)) -> None:
-    """Entry of the checking child (run_checks): int4_tune's checks with this kernel's cases, once per pipeline;
-    rows and occupancy are labelled "62", "62p1", ..."""
+def child_check(configs, modes=("auto",)) -> None:
+    """Entry of the checking child (run_checks): int4_tune's checks with this kernel's cases, once per stream-K
+    mode; rows and occupancy are labelled "62", "62-on", ..."""
     from sdquant.kernels import int4_cuda
     t = time.time()
     ok = int4_cuda.available()
@@ -92,22 +92,22 @@ def child_check(configs, pipes=(0,)) -> None:
         return
     dev = torch.device("cuda")
     occ, rows = {}, []
-    for pipe in pipes:
-        with pipe_set(pipe):
+    for mode in modes:
+        with stream_k_set(mode):
             for c in configs:
-                occ[label(c, pipe)] = [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64, 128)]
+                occ[label(c, mode)] = [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64, 128)]
             got = int4_tune.check_configs(dev, configs, CHECK_CASES,
-                                          progress=lambda c, pipe=pipe: print(f"START {label(c, pipe)}", flush=True))
+                                          progress=lambda c, mode=mode: print(f"START {label(c, mode)}", flush=True))
         for r in got:
-            r["config"] = label(r["config"], pipe)
+            r["config"] = label(r["config"], mode)
         rows += got
     print("OCC " + json.dumps(occ), flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
 
 
-def run_checks(configs, timeout: float, pipes=(0,)) -> tuple:
+def run_checks(configs, timeout: float, modes=("auto",)) -> tuple:
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import int4_wgmma as t; "
-            f"t.child_check({configs!r}, {tuple(pipes)!r})")
+            f"t.child_check({configs!r}, {tuple(modes)!r})")
     t = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=timeout)
@@ -127,7 +127,7 @@ def run_checks(configs, timeout: float, pipes=(0,)) -> tuple:
         return [], [], build, occ
     rows = json.loads(got[5:])
     per = int4_tune.summarize_checks(rows)
-    labels = [label(c, pipe) for pipe in pipes for c in configs]
+    labels = [label(c, mode) for mode in modes for c in configs]
     passing = [c for c in labels if c in per and per[c]["pass"] == per[c]["n"]]
     for c in labels:
         d = per.get(c, {"n": 0, "pass": 0, "worst": {}})
@@ -170,15 +170,15 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                                          ncopy)
             if tiny is not None and m <= 64:
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
-            pipe_of = {}
-            for lab in configs:  # labels: "62", "63p1", ...
-                c, pipe_of[f"v{lab}"] = parse_label(lab)
+            mode_of = {}
+            for lab in configs:  # labels: "62", "63-on", ...
+                c, mode_of[f"v{lab}"] = parse_label(lab)
                 provs[f"v{lab}"] = (lambda i, c=c: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
                                                        lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, c), ncopy)
             row = {"K": k, "N": n, "M": m}
             for name, (call, nrot) in provs.items():
                 try:
-                    with pipe_set(pipe_of.get(name, 0)):
+                    with stream_k_set(mode_of.get(name, "auto")):
                         err = gemm.rel_err(call(0), ref)
                         us = timer(call, nrot)
                 except Exception as ex:  # noqa: BLE001 - reported in the row
@@ -259,8 +259,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
-    ap.add_argument("--pipes", default="0", help="wgmma pipelines to check and time (int4_cuda.set_wgmma_pipe), "
-                                                 "each config on each")
+    ap.add_argument("--stream-k", default="auto", help="stream-K modes of the 128-token tile to check and time, "
+                                                       "each config in each (auto,off,on: int4_cuda.set_wgmma_stream_k)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
     ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
@@ -275,8 +275,8 @@ def main(argv=None):
     from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
     t_start = time.time()
     configs = [int(c) for c in args.configs.split(",")]
-    pipes = [int(v) for v in args.pipes.split(",")]
-    labels = [label(c, pipe) for pipe in pipes for c in configs]
+    modes = args.stream_k.split(",")
+    labels = [label(c, mode) for mode in modes for c in configs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
@@ -290,7 +290,7 @@ def main(argv=None):
     else:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name(0)
-        passing, rows, build, occ = run_checks(configs, args.check_timeout, pipes)
+        passing, rows, build, occ = run_checks(configs, args.check_timeout, modes)
         result.update(checks=rows, build=build, occupancy=occ)
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         ms = [int(v) for v in args.ms.split(",")]

@@ -249,15 +249,22 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
-def set_wgmma_pipe(pipe: int) -> int:
-    """The wgmma kernel's (variants 62-63) pipeline for launches, split-K and occupancy queries from now on in this
-    process: 0 the shipped one, 1-3 the experiments of ``WgPipe`` in csrc/w4a16_wgmma.cuh (bit 0: a stage's weight
-    words read at once, bit 1: stream-K at the 128-token tile). For bench/int4_wgmma.py --pipes. Read at launch time, so set it before a CUDA graph is captured. Returns
-    the previous setting (0 where the extension is not built)."""
-    if pipe not in (0, 1, 2, 3):
-        raise ValueError(f"pipe: {pipe} is not one of 0-3")
+WGMMA_STREAM_K = {"auto": 0, "off": 1, "on": 2}
+
+
+def set_wgmma_stream_k(mode: str) -> str:
+    """Stream-K for the wgmma kernel's (variants 62-63) 128-token tile, for launches and split / grid queries from
+    now on in this process: "auto" (the default: at M > 128 where split-K would leave more than a tenth of the
+    resident slots idle over its waves, csrc/w4a16_wgmma.cuh ``wg_stream_k``), "off" (always split-K) or "on". For
+    A/B runs (bench/int4_wgmma.py --stream-k). Read at launch time, so set it before a CUDA graph is captured. Returns
+    the previous mode ("auto" where the extension is not built)."""
+    if mode not in WGMMA_STREAM_K:
+        raise ValueError(f"mode: {mode!r} is not one of {sorted(WGMMA_STREAM_K)}")
     ext = extension()
-    return 0 if ext is None else int(ext.set_wg_pipe(int(pipe)))
+    if ext is None:
+        return "auto"
+    old = int(ext.set_wg_stream_k(WGMMA_STREAM_K[mode]))
+    return {v: k for k, v in WGMMA_STREAM_K.items()}[old]
 
 
 def m_bucket(m: int) -> int:

@@ -37,9 +37,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
-    # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes = 32 a pipeline (WgPipe): the shipped one, QPRE, and stream-K at
-    # the 128-token tile (62 and 63 alike) without and with QPRE (2 x 2 x 2 new)
-    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 32 + 8
+    # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes, + stream-K at the 128-token tile (62 and 63 alike): 2 x 2
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4
     assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2
     # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
     # wgmmas are in flight, or too few registers for the pipeline)
@@ -257,9 +256,9 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
         assert row["bf16"] > 0 and row["v62"] > 0 and row["v63"] > 0 and row["v62_err"] < 1e-2
     assert "| K×N | M | bf16 |" in r.stdout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import int4_wgmma  # the labels of configs on the wgmma pipelines (--pipes)
-    assert [int4_wgmma.label(63, p) for p in (0, 2)] == ["63", "63p2"]
-    assert [int4_wgmma.parse_label(v) for v in ("62", "63p2")] == [(62, 0), (63, 2)]
+    import int4_wgmma  # the labels of configs under a forced stream-K mode (--stream-k)
+    assert [int4_wgmma.label(63, m) for m in ("auto", "on")] == ["63", "63-on"]
+    assert [int4_wgmma.parse_label(v) for v in ("62", "63-off")] == [(62, "auto"), (63, "off")]
     r = _run_bench("x_smem.py", "--dry", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "x_smem.json").read_text())["rows"]

@@ -29,6 +29,13 @@ struct SdqW4A16Params {
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each
 // 128 of the 256 features); the others one.
 static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
+// Its split-K factor: the splits of `tiles` tiles that fill `ctas` CTAs once (the resident slots, or a target), at
+// least 4 stages of 64 K a split.
+static inline int sdq_wg_splits(int tiles, int ctas, int k) {
+  int splits = ctas / (tiles < 1 ? 1 : tiles);
+  if (splits > k / 64 / 4) splits = k / 64 / 4;
+  return splits < 1 ? 1 : splits;
+}
 
 #ifdef __cplusplus
 extern "C" {
@@ -50,10 +57,11 @@ int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t st
 int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 // Runs a tiny kernel that copies through cp.async with an L2::evict_first cache policy; 0 = it worked.
 int sdq_probe_evict_first(cudaStream_t stream);
-// The wgmma kernel's pipeline (shared-memory stages, register cap) for the launches and occupancy queries from now on
-// in this process: 0 the shipped one, 1-3 experiments (WgPipe in w4a16_wgmma.cuh). Returns the previous setting.
-int sdq_w4a16_set_wg_pipe(int pipe);
-int sdq_w4a16_wg_pipe(void);
+// Stream-K for the wgmma kernel's 128-token tile, for the launches and split/grid queries from now on in this process:
+// 0 where the split-K grid would leave slots idle (at M > 128; w4a16_wgmma.cuh), 1 never, 2 always. Returns the
+// previous setting.
+int sdq_w4a16_set_wg_stream_k(int mode);
+int sdq_w4a16_wg_stream_k(void);
 #ifdef __cplusplus
 }
 #endif

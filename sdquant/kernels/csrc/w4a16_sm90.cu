@@ -122,9 +122,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
       if (g > units / 4) g = units / 4;
       return g < 1 ? 1 : static_cast<int>(g);
     }
-    int splits = (want < slots ? want : slots) / (tiles < 1 ? 1 : tiles);
-    if (splits > k / 64 / 4) splits = k / 64 / 4;
-    return splits < 1 ? 1 : splits;
+    return sdq_wg_splits(tiles, want < slots ? want : slots, k);
   }
   if (kind == 2) {
     // lean kernel: the CTAs that fit at once (or target2 / 2 per SM), floor(CTAs / tiles) splits (a second partial
@@ -189,14 +187,14 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 }
 
 namespace {
-int g_wg_pipe = 0;
+int g_wg_stream_k = 0;
 }
-extern "C" int sdq_w4a16_set_wg_pipe(int pipe) {
-  const int old = g_wg_pipe;
-  g_wg_pipe = pipe >= 0 && pipe <= 3 ? pipe : 0;
+extern "C" int sdq_w4a16_set_wg_stream_k(int mode) {
+  const int old = g_wg_stream_k;
+  g_wg_stream_k = mode >= 0 && mode <= 2 ? mode : 0;
   return old;
 }
-extern "C" int sdq_w4a16_wg_pipe(void) { return g_wg_pipe; }
+extern "C" int sdq_w4a16_wg_stream_k(void) { return g_wg_stream_k; }
 
 extern "C" int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant) {
   SdqW4A16Params q{};

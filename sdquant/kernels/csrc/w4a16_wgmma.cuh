@@ -30,6 +30,9 @@
 //   the last CTA of a (feature tile, token tile) -- counted on a lock it resets -- sums them, one launch. Variant 63:
 //   plain [splits, m, n] partials summed by wg_reduce_kernel over the whole GPU (better where tiles are few and
 //   splits many, e.g. N = 4096).
+// * Stream-K instead at the 128-token tile where split-K would leave resident slots idle (wg_stream_k, M > 128): a
+//   grid of the slots over the (tile, stage) units, a tile cut between CTAs summed in CTA order by the last of them
+//   (two partial slots a CTA: the first segment's and the last's), variants 62 and 63 alike.
 // * Token tiles over gridDim.x (fastest), so the CTAs that share a weight tile run together and share it in L2.
 #pragma once
 #include "w4a16_kernel.cuh"
@@ -42,6 +45,14 @@ namespace {
 
 constexpr int WG_BLOCKS = 4;  // 64-feature blocks per CTA, one per warp
 constexpr int WG_KS = 4;      // 16-deep K steps per stage (a stage = 64 K)
+
+// SMs of the current device (a process may drive several)
+inline int sm_count_now() {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
 
 template <int NTOK, int STAGES>
 struct WgSmem {
@@ -143,7 +154,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool QPRE, bool SK>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES>;
@@ -224,24 +235,16 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       const uint64_t desc = wg_desc(st);
       const int ks0 = (st0 + s) * WG_KS;
       if constexpr (ONE_GROUP) load_group(st, 0);
-      // QPRE: the stage's four K steps of weight words in one go (else ptxas issues each step's load after the
-      // previous step's wgmma fence)
-      uint32_t qs[QPRE ? WG_KS : 1][NU];
-      if constexpr (QPRE) {
+      // the stage's four K steps of weight words in one go: one load a step, issued where ptxas put it (after the
+      // previous step's wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15)
+      uint32_t qs[WG_KS][NU];
 #pragma unroll
-        for (int k0 = 0; k0 < WG_KS; ++k0)
-          ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, qs[k0]);
-      }
+      for (int k0 = 0; k0 < WG_KS; ++k0)
+        ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, qs[k0]);
 #pragma unroll
       for (int k0 = 0; k0 < WG_KS; ++k0) {
         if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-        uint32_t q[NU];
-        if constexpr (QPRE) {
-#pragma unroll
-          for (int u = 0; u < NU; ++u) q[u] = qs[k0][u];
-        } else {
-          ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, q);
-        }
+        const uint32_t(&q)[NU] = qs[k0];
         wg_wait<1>();
         uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
@@ -404,10 +407,9 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   if (tid == 0) *lock = 0;
 }
 
-// The kernel (__launch_bounds__ without a CTA count: ptxas allocates registers differently when given one, even 1)
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool QPRE, bool SK>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, QPRE, SK>(p);
+  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, SK>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -438,26 +440,14 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-// The pipeline of a token tile. PIPE 0 is the shipped choice; 1-3 are the experiments that int4_cuda.set_wgmma_pipe
-// selects (bench/int4_wgmma.py --pipes): bit 0 QPRE (a stage's four K steps of weight words read from shared memory
-// at once), bit 1 stream-K at the 128-token tile (SK: a grid of the resident slots over the tile x stage units, instead
-// of split-K; variants 62 and 63 alike). (Run 14 measured 6 and 7-8 stages and a register cap for a third CTA per SM
-// at 32 tokens: within 3% of four stages, not kept.)
-template <int NTOK, int PIPE>
-struct WgPipe {
-  static constexpr int STAGES = 4;
-  static constexpr bool QPRE = (PIPE & 1) != 0;
-  static constexpr bool SK = (PIPE & 2) != 0 && NTOK == 128;
-};
-
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, bool QPRE, bool SK>
+template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, bool SK>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE && !SK, WGS, QPRE, SK>;
+  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   static int setup() {
     static const int rc =
         static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -485,9 +475,7 @@ struct WgKern {
     cudaLaunchKernelEx(&cfg, kernel, p);
     if (SEPARATE && !SK && p.splits > 1) {
       if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
-      int dev = 0, sms = 132;  // the current device's (a process may drive several)
-      cudaGetDevice(&dev);
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      const int sms = sm_count_now();
       const long long n4 = static_cast<long long>(p.m) * p.n / 4;
       const int blocks = static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms));
       cfg.gridDim = dim3(blocks);
@@ -499,42 +487,63 @@ struct WgKern {
   }
 };
 
+constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_wgmma.py run 14)
+
+// Stream-K at the 128-token tile (M = 129-256: two token tiles) where split-K leaves more than a tenth of the resident
+// slots idle over its waves (e.g. 8192x10240: 80 tiles on 132 slots; 8192x28672: 224 tiles = 1.7 waves), else
+// split-K; int4_cuda.set_wgmma_stream_k forces either. Run 15 (bench/int4_wgmma.py): stream-K at M = 256 8192x10240
+// 122.6 -> 89.1 us, 8192x28672 245.4 -> 224.8; at M = 65-128, where the same rule would pick it on the N = 28672
+// shapes, it won 2% on 8192x28672 and lost 5% on 4096x28672, and it lost 1-50% where split-K fills the slots.
+template <typename T, int NTOK, bool SEP>
+bool wg_stream_k(const SdqW4A16Params& p) {
+  if constexpr (NTOK != 128) {
+    return false;
+  } else {
+    const int mode = sdq_w4a16_wg_stream_k();
+    if (mode != 0) return mode == 2;
+    if (p.m <= NTOK) return false;
+    const int slots = sm_count_now() * WgKern<T, NTOK, WG_STAGES, true, SEP, false>::per_sm();
+    const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
+    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k);
+    const int waves = (ctas + slots - 1) / slots;
+    return 10 * ctas < 9 * waves * slots;
+  }
+}
+
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
-// w4a16_kernel.cuh), 6 whether this M runs stream-K (p.splits is then the grid); the token tile from p.m. v = 62:
-// the last CTA of a tile sums the splits; 63: a second kernel does.
-template <typename T, int NTOK, int PIPE, bool SEP>
-int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  using P = WgPipe<NTOK, PIPE>;
-  if (op == 6) return P::SK ? 1 : 0;
+// w4a16_kernel.cuh), 6 whether this launch runs stream-K (p.splits is then the grid); the token tile from p.m.
+// v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
+template <typename T, int NTOK, bool SEP, bool SK>
+int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 3) {  // fp32 scratch floats
-    if (P::SK) return p.splits * 2 * NTOK * 256;  // [G, 2 slots, NTOK * 256]
+    if (SK) return p.splits * 2 * NTOK * 256;  // [G, 2 slots, NTOK * 256]
     if (p.splits <= 1) return 0;
     if (SEP) return p.splits * p.m * p.n;  // [splits, m, n]
     return p.splits * ((p.m + NTOK - 1) / NTOK) * NTOK * p.n;  // [splits, N / 256, token tiles, NTOK * 256]
   }
   if (p.group_k16 % WG_KS == 0) {  // every 64-K stage inside one group
-    using K = WgKern<T, NTOK, P::STAGES, true, SEP, P::QPRE, P::SK>;
+    using K = WgKern<T, NTOK, WG_STAGES, true, SEP, SK>;
     return op == 1 ? K::per_sm() : K::launch(p, stream);
   }
-  using K = WgKern<T, NTOK, P::STAGES, false, SEP, P::QPRE, P::SK>;
+  using K = WgKern<T, NTOK, WG_STAGES, false, SEP, SK>;
   return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
-template <typename T, int PIPE, bool SEP>
-int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  switch (sdq_wg_ntok(p.m)) {
-    case 16: return wgmma_run_n<T, 16, PIPE, SEP>(op, p, stream);
-    case 32: return wgmma_run_n<T, 32, PIPE, SEP>(op, p, stream);
-    case 128: return wgmma_run_n<T, 128, PIPE, SEP>(op, p, stream);
-    default: return wgmma_run_n<T, 64, PIPE, SEP>(op, p, stream);
-  }
+template <typename T, int NTOK, bool SEP>
+int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);  // (stream-K: the same CTAs per SM)
+  const bool sk = wg_stream_k<T, NTOK, SEP>(p);
+  if (op == 6) return sk ? 1 : 0;
+  if constexpr (NTOK == 128)
+    if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
+  return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
 }
 template <typename T, bool SEP>
-int wgmma_run_p(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  switch (sdq_w4a16_wg_pipe()) {
-    case 1: return wgmma_run_t<T, 1, SEP>(op, p, stream);
-    case 2: return wgmma_run_t<T, 2, SEP>(op, p, stream);
-    case 3: return wgmma_run_t<T, 3, SEP>(op, p, stream);
-    default: return wgmma_run_t<T, 0, SEP>(op, p, stream);
+int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  switch (sdq_wg_ntok(p.m)) {
+    case 16: return wgmma_run_n<T, 16, SEP>(op, p, stream);
+    case 32: return wgmma_run_n<T, 32, SEP>(op, p, stream);
+    case 128: return wgmma_run_n<T, 128, SEP>(op, p, stream);
+    default: return wgmma_run_n<T, 64, SEP>(op, p, stream);
   }
 }
 
@@ -544,7 +553,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
-  return v == 63 ? wgmma_run_p<T, true>(op, p, stream) : wgmma_run_p<T, false>(op, p, stream);
+  return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
 }
 
 }  // namespace
