@@ -135,7 +135,13 @@ def run_checks(configs, timeout: float, modes=("auto",)) -> tuple:
     return passing, rows, build, occ
 
 
-def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float) -> list:
+def timed_names(configs, splits=(0,)) -> list:
+    """Row keys of the timed wgmma calls: "v62", "v63-on", ... with the automatic split-K / grid, "v63s8" with 8
+    forced splits (or a stream-K grid of 8)."""
+    return [f"v{lab}" + (f"s{sp}" if sp else "") for lab in configs for sp in splits]
+
+
+def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float, splits=(0,)) -> list:
     from sdquant.kernels import int4_cuda
     dtype = torch.bfloat16
     rows = []
@@ -172,9 +178,13 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
             mode_of = {}
             for lab in configs:  # labels: "62", "63-on", ...
-                c, mode_of[f"v{lab}"] = parse_label(lab)
-                provs[f"v{lab}"] = (lambda i, c=c: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
-                                                       lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, c), ncopy)
+                c, mode = parse_label(lab)
+                for sp in splits:
+                    name = f"v{lab}" + (f"s{sp}" if sp else "")
+                    mode_of[name] = mode
+                    provs[name] = (lambda i, c=c, sp=sp: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"],
+                                                             lay_c[i]["zeros"], lay_c[i]["perm"], lay_c[i]["locks"],
+                                                             None, sp, False, c), ncopy)
             row = {"K": k, "N": n, "M": m}
             for name, (call, nrot) in provs.items():
                 try:
@@ -212,18 +222,17 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
                       ("ITEM", "Stall", "stall"), timeout, extra=("--print-details", "all"))
 
 
-def table(rows, configs) -> str:
-    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", *[f"v{c}" for c in configs],
-            "best wgmma ×bf16", "÷ best before"]
+def table(rows, names) -> str:
+    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", *names, "best wgmma ×bf16", "÷ best before"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        new = [r.get(f"v{c}") for c in configs if r.get(f"v{c}") is not None]
+        new = [r.get(c) for c in names if r.get(c) is not None]
         old = [r.get(k) for k in ("triton", "cuda_default") if r.get(k) is not None]
         best = min(new) if new else None
         fmt = (lambda v: "–" if v is None else f"{v:.1f}")
         out.append("| " + " | ".join([f"{r['K']}×{r['N']}", str(r["M"]), fmt(r.get("bf16")), fmt(r.get("triton")),
                                        fmt(r.get("cuda_default")), fmt(r.get("tinygemm")),
-                                       *[fmt(r.get(f"v{c}")) for c in configs],
+                                       *[fmt(r.get(c)) for c in names],
                                        "–" if best is None or not r.get("bf16") else f"{r['bf16'] / best:.2f}",
                                        "–" if best is None or not old else f"{min(old) / best:.2f}"]) + " |")
     return "\n".join(out)
@@ -261,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--stream-k", default="auto", help="stream-K modes of the 128-token tile to check and time, "
                                                        "each config in each (auto,off,on: int4_cuda.set_wgmma_stream_k)")
+    ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
+                                                  "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
     ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
@@ -295,12 +306,13 @@ def main(argv=None):
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         ms = [int(v) for v in args.ms.split(",")]
     result["passing"] = passing
-    result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start)
+    splits = [int(v) for v in args.splits.split(",")]
+    result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start, splits)
     (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
     if args.ncu and not args.dry and passing:
         ncu(out, [it for it in NCU_ITEMS if str(it[3]) in passing])
     log(f"\nchecks: {len(passing)}/{len(labels)} configs pass; wall {time.time() - t_start:.0f} s")
-    log(table(result["rows"], passing))
+    log(table(result["rows"], timed_names(passing, splits)))
     return 0 if len(passing) == (len(configs) if args.dry else len(labels)) else 1
 
 
