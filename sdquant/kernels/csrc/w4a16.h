@@ -29,11 +29,18 @@ struct SdqW4A16Params {
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each
 // 128 of the 256 features); the others one.
 static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
-// Its split-K factor: the splits of `tiles` tiles that fill `ctas` CTAs once (the resident slots, or a target), at
-// least 4 stages of 64 K a split.
-static inline int sdq_wg_splits(int tiles, int ctas, int k) {
-  int splits = ctas / (tiles < 1 ? 1 : tiles);
-  if (splits > k / 64 / 4) splits = k / 64 / 4;
+// Its split-K factor for `tiles` tiles on `ctas` CTAs (the resident slots, or a target): the splits that fill them
+// once, at least 8 stages of 64 K a split; automatic (two_per_sm: twice the SM count, else 0) at most two CTAs per SM
+// where the splits would be shorter than 16 stages and that still leaves 3 or more. bench/int4_wgmma.py run 17
+// (forced splits 2-16 at M = 16-64): filling 3 CTAs per SM with short splits cost 4-11% on the N = 4096 / 6144
+// shapes (4096x4096 M = 64: 16 splits 17.0 us, 8 splits 15.1; 14336x4096 M = 32: 24 splits 22.8, 16 splits 21.5),
+// while the wide shapes' 2-3 splits and 28672x8192's 12 were best.
+static inline int sdq_wg_splits(int tiles, int ctas, int k, int two_per_sm) {
+  const int t = tiles < 1 ? 1 : tiles;
+  int splits = ctas / t;
+  const int two = two_per_sm / t;
+  if (two_per_sm > 0 && two >= 3 && two < splits && k / 64 < 16 * splits) splits = two;
+  if (splits > k / 64 / 8) splits = k / 64 / 8;
   return splits < 1 ? 1 : splits;
 }
 

@@ -122,7 +122,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
       if (g > units / 4) g = units / 4;
       return g < 1 ? 1 : static_cast<int>(g);
     }
-    return sdq_wg_splits(tiles, want < slots ? want : slots, k);
+    return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
   }
   if (kind == 2) {
     // lean kernel: the CTAs that fit at once (or target2 / 2 per SM), floor(CTAs / tiles) splits (a second partial

@@ -502,9 +502,9 @@ bool wg_stream_k(const SdqW4A16Params& p) {
     const int mode = sdq_w4a16_wg_stream_k();
     if (mode != 0) return mode == 2;
     if (p.m <= NTOK) return false;
-    const int slots = sm_count_now() * WgKern<T, NTOK, WG_STAGES, true, SEP, false>::per_sm();
+    const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, true, SEP, false>::per_sm();
     const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
-    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k);
+    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
     const int waves = (ctas + slots - 1) / slots;
     return 10 * ctas < 9 * waves * slots;
   }
