@@ -317,13 +317,14 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 # (run 11, M = 32: 4096x4096 12.5 us vs the previous config's 17.3, 4096x6144 14.2 vs 20.1, 14336x4096 22.0 vs 37.3);
 # 62 (summed in the last CTA of a tile) where it was faster or the two tie (run 11, M = 32: 8192x28672 62.2 vs 66.5,
 # 4096x28672 36.5 vs 37.5, 28672x8192 59.1 vs 59.7). At M = 9-16 where either beat the previous config by > 3% (run 11:
-# 14336x4096 19.5 vs 21.6, 8192x28672 53.0 vs 65.0); 4096x4096 keeps v37 there (10.7 vs 63's 10.7).
+# 14336x4096 19.5 vs 21.6, 8192x28672 53.0 vs 65.0); 4096x4096 kept v37 there (10.7 vs 63's 10.7) until run 18.
 WGMMA_DEFAULT = {64: 63, 128: 63, 256: 63}
 WGMMA_SHAPE_CONFIGS: dict = {
     (8192, 28672, 32): 62, (4096, 28672, 32): 62, (28672, 8192, 32): 62, (8192, 10240, 32): 62,
     (14336, 4096, 32): 63, (4096, 4096, 32): 63, (4096, 6144, 32): 63,
     (4096, 28672, 16): 62, (28672, 8192, 16): 62, (8192, 28672, 16): 62, (8192, 10240, 16): 63, (4096, 6144, 16): 63,
     (14336, 4096, 16): 63,  # run 7: 19.8 / 20.2 us (runs 7 / 9) vs v37's 21.6
+    (4096, 4096, 16): 63,  # run 18: 10.1 us vs v37's 10.9 in the same process (the split-K rule of run 17)
     (4096, 28672, 128): 62,
     (4096, 128256, 32): 62,  # lm_head, run 6: 139.7 us vs v0 153.9 (v63 145.5; M = 64: 62 175.0, 63 176.6)
 }

@@ -89,7 +89,8 @@ def test_config_encoding_and_defaults():
         assert int4_cuda.auto_config(m, 28672, 8192) in int4_cuda.WGMMA_VARIANTS
     assert int4_cuda.auto_config(33, 64 * 5, 4096) == 0     # N % 256 != 0: not the wgmma kernel
     assert int4_cuda.auto_config(32, 28672, 8192) == 62 and int4_cuda.auto_config(32, 4096, 4096) == 63
-    assert int4_cuda.auto_config(16, 28672, 4096) == 62 and int4_cuda.auto_config(16, 4096, 4096) == 37
+    assert int4_cuda.auto_config(16, 28672, 4096) == 62 and int4_cuda.auto_config(16, 4096, 4096) == 63
+    assert int4_cuda.auto_config(16, 4096, 4096, wgmma=False) == 37
     assert int4_cuda.auto_config(32, 4096, 4096, wgmma=False) == 37
     for (k, n, b), c in int4_cuda.SHAPE_CONFIGS.items():
         assert b <= 16 or c % 64 in (0, *int4_cuda.NT4_VARIANTS), (k, n, b)
