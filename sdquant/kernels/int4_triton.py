@@ -202,10 +202,14 @@ _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_
 # H200 run 3 of bench/triton_mid_m.py (2026-12-01, commit 7307065, bench/results/triton_mid_m_h200.json; the
 # configs from the wider sweeps of runs 1-2, *_run1/_run2.json): the swap-AB kernel was the fastest Triton path at
 # every measured point with M >= 4 (1.2-1.7x the small-M plan at M = 4-16 -- its 16-row tile costs the same at
-# M = 3 as at 16 -- 1.2-2.3x the old kernels at M = 32, 1.2-6.7x at M = 64-1024); M <= 2 stays with the GEMV
-MID_M_PLAN: dict = {4: _MM32W8, 8: _MM32W8, 16: _MM32W8, 32: _MM32W8, 64: _MM128, 128: _MM128K64, 256: _MM256S4,
-                    512: _MM256S4, 1024: _MM256S4}
+# M = 3 as at 16 -- 1.2-2.3x the old kernels at M = 32, 1.2-6.7x at M = 64-1024). Run 4 (2026-12-01, 18:17 UTC,
+# commit 3a549c2, bench/results/triton_mid_m_h200_run4_m2.*, same process): at M = 2 too, 11-22% faster than the GEMV
+# (8192x28672 89.3 -> 79.5 us, 28672x8192 91.1 -> 74.8, 4096x4096 13.4 -> 10.5; 4096x6144 16.5 -> 14.0 with m32x2)
+# except on 8192x10240 (34.8 vs 38.3), which keeps the GEMV; M = 1 stays with the GEMV everywhere
+MID_M_PLAN: dict = {2: _MM32W8, 4: _MM32W8, 8: _MM32W8, 16: _MM32W8, 32: _MM32W8, 64: _MM128, 128: _MM128K64,
+                    256: _MM256S4, 512: _MM256S4, 1024: _MM256S4}
 MID_SHAPE_PLAN: dict = {
+    (8192, 10240, 2): None, (4096, 6144, 2): _MM32X2,
     (8192, 10240, 4): _MM32X2, (4096, 6144, 4): _MM32X2, (8192, 10240, 8): _MM32X2, (4096, 6144, 8): _MM32X2,
     (8192, 10240, 16): _MM32X2, (4096, 6144, 16): _MM32X2, (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
     (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,

@@ -84,6 +84,20 @@ def test_resolve_splits_k_when_tiles_do_not_fill_the_sms():
     assert MM.resolve({"BLOCK_K": 128}, 20, 4096, 4096, 64, 132)["BLOCK_K"] == 128
 
 
+def test_op_runs_m_2_here_and_matches_the_reference(interpret, monkeypatch):
+    # M = 2 (a planned bucket since run 4 of bench/triton_mid_m.py): the op routes to this kernel, 30 of 32 rows masked
+    monkeypatch.setitem(int4_triton.MID_M_PLAN, 2, {**MM.default_config(2)})
+    calls = []
+    real = MM.run
+    monkeypatch.setattr(MM, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qw = make_qw(128, 256, 64, True, False, seed=5)
+    lay = L.repack_triton(qw, torch.float16)
+    x = torch.randn(2, 256).to(torch.float16)
+    y = int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None)
+    assert calls and y.shape == (2, 128)
+    assert rel(y, reference(x, qw)) < BOUND[torch.float16]
+
+
 def test_op_routes_mid_m_here(interpret, monkeypatch):
     # the op's dispatch runs this kernel for a planned bucket; bias and batch dims go through the op
     monkeypatch.setitem(int4_triton.MID_M_PLAN, 64, {**MM.default_config(64), "SPLIT_K": 2})
@@ -100,9 +114,12 @@ def test_op_routes_mid_m_here(interpret, monkeypatch):
     assert rel(y.reshape(40, 128), ref) < BOUND[torch.float16]
 
 
-def test_plan_leaves_m_le_2_to_the_gemv():
-    assert int4_triton.mid_m_plan(1, 4096, 4096) is None and int4_triton.mid_m_plan(2, 28672, 8192) is None
-    for m in (3, 17, 64, 300, 1024):
+def test_plan_leaves_m_1_to_the_gemv():
+    # M = 1 everywhere, and M = 2 where the GEMV was measured faster (8192x10240), run the GEMV of the small-M plan
+    assert int4_triton.mid_m_plan(1, 4096, 4096) is None and int4_triton.mid_m_plan(2, 10240, 8192) is None
+    assert int4_triton.small_m_plan(2, 10240, 8192)["kernel"] == "gemv"
+    assert int4_triton.mid_m_plan(2, 28672, 8192) is not None and int4_triton.mid_m_plan(2, 6144, 4096)["waves"] == 2.0
+    for m in (2, 3, 17, 64, 300, 1024):
         cfg = int4_triton.mid_m_plan(m, 28672, 8192)
         assert cfg is not None and MM.resolve(cfg, m, 28672, 8192, 128, 132)["BLOCK_M"] >= 16
 
