@@ -44,7 +44,7 @@ namespace sdq_w4a16 {
 namespace {
 
 constexpr int WG_BLOCKS = 4;  // 64-feature blocks per CTA, one per warp
-constexpr int WG_KS = 4;      // 16-deep K steps per stage (a stage = 64 K)
+constexpr int WG_KS = 4;      // 16-deep K steps per stage (a stage = 64 K; 128 K where wgmma_run_k says)
 
 // SMs of the current device (a process may drive several)
 inline int sm_count_now() {
@@ -54,10 +54,10 @@ inline int sm_count_now() {
   return sms;
 }
 
-template <int NTOK, int STAGES>
+template <int NTOK, int STAGES, int KS = WG_KS>
 struct WgSmem {
-  static constexpr int X_BYTES = NTOK * 128;                 // NTOK rows x 64 K, 128-byte swizzled
-  static constexpr int W_BYTES = WG_BLOCKS * WG_KS * 512;    // [warp][K step][lane] 16 B
+  static constexpr int X_BYTES = NTOK * 128 * (KS / 4);      // [64-K sub-tile][NTOK rows][64 K], 128-byte swizzled
+  static constexpr int W_BYTES = WG_BLOCKS * KS * 512;       // [warp][K step][lane] 16 B
   static constexpr int SZ_BYTES = 2 * 2 * WG_BLOCKS * 128;   // [group 0/1][scales/zeros][warp][g8] 16 B
   static constexpr int STAGE = (X_BYTES + W_BYTES + SZ_BYTES + 1023) / 1024 * 1024;
   static constexpr int TOTAL = STAGES * STAGE + 1024;        // + slack to align the base to 1024 B
@@ -116,24 +116,34 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// One stage's copies by the CTA's NT threads: weights (4 blocks x 4 K steps), scales/zeros of the stage's first and
+// One stage's copies by the CTA's NT threads: weights (4 blocks x KS K steps), scales/zeros of the stage's first and
 // last group (WITH_X = false) or the activation tile (WITH_X = true).
-template <int NTOK, int NT, bool WITH_X>
+template <int NTOK, int NT, bool WITH_X, int KS>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
                                               int tid) {
-  using L = WgSmem<NTOK, 2>;
+  using L = WgSmem<NTOK, 2, KS>;
   const int kb = p.k / 16;
   if constexpr (!WITH_X) {
     const char* b = static_cast<const char*>(p.b);
-    const int off = (tid & 127) * 16;
+    constexpr int CPB = KS * 32;  // 16-byte chunks of a block's stage (contiguous in the layout)
+    if constexpr (KS == WG_KS) {
+      const int off = (tid & 127) * 16;
 #pragma unroll
-    for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
-      const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
-      cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+      for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
+        const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
+        cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < WG_BLOCKS * CPB / NT; ++i) {  // chunk ci: block w, offset (ci % CPB) * 16
+        const int ci = i * NT + tid, w = ci / CPB, off = (ci % CPB) * 16;
+        cp_async16_s(st + L::X_BYTES + w * (CPB * 16) + off,
+                     b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+      }
     }
     if (NT > 128 && tid >= 128) return;
     const int gk = p.group_k16;
-    const int ga = ks0 / gk, gb = (ks0 + WG_KS - 1) / gk;
+    const int ga = ks0 / gk, gb = (ks0 + KS - 1) / gk;
     const int gsel = tid >> 6, which = (tid >> 5) & 1, w = (tid >> 3) & 3, g8 = tid & 7;
     const int grp = gsel ? gb : ga;
     const char* src = static_cast<const char*>(which ? p.zs : p.s) +
@@ -141,23 +151,31 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
     cp_async16_s(st + L::X_BYTES + L::W_BYTES + tid * 16, src);
   } else {
     const char* a = static_cast<const char*>(p.a);
-    static_assert(NTOK * 8 % NT == 0 || NT > NTOK * 8, "whole rounds of 16-byte chunks");
+    constexpr int CPR = 2 * KS;  // 16-byte chunks of a row (8 a 64-K sub-tile)
+    static_assert(NTOK * CPR % NT == 0 || NT > NTOK * CPR, "whole rounds of 16-byte chunks");
 #pragma unroll
-    for (int i = 0; i < (NTOK * 8 + NT - 1) / NT; ++i) {
+    for (int i = 0; i < (NTOK * CPR + NT - 1) / NT; ++i) {
       const int ci = tid + NT * i, r = ci >> 3, c = ci & 7;
-      if (NT > NTOK * 8 && ci >= NTOK * 8) break;
-      const int row = m0 + r;
-      const bool valid = row < p.m;
-      const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
-      cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+      if (NT > NTOK * CPR && ci >= NTOK * CPR) break;
+      if constexpr (KS == WG_KS) {
+        const int row = m0 + r;
+        const bool valid = row < p.m;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
+        cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+      } else {  // chunk ci: 64-K sub-tile ci / (8 NTOK), row (ci / 8) % NTOK, chunk ci % 8 of it
+        const int sub = ci / (8 * NTOK), rr = r % NTOK, row = m0 + rr;
+        const bool valid = row < p.m;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + sub * 64 + c * 8) * 2;
+        cp_async16_zfill(st + sub * (NTOK * 128) + rr * 128 + ((c ^ (rr & 7)) << 4), src, valid);
+      }
     }
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
-  using L = WgSmem<NTOK, STAGES>;
+  using L = WgSmem<NTOK, STAGES, KS>;
   constexpr int NT = 128 * WGS;   // threads
   constexpr int NU = 4 / WGS;     // wgmma row tiles (words of a lane's 16 fragment bytes) per warpgroup
   constexpr int PF = STAGES - 2;  // stages requested ahead of the one computed
@@ -212,11 +230,11 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     // conservative)
 #pragma unroll
     for (int s = 0; s < PF; ++s)
-      if (s < nst) wg_load_stage<NTOK, NT, false>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+      if (s < nst) wg_load_stage<NTOK, NT, false, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
     if (p.pdl) griddep_wait();
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
-      if (s < nst) wg_load_stage<NTOK, NT, true>(p, sbase + s * L::STAGE, (st0 + s) * WG_KS, nb0, m0, tid);
+      if (s < nst) wg_load_stage<NTOK, NT, true, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
       cp_async_commit();
     }
     for (int s = 0; s < nst; ++s) {
@@ -226,25 +244,31 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         const int sn = s + PF;
         if (sn < nst) {
           const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
-          wg_load_stage<NTOK, NT, false>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
-          wg_load_stage<NTOK, NT, true>(p, st, (st0 + sn) * WG_KS, nb0, m0, tid);
+          wg_load_stage<NTOK, NT, false, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
+          wg_load_stage<NTOK, NT, true, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
         }
         cp_async_commit();
       }
       const uint32_t st = sbase + (s % STAGES) * L::STAGE;
       const uint64_t desc = wg_desc(st);
-      const int ks0 = (st0 + s) * WG_KS;
+      const int ks0 = (st0 + s) * KS;
       if constexpr (ONE_GROUP) load_group(st, 0);
-      // the stage's four K steps of weight words in one go: one load a step, issued where ptxas put it (after the
-      // previous step's wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15)
-      uint32_t qs[WG_KS][NU];
+      // four K steps of weight words in one go: one load a step, issued where ptxas put it (after the previous
+      // step's wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15)
+      // (at KS = 8 in two batches of four, at steps 0 and 4: registers)
+      uint32_t qs[4][NU];
 #pragma unroll
-      for (int k0 = 0; k0 < WG_KS; ++k0)
-        ld_shared_words<NU>(st + L::X_BYTES + (warp * WG_KS + k0) * 512 + lane * 16 + 4 * NU * wg, qs[k0]);
+      for (int j = 0; j < 4; ++j)
+        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
 #pragma unroll
-      for (int k0 = 0; k0 < WG_KS; ++k0) {
+      for (int k0 = 0; k0 < KS; ++k0) {
+        if (k0 % 4 == 0 && k0 > 0) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+        }
         if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-        const uint32_t(&q)[NU] = qs[k0];
+        const uint32_t(&q)[NU] = qs[k0 % 4];
         wg_wait<1>();
         uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
@@ -260,7 +284,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
         wg_fence();
 #pragma unroll
-        for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);  // +32 B along K a step
+        for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
+          WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
         wg_commit();
 #pragma unroll
         for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
@@ -339,7 +364,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     // units in tile order (token tiles fastest, as gridDim.x of the split-K grid); CTA g takes units
     // [U g / G, U (g + 1) / G). A tile cut between CTAs is summed in CTA order by the last of them to arrive
     // (deterministic, whichever is last); each CTA has two partial slots, its first segment's and its last's.
-    const int tt = (p.m + NTOK - 1) / NTOK, nst_all = p.k / 64, grid = p.splits, g = blockIdx.x;
+    const int tt = (p.m + NTOK - 1) / NTOK, nst_all = p.k / (16 * KS), grid = p.splits, g = blockIdx.x;
     const long long units = static_cast<long long>(tt) * (p.n / 256) * nst_all;
     const auto start_of = [&](int cta) { return units * cta / grid; };
     const auto cta_of = [&](long long unit) {  // the CTA whose range holds unit
@@ -377,7 +402,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   const int m0 = blockIdx.x * NTOK;
   const int nb0 = blockIdx.y * WG_BLOCKS;
   const int split = blockIdx.z;
-  const int nst_all = p.k / 64;
+  const int nst_all = p.k / (16 * KS);
   zero_acc();
   mainloop(m0, nb0, static_cast<int>(static_cast<long long>(nst_all) * split / p.splits),
            static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits));
@@ -407,9 +432,9 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   if (tid == 0) *lock = 0;
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, ONE_GROUP, SEPARATE, WGS, SK>(p);
+  wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -440,14 +465,14 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-template <typename T, int NTOK, int STAGES, bool ONE_GROUP, bool SEPARATE, bool SK>
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
-  static constexpr int SMEM = WgSmem<NTOK, STAGES>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
+  static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
+  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   static int setup() {
     static const int rc =
         static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -489,6 +514,7 @@ struct WgKern {
 
 constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_wgmma.py run 14)
 
+
 // Stream-K at the 128-token tile (M = 129-256: two token tiles) where split-K leaves more than a tenth of the resident
 // slots idle over its waves (e.g. 8192x10240: 80 tiles on 132 slots; 8192x28672: 224 tiles = 1.7 waves), else
 // split-K; int4_cuda.set_wgmma_stream_k forces either. Run 15 (bench/int4_wgmma.py): stream-K at M = 256 8192x10240
@@ -502,7 +528,7 @@ bool wg_stream_k(const SdqW4A16Params& p) {
     const int mode = sdq_w4a16_wg_stream_k();
     if (mode != 0) return mode == 2;
     if (p.m <= NTOK) return false;
-    const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, true, SEP, false>::per_sm();
+    const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm();
     const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
     const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
     const int waves = (ctas + slots - 1) / slots;
@@ -521,11 +547,26 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (SEP) return p.splits * p.m * p.n;  // [splits, m, n]
     return p.splits * ((p.m + NTOK - 1) / NTOK) * NTOK * p.n;  // [splits, N / 256, token tiles, NTOK * 256]
   }
+  // Stages of 128 K (8 K steps) for variant 63's split-K at the 128-token tile, where a stage touches at most two
+  // groups (group >= 64) and K divides: half the CTA-wide barriers, the largest stall there (ncu run 20). Run 21
+  // (same process against 64-K stages): 0-5% faster on 5 of 7 shapes at M = 96-256 (28672x8192 M = 96 112.5 ->
+  // 106.5 us, 8192x28672 M = 128 124.8 -> 119.9), 1-3% slower on 4096x6144; with stream-K 1-5% slower (152 bytes of
+  // spills) and for variant 62 8 bytes of spills, so neither uses them.
+  if constexpr (NTOK == 128 && SEP && !SK) {
+    if (p.group_k16 % 4 == 0 && p.k % 128 == 0) {
+      if (p.group_k16 % 8 == 0) {  // every 128-K stage inside one group
+        using K = WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>;
+        return op == 1 ? K::per_sm() : K::launch(p, stream);
+      }
+      using K = WgKern<T, NTOK, WG_STAGES, 8, false, SEP, SK>;
+      return op == 1 ? K::per_sm() : K::launch(p, stream);
+    }
+  }
   if (p.group_k16 % WG_KS == 0) {  // every 64-K stage inside one group
-    using K = WgKern<T, NTOK, WG_STAGES, true, SEP, SK>;
+    using K = WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>;
     return op == 1 ? K::per_sm() : K::launch(p, stream);
   }
-  using K = WgKern<T, NTOK, WG_STAGES, false, SEP, SK>;
+  using K = WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>;
   return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
 template <typename T, int NTOK, bool SEP>
