@@ -18,7 +18,9 @@
 //   fp32 over the whole K range; no per-group fp32 sums.
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
-//   overwritten only after the wgmmas that read it (waited for one K step later) are complete.
+//   overwritten only after the wgmmas that read it (waited for one K step later) are complete. Variant 63's split-K
+//   at 128 tokens uses stages of 128 K (half the CTA-wide barriers; the activation tile as two 64-K sub-tiles). A
+//   stage's weight words are read from shared memory four K steps at a time, ahead of their dequantization.
 // * The dequantization of K step t overlaps the wgmmas of step t - 1: two register sets of A fragments, and a
 //   wgmma.wait_group 1 before a set is rewritten. ptxas keeps that pipeline only if no branch sits between a wgmma
 //   and the wait that retires it (else it serializes every wgmma, warning C7513, which the CI compile test rejects):
@@ -221,8 +223,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // otherwise a branch-free group reload every K step.
   uint32_t af[2][NU][4];
 
-  // The main loop: stages [st0, st1) of 64 K of the tile at tokens m0, blocks nb0, added into acc; every wgmma
-  // retired on return.
+  // The main loop: stages [st0, st1) (16 KS K each) of the tile at tokens m0, blocks nb0, added into acc; every
+  // wgmma retired on return.
   const auto mainloop = [&](int m0, int nb0, int st0, int st1) {
     const int nst = st1 - st0;
     // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel),
@@ -319,7 +321,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     each_valid(m0, [&](int u, int c, int h, int e, float v) { y[wg_pos(m0, nb0, 0, u, c, h, e)] = O::one(v); });
   };
   // Partial accumulators, as they sit in registers (float4 j of thread tid at j * NT + tid: coalesced, constant
-  // offsets), NU * NC float4s a thread, slot floats4s a CTA
+  // offsets), NU * NC float4s a thread, `slot` float4s a CTA
   constexpr int NC = NTOK / 8;
   constexpr size_t slot = static_cast<size_t>(ND) * 128;
   float4* part = reinterpret_cast<float4*>(p.partial);
@@ -360,8 +362,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   };
 
   if constexpr (SK) {
-    // Stream-K (the 128-token tile): a grid of G = p.splits CTAs over the U = tiles x stages (tile, 64-K stage)
-    // units in tile order (token tiles fastest, as gridDim.x of the split-K grid); CTA g takes units
+    // Stream-K (the 128-token tile): a grid of G = p.splits CTAs over the U = tiles x stages (tile, stage) units
+    // in tile order (token tiles fastest, as gridDim.x of the split-K grid); CTA g takes units
     // [U g / G, U (g + 1) / G). A tile cut between CTAs is summed in CTA order by the last of them to arrive
     // (deterministic, whichever is last); each CTA has two partial slots, its first segment's and its last's.
     const int tt = (p.m + NTOK - 1) / NTOK, nst_all = p.k / (16 * KS), grid = p.splits, g = blockIdx.x;
