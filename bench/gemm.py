@@ -327,7 +327,8 @@ def main(argv=None):
     bw = copy_bandwidth(dev)
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
-            "dtype": a.dtype, "group_size": GS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "dtype": a.dtype, "group_size": GS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": os.environ.get("SDQUANT_COMMIT")}
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
     def save(rows):
