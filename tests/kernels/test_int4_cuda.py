@@ -292,3 +292,30 @@ def test_int4_wgmma_update_table_writes_only_the_buckets_the_op_routes_to_wgmma(
                 else:
                     assert a == b, (col, m)
     assert "int4_cuda_wgmma" in new["meta"]
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_split_rule(tmp_path):
+    """csrc/w4a16.h's split-K rule of the wgmma kernel (host code, compiled and run here): fill the resident slots,
+    at least 8 stages of 64 K a split, at most two CTAs per SM where splits would be short and 3+ remain
+    (bench/int4_wgmma.py run 17). Cases: (tiles, slots, k, 2 x SMs) -> splits."""
+    cases = [
+        ((112, 396, 8192, 264), 3),     # 8192x28672 M = 16: 3 CTAs per SM, long splits: fill the slots
+        ((16, 396, 4096, 264), 8),      # 4096x4096 M = 16: 24 would be 2.7-stage splits; 8 stages at least
+        ((16, 264, 4096, 264), 8),      # 4096x4096 M = 64
+        ((16, 396, 14336, 264), 16),    # 14336x4096 M = 32: 24 short splits -> two CTAs per SM
+        ((32, 396, 28672, 264), 12),    # 28672x8192 M = 16: splits of 37 stages stay
+        ((40, 396, 8192, 264), 6),      # 8192x10240 M = 16: 9 splits of 14 stages -> 6
+        ((112, 264, 8192, 0), 2),       # an explicit CTA target (no two-per-SM cap)
+        ((4, 132, 512, 264), 1),        # K too short for two 8-stage splits
+    ]
+    src = tmp_path / "split_rule.cu"
+    body = "\n".join(f"  printf(\"%d\\n\", sdq_wg_splits({t}, {c}, {k}, {two}));" for (t, c, k, two), _ in cases)
+    src.write_text(f'#include <cstdio>\n#include "w4a16.h"\nint main() {{\n{body}\n  return 0;\n}}\n')
+    exe = tmp_path / "split_rule"
+    import subprocess
+    r = subprocess.run([int4_cuda.nvcc_path(), "-std=c++17", "-I", str(int4_cuda.CSRC), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()]
+    assert got == [want for _, want in cases]
