@@ -128,7 +128,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   if constexpr (!WITH_X) {
     const char* b = static_cast<const char*>(p.b);
     constexpr int CPB = KS * 32;  // 16-byte chunks of a block's stage (contiguous in the layout)
-    if constexpr (KS == WG_KS) {
+    if constexpr (KS == WG_KS) {  // the 64-K form as it was: the generic one changed ptxas's register allocation
       const int off = (tid & 127) * 16;
 #pragma unroll
       for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
@@ -159,7 +159,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
     for (int i = 0; i < (NTOK * CPR + NT - 1) / NT; ++i) {
       const int ci = tid + NT * i, r = ci >> 3, c = ci & 7;
       if (NT > NTOK * CPR && ci >= NTOK * CPR) break;
-      if constexpr (KS == WG_KS) {
+      if constexpr (KS == WG_KS) {  // (as above)
         const int row = m0 + r;
         const bool valid = row < p.m;
         const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
@@ -480,10 +480,13 @@ struct WgKern {
         static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     return rc;
   }
-  static int per_sm() {
-    if (setup()) return 0;
-    int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128 * WGS, SMEM);
+  static int per_sm() {  // queried once (the stream-K choice asks at every launch of the 128-token tile)
+    static const int n = [] {
+      if (setup()) return 0;
+      int r = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, 128 * WGS, SMEM);
+      return r;
+    }();
     return n;
   }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -541,6 +544,12 @@ bool wg_stream_k(const SdqW4A16Params& p) {
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
 // w4a16_kernel.cuh), 6 whether this launch runs stream-K (p.splits is then the grid); the token tile from p.m.
 // v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
+// op 1 (resident CTAs per SM) or a launch of kernel K
+template <typename K>
+int wg_run_kern(int op, const SdqW4A16Params& p, cudaStream_t stream) {
+  return op == 1 ? K::per_sm() : K::launch(p, stream);
+}
+
 template <typename T, int NTOK, bool SEP, bool SK>
 int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 3) {  // fp32 scratch floats
@@ -554,22 +563,13 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // (same process against 64-K stages): 0-5% faster on 5 of 7 shapes at M = 96-256 (28672x8192 M = 96 112.5 ->
   // 106.5 us, 8192x28672 M = 128 124.8 -> 119.9), 1-3% slower on 4096x6144; with stream-K 1-5% slower (152 bytes of
   // spills) and for variant 62 8 bytes of spills, so neither uses them.
-  if constexpr (NTOK == 128 && SEP && !SK) {
-    if (p.group_k16 % 4 == 0 && p.k % 128 == 0) {
-      if (p.group_k16 % 8 == 0) {  // every 128-K stage inside one group
-        using K = WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>;
-        return op == 1 ? K::per_sm() : K::launch(p, stream);
-      }
-      using K = WgKern<T, NTOK, WG_STAGES, 8, false, SEP, SK>;
-      return op == 1 ? K::per_sm() : K::launch(p, stream);
-    }
-  }
-  if (p.group_k16 % WG_KS == 0) {  // every 64-K stage inside one group
-    using K = WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>;
-    return op == 1 ? K::per_sm() : K::launch(p, stream);
-  }
-  using K = WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>;
-  return op == 1 ? K::per_sm() : K::launch(p, stream);
+  if constexpr (NTOK == 128 && SEP && !SK)
+    if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
+      return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
+                                  : wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, false, SEP, SK>>(op, p, stream);
+  // ONE_GROUP: every 64-K stage inside one group
+  return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
+                                  : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
 }
 template <typename T, int NTOK, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
