@@ -94,34 +94,6 @@ __device__ __forceinline__ void wg_fence_acc(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The stage pipeline's synchronization (SDQ_WG_MBAR, the default): per stage slot a "full" mbarrier (NT arrivals,
-// each thread's cp.async.mbarrier.arrive.noinc after it issued its copies of the stage: the phase completes when
-// every thread's copies have landed) and an "empty" one (one arrival a warp, after its wgmmas of the stage are
-// retired). A thread waits for what it needs -- the slot's data, or the slot's last readers before it refills it --
-// instead of a CTA-wide barrier at every stage (the largest stall at 128 tokens: ncu, docs/BENCHMARKS.md run 20).
-// -DSDQ_WG_MBAR=0 builds the cp.async.wait_group + __syncthreads pipeline it replaced (bench/ab_build.py).
-#ifndef SDQ_WG_MBAR
-#define SDQ_WG_MBAR 1
-#endif
-__device__ __forceinline__ void wg_bar_wait(uint32_t bar, uint32_t parity) {
-  // the spin loop inside one asm block (as CUTLASS's ClusterBarrier::wait): ptxas keeps the wgmma pipeline across it
-  asm volatile(
-      "{\n .reg .pred P1;\n SDQ_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n @P1 bra SDQ_DONE;\n"
-      " bra SDQ_WAIT;\n SDQ_DONE:\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// an arrival on bar once every cp.async this thread issued so far has landed
-__device__ __forceinline__ void wg_bar_arrive_cp(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// an arrival on bar where pred (a predicated instruction, not a branch)
-__device__ __forceinline__ void wg_bar_arrive_if(uint32_t bar, bool pred) {
-  asm volatile("{\n .reg .pred P1;\n setp.ne.u32 P1, %1, 0;\n @P1 mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
-               "r"(static_cast<uint32_t>(pred))
-               : "memory");
-}
-
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile (rows of 64 x 16-bit = 128 B, 8-row atoms
 // of 1024 B): start address, leading offset unused (1), stride offset 1024 B, swizzle mode 1 (128 B).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
@@ -221,24 +193,6 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   const int tid = threadIdx.x, wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2,
             t4 = lane & 3;
 
-  // SDQ_WG_MBAR: full[STAGES] then empty[STAGES]; gst counts this CTA's stages over its mainloop calls (stage g uses
-  // slot g % STAGES, phase parity (g / STAGES) & 1)
-  constexpr bool MBAR = SDQ_WG_MBAR != 0;
-  __shared__ __align__(8) uint64_t wg_bars[2 * STAGES];
-  const uint32_t bar_full = smem_addr(wg_bars), bar_empty = bar_full + 8 * STAGES;
-  if constexpr (MBAR) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int i = 0; i < STAGES; ++i) {
-        mbar_init(bar_full + 8 * i, NT);
-        mbar_init(bar_empty + 8 * i, NT / 32);
-      }
-      mbar_fence_init();
-    }
-    __syncthreads();
-  }
-  int gst = 0;
-
   float acc[NU][ND];
   const auto zero_acc = [&]() {
 #pragma unroll
@@ -273,50 +227,31 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // wgmma retired on return.
   const auto mainloop = [&](int m0, int nb0, int st0, int st1) {
     const int nst = st1 - st0;
-    const int g0 = gst;  // CTA-global index of local stage 0 (MBAR; the barrier pipeline starts every call at slot 0)
-    const auto slot = [&](int s) { return MBAR ? (g0 + s) % STAGES : s % STAGES; };
-    // MBAR: before refilling a slot, its previous stage's readers are done (parity 1 before the slot's first use:
-    // already complete)
-    const auto wait_empty = [&](int s) {
-      if constexpr (MBAR) wg_bar_wait(bar_empty + 8 * slot(s), (((g0 + s) / STAGES) & 1) ^ 1);
-    };
     // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel),
     // then their activations; group s holds stage s (group 0 also the later stages' weights: waits stay
-    // conservative; so does the arrival on stage s's full barrier, which tracks every earlier copy of the thread)
+    // conservative)
 #pragma unroll
     for (int s = 0; s < PF; ++s)
-      if (s < nst) {
-        wait_empty(s);
-        wg_load_stage<NTOK, NT, false, KS>(p, sbase + slot(s) * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
-      }
+      if (s < nst) wg_load_stage<NTOK, NT, false, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
     if (p.pdl) griddep_wait();
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
-      if (s < nst) {
-        wg_load_stage<NTOK, NT, true, KS>(p, sbase + slot(s) * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
-        if constexpr (MBAR) wg_bar_arrive_cp(bar_full + 8 * slot(s));
-      }
-      if constexpr (!MBAR) cp_async_commit();
+      if (s < nst) wg_load_stage<NTOK, NT, true, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
+      cp_async_commit();
     }
     for (int s = 0; s < nst; ++s) {
-      if constexpr (MBAR) {
-        wg_bar_wait(bar_full + 8 * slot(s), ((g0 + s) / STAGES) & 1);  // stage s landed, every thread's copies
-      } else {
-        cp_async_wait<PF - 1>();
-        __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
-      }
+      cp_async_wait<PF - 1>();
+      __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
       {
         const int sn = s + PF;
         if (sn < nst) {
-          const uint32_t st = sbase + slot(sn) * L::STAGE;
-          wait_empty(sn);  // (MBAR) stage sn - STAGES = s - 2, released by every warp at K step 1 of stage s - 1
+          const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
           wg_load_stage<NTOK, NT, false, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
           wg_load_stage<NTOK, NT, true, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
-          if constexpr (MBAR) wg_bar_arrive_cp(bar_full + 8 * slot(sn));
         }
-        if constexpr (!MBAR) cp_async_commit();
+        cp_async_commit();
       }
-      const uint32_t st = sbase + slot(s) * L::STAGE;
+      const uint32_t st = sbase + (s % STAGES) * L::STAGE;
       const uint64_t desc = wg_desc(st);
       const int ks0 = (st0 + s) * KS;
       if constexpr (ONE_GROUP) load_group(st, 0);
@@ -337,9 +272,6 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
         const uint32_t(&q)[NU] = qs[k0 % 4];
         wg_wait<1>();
-        // (MBAR) K step 1: every wgmma of stage s - 1 is retired (only step 0 of this stage may run): its slot is free
-        if constexpr (MBAR)
-          if (k0 == 1) wg_bar_arrive_if(bar_empty + 8 * slot(s - 1), s > 0 && lane == 0);
         uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
@@ -364,10 +296,6 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     wg_wait<0>();
 #pragma unroll
     for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-    if constexpr (MBAR) {
-      if (nst > 0) wg_bar_arrive_if(bar_empty + 8 * slot(nst - 1), lane == 0);  // the last stage's slot
-      gst += nst;
-    }
   };
 
   // acc[j][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8], u = NU wg + j;
