@@ -55,6 +55,14 @@ def _prefetch_kernel(base, nbytes, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr
 
 
 @triton.jit
+def _touch_kernel(base, nbytes, out, CHUNK: tl.constexpr):
+    # the control: plain loads of the same bytes (they allocate in L2), xor-reduced to one word a program
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(base + offs, mask=offs < nbytes, other=0).to(tl.int32)
+    tl.store(out + tl.program_id(0), tl.reduce_or(v, 0))
+
+
+@triton.jit
 def _spin_kernel(out, iters, SEED: tl.constexpr):
     # ALU only: a dependent FMA chain per lane, one store at the end (no DRAM traffic worth the name)
     v = tl.arange(0, 128).to(tl.float32) * 1e-3 + SEED
@@ -68,6 +76,12 @@ def prefetch(t: torch.Tensor, evict_last: bool, chunk: int = 65536):
     flat = t.view(torch.uint8).reshape(-1)
     _prefetch_kernel[(triton.cdiv(nbytes, chunk),)](flat, nbytes, CHUNK=chunk, EVICT_LAST=evict_last,
                                                      num_warps=2)
+
+
+def touch(t: torch.Tensor, scratch: torch.Tensor, chunk: int = 16384):
+    nbytes = t.numel() * t.element_size()
+    flat = t.view(torch.uint8).reshape(-1)
+    _touch_kernel[(triton.cdiv(nbytes, chunk),)](flat, nbytes, scratch, CHUNK=chunk, num_warps=8)
 
 
 def time_seq(seq, n_rot: int, trials: int = 5) -> float:
@@ -130,6 +144,12 @@ def main(argv=None):
         prefetch(L["qweight"], ev)
         prefetch(L["scales"], ev)
 
+    scratch = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+
+    def tc(L):
+        touch(L["qweight"], scratch)
+        touch(L["scales"], scratch)
+
     rows = []
     # A: the GEMM right after a latency-bound phase, weights requested into L2 before it (or not)
     for (k, n) in [(4096, 4096), (4096, 6144), (14336, 4096), (4096, 28672)]:
@@ -144,6 +164,13 @@ def main(argv=None):
              "pf+spin": time_seq(lambda i: (pf(lays[i], False), spin()), len(lays)),
              "pf+spin+gemm": time_seq(lambda i: (pf(lays[i], False), spin(), gemm_call(lays[i], x)), len(lays)),
              "pfLast+spin+gemm": time_seq(lambda i: (pf(lays[i], True), spin(), gemm_call(lays[i], x)), len(lays))}
+        # controls: the same copy twice in a row (the second reads what the first left in L2), and plain loads of
+        # the weights (a touch kernel) instead of the prefetch
+        r["gemm+gemm_same"] = time_seq(lambda i: (gemm_call(lays[i], x), gemm_call(lays[i], x)), len(lays))
+        r["touch+spin"] = time_seq(lambda i: (tc(lays[i]), spin()), len(lays))
+        r["touch+spin+gemm"] = time_seq(lambda i: (tc(lays[i]), spin(), gemm_call(lays[i], x)), len(lays))
+        r["gemm_hot"] = round(r["gemm+gemm_same"] - r["gemm_alone"], 2)
+        r["gemm_after_touch"] = round(r["touch+spin+gemm"] - r["touch+spin"], 2)
         r["gemm_after_spin"] = round(r["spin+gemm"] - spin_us, 2)
         r["gemm_after_pf"] = round(r["pf+spin+gemm"] - r["pf+spin"], 2)
         rows.append(r)
@@ -172,12 +199,13 @@ def main(argv=None):
     (Path(args.out) / "l2_prefetch.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print("\n| K×N | GEMM alone | after spin | after prefetch + spin | prefetch + spin | spin | evict_last |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| K×N | GEMM alone | after spin | after prefetch + spin | prefetch + spin | spin | evict_last | hot (same copy twice) | after touch + spin | touch + spin |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["scenario"] == "A":
             print(f"| {r['K']}×{r['N']} | {r['gemm_alone']:.2f} | {r['gemm_after_spin']:.2f} | {r['gemm_after_pf']:.2f} "
-                  f"| {r['pf+spin']:.2f} | {r['spin_us']:.2f} | {r['pfLast+spin+gemm'] - r['pf+spin']:.2f} |")
+                  f"| {r['pf+spin']:.2f} | {r['spin_us']:.2f} | {r['pfLast+spin+gemm'] - r['pf+spin']:.2f} | {r['gemm_hot']:.2f} "
+                  f"| {r['gemm_after_touch']:.2f} | {r['touch+spin']:.2f} |")
     print(f"B: {json.dumps(rows[-1])}")
     print(f"wall {time.time() - t0:.0f} s")
 
