@@ -364,7 +364,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
             print(f"  {name} [{impl}] decode B={b}: {out[str(b)]}", flush=True)
     rt.set_attention(args.attention[0])
     if name == args.profile_variant:
-        res["profile"] = profile_step(rt, args, dev)
+        res["profile"] = profile_step(rt, args, dev, batch=args.profile_batch)
     if args.prefill:
         try:
             res["prefill"] = bench_prefill(rt, args, dev)
@@ -417,6 +417,7 @@ def main(argv=None):
     ap.add_argument("--attention-all-batches", action="store_true",
                     help="time every attention implementation at every batch size (same-run baselines)")
     ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
+    ap.add_argument("--profile-batch", type=int, default=1, help="the batch size of that profile")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--int4-tuned", default=None, help="a bench/int4_tune.py JSON: its proposed CUDA kernel configs "

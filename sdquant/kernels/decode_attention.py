@@ -47,6 +47,17 @@ CHUNK = 64           # slots per program: at T = 2176 that is 34 programs per (b
 BLOCK_T = 64         # slots per inner tile (CHUNK = BLOCK_T: one tile, its K and V loads issued together)
 
 
+def _chunk() -> int:
+    # slots per program; SDQUANT_ATTN_CHUNK (a multiple of BLOCK_T) overrides it for measurements (bench/e2e.py)
+    v = os.environ.get("SDQUANT_ATTN_CHUNK")
+    if not v:
+        return CHUNK
+    c = int(v)
+    if c < BLOCK_T or c % BLOCK_T:
+        raise ValueError(f"SDQUANT_ATTN_CHUNK={v}: must be a positive multiple of {BLOCK_T}")
+    return c
+
+
 def available() -> bool:
     return triton is not None
 
@@ -226,7 +237,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     if rope:
         cos, sin = cos.reshape(hd).contiguous(), sin.reshape(hd).contiguous()
     rep_p = max(16, triton.next_power_of_2(rep))
-    splits = triton.cdiv(T, CHUNK)
+    chunk = _chunk()
+    splits = triton.cdiv(T, chunk)
     acc = torch.empty((b * nkv, splits, rep_p, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * nkv, splits, 2, rep_p), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # contiguous, whatever q's strides
@@ -241,7 +253,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=CHUNK, BT=BLOCK_T, CDT=cdt, ROPE=rope, PDL=pdl,
+                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, BT=BLOCK_T, CDT=cdt, ROPE=rope, PDL=pdl,
                                num_warps=4, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
