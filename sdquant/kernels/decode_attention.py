@@ -43,19 +43,42 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
 
-CHUNK = 64           # slots per program: at T = 2176 that is 34 programs per (batch, KV head)
+CHUNK = 64           # slots per program at batch 1 (at T = 2176: 34 programs per KV head); see chunk_for
 BLOCK_T = 64         # slots per inner tile (CHUNK = BLOCK_T: one tile, its K and V loads issued together)
 
 
-def _chunk() -> int:
-    # slots per program; SDQUANT_ATTN_CHUNK (a multiple of BLOCK_T) overrides it for measurements (bench/e2e.py)
+# Slots per program by load: the smallest of CHUNKS whose grid holds at most PROGRAMS_PER_SM programs a SM. At batch 1
+# the 64-slot tiles spread one sequence over the SMs; at batch 8-32 a grid of thousands of one-tile programs spends its
+# time in prologues and in the merge (bench/e2e.py run 35, H200, decode at position 1088 of 2176 slots: batch 32
+# INT4 5798 -> 6810 tok/s and bf16 4428 -> 5117 from 64 to 256 slots a program, batch 8 2662 -> 2830 / 1530 -> 1613,
+# batch 1 434.3 -> 426.2 / 218.6 -> 215.5).
+CHUNKS = (CHUNK, 128, 256, 512, 1024)
+PROGRAMS_PER_SM = 8
+_SMS: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (CPU tests): as on the H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def chunk_for(rows: int, T: int, sms: int) -> int:
+    """Slots per program for rows = batch x KV heads over a cache of T slots (SDQUANT_ATTN_CHUNK, a multiple of
+    BLOCK_T, overrides it for measurements)."""
     v = os.environ.get("SDQUANT_ATTN_CHUNK")
-    if not v:
-        return CHUNK
-    c = int(v)
-    if c < BLOCK_T or c % BLOCK_T:
-        raise ValueError(f"SDQUANT_ATTN_CHUNK={v}: must be a positive multiple of {BLOCK_T}")
-    return c
+    if v:
+        c = int(v)
+        if c < BLOCK_T or c % BLOCK_T:
+            raise ValueError(f"SDQUANT_ATTN_CHUNK={v}: must be a positive multiple of {BLOCK_T}")
+        return c
+    for c in CHUNKS:
+        if rows * -(-T // c) <= PROGRAMS_PER_SM * sms:
+            return c
+    return CHUNKS[-1]
 
 
 def available() -> bool:
@@ -237,7 +260,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     if rope:
         cos, sin = cos.reshape(hd).contiguous(), sin.reshape(hd).contiguous()
     rep_p = max(16, triton.next_power_of_2(rep))
-    chunk = _chunk()
+    chunk = chunk_for(b * nkv, T, _sms(q.device))
     splits = triton.cdiv(T, chunk)
     acc = torch.empty((b * nkv, splits, rep_p, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * nkv, splits, 2, rep_p), dtype=torch.float32, device=q.device)

@@ -53,6 +53,34 @@ def test_kernel_matches_reference(interpret, dtype, tol, pos, window):
     assert err < tol, float(err)
 
 
+def test_chunk_rule():
+    """Slots per program: 64-slot tiles while the grid stays within 8 programs a SM, longer ranges beyond."""
+    assert da.chunk_for(1 * 8, 2176, 132) == 64          # batch 1, Llama-3-8B heads: 272 programs
+    assert da.chunk_for(8 * 8, 2176, 132) == 256         # batch 8: 576 programs of 4 tiles
+    assert da.chunk_for(32 * 8, 2176, 132) == 1024
+    assert da.chunk_for(10 ** 6, 2176, 132) == da.CHUNKS[-1]
+    assert all(c % da.BLOCK_T == 0 for c in da.CHUNKS)
+
+
+@pytest.mark.parametrize("chunk", ["128", "256"])
+@pytest.mark.parametrize("pos,window", [(0, 0), (129, 0), (299, 0), (250, 70)])
+def test_kernel_multi_tile_programs(interpret, monkeypatch, chunk, pos, window):
+    """Programs that walk several BLOCK_T tiles (the chunk a large batch gets) against the reference."""
+    monkeypatch.setenv("SDQUANT_ATTN_CHUNK", chunk)
+    q, k, v = _case(T=300, seed=pos)
+    scale = 1 / math.sqrt(q.shape[-1])
+    y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
+    ref = _masked_full(q, k, v, pos, window, scale)
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_chunk_override_is_checked(interpret, monkeypatch):
+    monkeypatch.setenv("SDQUANT_ATTN_CHUNK", "100")
+    q, k, v = _case(T=64)
+    with pytest.raises(ValueError, match="SDQUANT_ATTN_CHUNK"):
+        torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([3]), 0, 0.1)
+
+
 def test_kernel_reads_only_live_slots(interpret):
     """Slots past the position (and before the window) may hold anything: NaN there changes nothing."""
     q, k, v = _case(T=300)
