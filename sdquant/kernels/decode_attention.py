@@ -81,6 +81,20 @@ def chunk_for(rows: int, T: int, sms: int) -> int:
     return CHUNKS[-1]
 
 
+def tile_config(chunk: int) -> dict:
+    """The partial kernel's inner tile and launch shape for programs of ``chunk`` slots: BLOCK_T slots a tile, 4 warps,
+    Triton's default pipelining. SDQUANT_ATTN_BT / _WARPS / _STAGES override them for measurements (the tile is capped
+    at the chunk and must divide it)."""
+    bt = int(os.environ.get("SDQUANT_ATTN_BT") or BLOCK_T)
+    bt = min(bt, chunk)
+    if bt < 16 or bt & (bt - 1) or chunk % bt:
+        raise ValueError(f"SDQUANT_ATTN_BT={bt}: must be a power of two >= 16 dividing the {chunk}-slot chunk")
+    cfg = {"BT": bt, "num_warps": int(os.environ.get("SDQUANT_ATTN_WARPS") or 4)}
+    if os.environ.get("SDQUANT_ATTN_STAGES"):
+        cfg["num_stages"] = int(os.environ["SDQUANT_ATTN_STAGES"])
+    return cfg
+
+
 def available() -> bool:
     return triton is not None
 
@@ -276,8 +290,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, BT=BLOCK_T, CDT=cdt, ROPE=rope, PDL=pdl,
-                               num_warps=4, **launch)
+                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
+                               **tile_config(chunk), **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
