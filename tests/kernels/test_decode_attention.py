@@ -53,8 +53,9 @@ def test_kernel_matches_reference(interpret, dtype, tol, pos, window):
     assert err < tol, float(err)
 
 
-def test_chunk_rule():
+def test_chunk_rule(monkeypatch):
     """Slots per program: 64-slot tiles while the grid stays within 8 programs a SM, longer ranges beyond."""
+    monkeypatch.delenv("SDQUANT_ATTN_CHUNK", raising=False)
     assert da.chunk_for(1 * 8, 2176, 132) == 64          # batch 1, Llama-3-8B heads: 272 programs
     assert da.chunk_for(8 * 8, 2176, 132) == 256         # batch 8: 576 programs of 4 tiles
     assert da.chunk_for(32 * 8, 2176, 132) == 1024
@@ -72,6 +73,17 @@ def test_kernel_multi_tile_programs(interpret, monkeypatch, chunk, pos, window):
     y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
     ref = _masked_full(q, k, v, pos, window, scale)
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_tile_config(monkeypatch):
+    for key in ("SDQUANT_ATTN_BT", "SDQUANT_ATTN_WARPS", "SDQUANT_ATTN_STAGES"):
+        monkeypatch.delenv(key, raising=False)
+    assert da.tile_config(1024) == {"BT": da.BLOCK_T, "num_warps": 4}
+    monkeypatch.setenv("SDQUANT_ATTN_BT", "128")
+    assert da.tile_config(64)["BT"] == 64 and da.tile_config(512)["BT"] == 128     # capped at the chunk
+    monkeypatch.setenv("SDQUANT_ATTN_BT", "96")
+    with pytest.raises(ValueError, match="SDQUANT_ATTN_BT"):
+        da.tile_config(512)
 
 
 def test_chunk_override_is_checked(interpret, monkeypatch):
