@@ -18,7 +18,8 @@ a step costs what the sequence length costs, not what ``max_seq`` costs. The pos
 so one captured CUDA graph replays correctly at every position.
 
 Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); program (bh, s) owns slots
-[s·CHUNK, (s+1)·CHUNK) and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
+[s·C, (s+1)·C), C = ``chunk_for(B·nkv, T, SMs)`` (64 slots while the grid stays within 8 programs a SM, up to 1024
+at large batch), and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
 query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
 running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
 partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
