@@ -105,6 +105,19 @@ def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 5.0, max
     return statistics.median(ts)
 
 
+def save_rows(out_dir, name: str, rows, **meta) -> Path:
+    """{"meta": {date, commit, device, **meta}, "rows": rows} as out_dir/name.json, written to a temporary file and
+    renamed (the probes' shared record format)."""
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **meta}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{name}.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    os.replace(tmp, out / f"{name}.json")
+    return out / f"{name}.json"
+
+
 def time_cpu(call, n_rot: int, trials: int = 3) -> float:
     """The --dry modes' timer: host clock, no graph (the CPU op path), median microseconds per call of
     call(0..n_rot-1)."""

@@ -7,8 +7,8 @@ next GEMM faster, and whether evict_last lines survive another GEMM's 60 MB weig
 
     SDQUANT_COMMIT=<hash> python bench/l2_prefetch.py --out $OUT
 
-Each scenario is a sequence captured in one CUDA graph, repeated over weight copies rotating past 3x the L2
-(bench/gemm.py's method), median of 5 replays, CUDA events; "spin" is an ALU-only kernel standing in for the
+Each scenario is a sequence timed by bench/gemm.py's time_rotating (one CUDA graph of back-to-back sequences over
+weight copies rotating past 3x the L2, median of 5 replays, CUDA events); "spin" is an ALU-only kernel standing in for the
 latency-bound phase (no DRAM traffic); the GEMM is sdquant's CUDA op at M = 1 (bf16, symmetric, group 128).
   A  [spin, GEMM(w_i)]  vs  [prefetch(w_i), spin, GEMM(w_i)]  vs  [prefetch(w_i), spin]  vs  [spin]
   B  [spin, GEMM_gate_up(u_j), GEMM_down(w_i)]  vs  the same with prefetch(w_i) first (normal / evict_last policy)
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -84,33 +83,6 @@ def touch(t: torch.Tensor, scratch: torch.Tensor, chunk: int = 16384):
     _touch_kernel[(triton.cdiv(nbytes, chunk),)](flat, nbytes, scratch, CHUNK=chunk, num_warps=8)
 
 
-def time_seq(seq, n_rot: int, trials: int = 5) -> float:
-    """Median us per sequence; seq(i) enqueues one sequence on copy i. One graph of max(n_rot, 8) sequences."""
-    reps = max(n_rot, 8)
-    for i in range(reps):
-        seq(i % n_rot)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g, stream=st):
-            for i in range(reps):
-                seq(i % n_rot)
-    torch.cuda.current_stream().wait_stream(st)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(trials):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(ts)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -125,10 +97,10 @@ def main(argv=None):
     # calibrate the spin kernel to ~spin_us
     iters = 1000
     for _ in range(6):
-        us = time_seq(lambda i: _spin_kernel[(132,)](spin_out, iters, SEED=0, num_warps=4), 1)
+        us = gemm.time_rotating(lambda i: _spin_kernel[(132,)](spin_out, iters, SEED=0, num_warps=4), 1)
         iters = max(100, int(iters * args.spin_us / us))
     spin = lambda: _spin_kernel[(132,)](spin_out, iters, SEED=0, num_warps=4)  # noqa: E731
-    spin_us = time_seq(lambda i: spin(), 1)
+    spin_us = gemm.time_rotating(lambda i: spin(), 1)
     print(f"spin kernel: {iters} iterations, {spin_us:.2f} us", flush=True)
 
     def layouts(k, n, seed):
@@ -159,16 +131,16 @@ def main(argv=None):
         pf(lays[0], True)
         same = torch.equal(y0, gemm_call(lays[0], x))
         r = {"scenario": "A", "K": k, "N": n, "M": 1, "identical": same, "spin_us": spin_us,
-             "gemm_alone": time_seq(lambda i: gemm_call(lays[i], x), len(lays)),
-             "spin+gemm": time_seq(lambda i: (spin(), gemm_call(lays[i], x)), len(lays)),
-             "pf+spin": time_seq(lambda i: (pf(lays[i], False), spin()), len(lays)),
-             "pf+spin+gemm": time_seq(lambda i: (pf(lays[i], False), spin(), gemm_call(lays[i], x)), len(lays)),
-             "pfLast+spin+gemm": time_seq(lambda i: (pf(lays[i], True), spin(), gemm_call(lays[i], x)), len(lays))}
+             "gemm_alone": gemm.time_rotating(lambda i: gemm_call(lays[i], x), len(lays)),
+             "spin+gemm": gemm.time_rotating(lambda i: (spin(), gemm_call(lays[i], x)), len(lays)),
+             "pf+spin": gemm.time_rotating(lambda i: (pf(lays[i], False), spin()), len(lays)),
+             "pf+spin+gemm": gemm.time_rotating(lambda i: (pf(lays[i], False), spin(), gemm_call(lays[i], x)), len(lays)),
+             "pfLast+spin+gemm": gemm.time_rotating(lambda i: (pf(lays[i], True), spin(), gemm_call(lays[i], x)), len(lays))}
         # controls: the same copy twice in a row (the second reads what the first left in L2), and plain loads of
         # the weights (a touch kernel) instead of the prefetch
-        r["gemm+gemm_same"] = time_seq(lambda i: (gemm_call(lays[i], x), gemm_call(lays[i], x)), len(lays))
-        r["touch+spin"] = time_seq(lambda i: (tc(lays[i]), spin()), len(lays))
-        r["touch+spin+gemm"] = time_seq(lambda i: (tc(lays[i]), spin(), gemm_call(lays[i], x)), len(lays))
+        r["gemm+gemm_same"] = gemm.time_rotating(lambda i: (gemm_call(lays[i], x), gemm_call(lays[i], x)), len(lays))
+        r["touch+spin"] = gemm.time_rotating(lambda i: (tc(lays[i]), spin()), len(lays))
+        r["touch+spin+gemm"] = gemm.time_rotating(lambda i: (tc(lays[i]), spin(), gemm_call(lays[i], x)), len(lays))
         r["gemm_hot"] = round(r["gemm+gemm_same"] - r["gemm_alone"], 2)
         r["gemm_after_touch"] = round(r["touch+spin+gemm"] - r["touch+spin"], 2)
         r["gemm_after_spin"] = round(r["spin+gemm"] - spin_us, 2)
@@ -186,19 +158,16 @@ def main(argv=None):
     nr = max(len(downs), len(ups))
     base = lambda i: (spin(), gemm_call(ups[i % len(ups)], xu), gemm_call(downs[i % len(downs)], xd))  # noqa: E731
     r = {"scenario": "B", "spin_us": spin_us,
-         "spin+up+down": time_seq(base, nr),
-         "pf+spin+up+down": time_seq(lambda i: (pf(downs[i % len(downs)], False), base(i)), nr),
-         "pfLast+spin+up+down": time_seq(lambda i: (pf(downs[i % len(downs)], True), base(i)), nr),
-         "spin+up": time_seq(lambda i: (spin(), gemm_call(ups[i % len(ups)], xu)), nr),
-         "pfLast+spin+up": time_seq(lambda i: (pf(downs[i % len(downs)], True), spin(),
+         "spin+up+down": gemm.time_rotating(base, nr),
+         "pf+spin+up+down": gemm.time_rotating(lambda i: (pf(downs[i % len(downs)], False), base(i)), nr),
+         "pfLast+spin+up+down": gemm.time_rotating(lambda i: (pf(downs[i % len(downs)], True), base(i)), nr),
+         "spin+up": gemm.time_rotating(lambda i: (spin(), gemm_call(ups[i % len(ups)], xu)), nr),
+         "pfLast+spin+up": gemm.time_rotating(lambda i: (pf(downs[i % len(downs)], True), spin(),
                                                gemm_call(ups[i % len(ups)], xu)), nr)}
     rows.append(r)
     print(json.dumps(r), flush=True)
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "l2_prefetch.json").write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-        "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    gemm.save_rows(args.out, "l2_prefetch", rows)
     print("\n| K×N | GEMM alone | after spin | after prefetch + spin | prefetch + spin | spin | evict_last | hot (same copy twice) | after touch + spin | touch + spin |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -70,10 +70,7 @@ def main(argv=None):
                     print(json.dumps(r), flush=True)
         del lays
         torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "m1_splits.json").write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-        "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    gemm.save_rows(args.out, "m1_splits", rows)
     print("\n| K×N | M | config | auto splits: µs | best forced: splits, µs |")
     print("|---|---|---|---|---|")
     keys = sorted({(r["K"], r["N"], r["M"], r["config"]) for r in rows}, key=lambda t: SHAPES.index(t[:2]))
