@@ -19,6 +19,12 @@ struct DCfg {
   static constexpr int KIND = 1;
 };
 
+// SDQ_DIRECT_XS_HOIST=1 (an experiment, off in the shipped build): the main loop compiled twice, once per source of
+// the activations, instead of choosing between shared memory and L1 at every K step (about 6 branches and their
+// convergence barriers a K step in v10's SASS; docs/BENCHMARKS.md "M = 1: what bounds the direct kernel", pending 10).
+#ifndef SDQ_DIRECT_XS_HOIST
+#define SDQ_DIRECT_XS_HOIST 0
+#endif
 #ifndef SDQ_DIRECT_XS_BYTES
 #define SDQ_DIRECT_XS_BYTES 16384
 #endif
@@ -80,6 +86,11 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     if (xs_on) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);  // the padded rows: no bank conflicts
     else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
+  // (SDQ_DIRECT_XS_HOIST) the same loads with the shared-memory-or-L1 choice made at compile time
+  auto issue_x_from = [&](auto from_smem, int s, uint32_t (&xx)[KS][NT][2]) {
+    if constexpr (decltype(from_smem)::value) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);
+    else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
+  };
 
   float acc[NT][4][4], accg[NT][4][4];
   frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
@@ -113,41 +124,55 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   for (int j = 0; j < D; ++j)
     if (j < iters) issue_x(j, xq[j]);
 
-  for (int base = 0; base < iters; base += D) {
+  // the main loop, with its activation loads from shared memory (from_smem = true_type) or through L1 (false_type),
+  // or choosing per K step (issue_x) without SDQ_DIRECT_XS_HOIST
+  auto main_loop = [&](auto from_smem) {
+    for (int base = 0; base < iters; base += D) {
 #pragma unroll
-    for (int j = 0; j < D; ++j) {
-      const int it = base + j;
-      if (it < iters) {
-        if (rem == 0 || first) {
-          if (!first) group_flush<NT>(acc, accg, sf);
-          group_begin<T>(s_next, z_next, sf, zl, zh);
-          if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
-        }
-        uint4 wc[KS];
-        uint32_t xc[KS][NT][2];
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          wc[kk] = wq[j][kk];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            xc[kk][nt][0] = xq[j][kk][nt][0];
-            xc[kk][nt][1] = xq[j][kk][nt][1];
+      for (int j = 0; j < D; ++j) {
+        const int it = base + j;
+        if (it < iters) {
+          if (rem == 0 || first) {
+            if (!first) group_flush<NT>(acc, accg, sf);
+            group_begin<T>(s_next, z_next, sf, zl, zh);
+            if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
           }
-        }
-        if (it + D < iters) {
-          issue_w(it + D, wq[j]);
-          issue_x(it + D, xq[j]);
-        }
+          uint4 wc[KS];
+          uint32_t xc[KS][NT][2];
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
-        first = false;
-        if (++rem == gs_st) {
-          rem = 0;
-          ++grp;
+          for (int kk = 0; kk < KS; ++kk) {
+            wc[kk] = wq[j][kk];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              xc[kk][nt][0] = xq[j][kk][nt][0];
+              xc[kk][nt][1] = xq[j][kk][nt][1];
+            }
+          }
+          if (it + D < iters) {
+            issue_w(it + D, wq[j]);
+#if SDQ_DIRECT_XS_HOIST
+            issue_x_from(from_smem, it + D, xq[j]);
+#else
+            issue_x(it + D, xq[j]);
+#endif
+          }
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
+          first = false;
+          if (++rem == gs_st) {
+            rem = 0;
+            ++grp;
+          }
         }
       }
     }
-  }
+  };
+#if SDQ_DIRECT_XS_HOIST
+  if (xs_on) main_loop(std::true_type{});
+  else main_loop(std::false_type{});
+#else
+  main_loop(std::false_type{});  // (unused: issue_x chooses per K step)
+#endif
   group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue (no-op if done)
 
