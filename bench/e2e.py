@@ -199,20 +199,24 @@ def kernel_labels(rt):
 
 def check_attention(d, max_seq, dev, dtype) -> dict:
     """sdquant::decode_attention on the GPU against masked fp64 attention over the whole cache, at the
-    model's head shapes, batch 2, positions 0 / middle / last: relative error per position."""
+    model's head shapes, batch 2 and 32 (one- and many-tile programs under the slots-per-program rule), positions
+    0 / middle / last: relative error per batch and position."""
     from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
     g = torch.Generator(device=dev).manual_seed(0)
     rep = d["n_heads"] // d["n_kv_heads"]
-    q = torch.randn(2, d["n_kv_heads"], rep, d["head_dim"], device=dev, generator=g).to(dtype)
-    k = torch.randn(2, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
-    v = torch.randn(2, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
     out = {}
-    for pos in (0, max_seq // 2, max_seq - 1):
-        y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0, d["head_dim"] ** -0.5)
-        s = (q.double() @ k.double().transpose(-1, -2)) * d["head_dim"] ** -0.5
-        s[..., pos + 1:] = float("-inf")
-        ref = torch.softmax(s, -1) @ v.double()
-        out[f"pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
+    for b in (2, 32):
+        q = torch.randn(b, d["n_kv_heads"], rep, d["head_dim"], device=dev, generator=g).to(dtype)
+        k = torch.randn(b, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
+        v = torch.randn(b, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
+        for pos in (0, max_seq // 2, max_seq - 1):
+            y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0,
+                                                   d["head_dim"] ** -0.5)
+            s = (q.double() @ k.double().transpose(-1, -2)) * d["head_dim"] ** -0.5
+            s[..., pos + 1:] = float("-inf")
+            ref = torch.softmax(s, -1) @ v.double()
+            out[f"B{b}/pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
+        del q, k, v
     return out
 
 
@@ -328,7 +332,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     except Exception as e:
         res["kernel_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(f"  {name} kernels {res['kernels']} check {res['kernel_check_rel_err']}", flush=True)
-    if "triton" in args.attention:
+    if "triton" in args.attention or ("auto" in args.attention and dev.type == "cuda"):  # "auto": the op on CUDA
         try:
             res["attention_check_rel_err"] = check_attention(dims, args.max_seq, dev, dtype)
         except Exception as e:
