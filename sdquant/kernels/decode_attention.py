@@ -45,14 +45,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 CHUNK = 64           # slots per program at batch 1 (at T = 2176: 34 programs per KV head); see chunk_for
-BLOCK_T = 64         # slots per inner tile (CHUNK = BLOCK_T: one tile, its K and V loads issued together)
+BLOCK_T = 64         # slots per inner tile (a program walks chunk / BLOCK_T of them; one at batch 1)
 
 
 # Slots per program by load: the smallest of CHUNKS whose grid holds at most PROGRAMS_PER_SM programs a SM. At batch 1
 # the 64-slot tiles spread one sequence over the SMs; at batch 8-32 a grid of thousands of one-tile programs spends its
-# time in prologues and in the merge (bench/e2e.py run 35, H200, decode at position 1088 of 2176 slots: batch 32
-# INT4 5798 -> 6810 tok/s and bf16 4428 -> 5117 from 64 to 256 slots a program, batch 8 2662 -> 2830 / 1530 -> 1613,
-# batch 1 434.3 -> 426.2 / 218.6 -> 215.5).
+# time in prologues and in the merge. bench/e2e.py runs 35-36 (H200, Llama-3-8B heads, decode at position 1088 of
+# 2176 slots), INT4 / bf16 tok/s from 64-slot programs to this rule: batch 32 (1024 slots) 5798 -> 7054 / 4428 -> 5155,
+# batch 8 (256) 2662 -> 2852 / 1530 -> 1575; batch 1 keeps 64 (256 slots there: 434 -> 426).
 CHUNKS = (CHUNK, 128, 256, 512, 1024)
 PROGRAMS_PER_SM = 8
 _SMS: dict = {}
