@@ -50,14 +50,16 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-def test_direct_kernel_xs_hoist_experiment_compiles():
-    """The direct kernel's hoisted-activation-source experiment (-DSDQ_DIRECT_XS_HOIST=1, off in the shipped build,
-    pending in docs/BENCHMARKS.md) still compiles for sm_90a without spills, so that bench/ab_build.py can time it."""
+@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1"])
+def test_direct_kernel_experiments_compile(define):
+    """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
+    hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a
+    without spills, so that bench/ab_build.py --new-defines can time them."""
     import subprocess
     src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
     with tempfile.TemporaryDirectory() as d:
         r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
-                            "-DSDQ_DIRECT_XS_HOIST=1", "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
+                            define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
                            capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stderr.splitlines()

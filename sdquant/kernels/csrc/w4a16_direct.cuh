@@ -25,6 +25,21 @@ struct DCfg {
 #ifndef SDQ_DIRECT_XS_HOIST
 #define SDQ_DIRECT_XS_HOIST 0
 #endif
+// SDQ_DIRECT_PROBE_COMPUTE=1 (a probe, never shipped; its outputs are meaningless): the weight words come from
+// registers (opaque to the compiler) instead of global memory, everything else as built. Timed beside the real kernel
+// (bench/ab_build.py --new-defines), it separates the dequantize -> MMA chain's own time from the weight stream's
+// (docs/BENCHMARKS.md, pending 10).
+#ifndef SDQ_DIRECT_PROBE_COMPUTE
+#define SDQ_DIRECT_PROBE_COMPUTE 0
+#endif
+__device__ __forceinline__ uint4 opaque_words(int lane, int step) {
+  uint4 r;
+  const uint32_t v = static_cast<uint32_t>(lane) * 0x9E3779B9u ^ static_cast<uint32_t>(step) * 0x85EBCA6Bu;
+  asm volatile("mov.b32 %0, %4;\n mov.b32 %1, %5;\n mov.b32 %2, %6;\n mov.b32 %3, %7;\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(v), "r"(v ^ 0x5bd1e995u), "r"(v + 0x27d4eb2fu), "r"(~v));
+  return r;
+}
 #ifndef SDQ_DIRECT_XS_BYTES
 #define SDQ_DIRECT_XS_BYTES 16384
 #endif
@@ -80,7 +95,14 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   auto issue_w = [&](int s, uint4 (&w)[KS]) {  // weight loads of relative stage s
     const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) w[kk] = ldg_stream16(src + kk * 32);
+    for (int kk = 0; kk < KS; ++kk) {
+#if SDQ_DIRECT_PROBE_COMPUTE
+      (void)src;
+      w[kk] = opaque_words(lane, s * KS + kk);
+#else
+      w[kk] = ldg_stream16(src + kk * 32);
+#endif
+    }
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
     if (xs_on) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);  // the padded rows: no bank conflicts
