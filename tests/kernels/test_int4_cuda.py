@@ -50,7 +50,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1"])
+@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1",
+                                    "-DSDQ_DIRECT_PROBE_COMPUTE=2"])
 def test_direct_kernel_experiments_compile(define):
     """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
     hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a

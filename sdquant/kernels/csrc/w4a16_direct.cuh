@@ -26,7 +26,7 @@ struct DCfg {
 #define SDQ_DIRECT_XS_HOIST 0
 #endif
 // SDQ_DIRECT_PROBE_COMPUTE=1 (a probe, never shipped; its outputs are meaningless): the weight words come from
-// registers (opaque to the compiler) instead of global memory, everything else as built. Timed beside the real kernel
+// registers (opaque to the compiler) instead of global memory, everything else as built; =2: the activations too. Timed beside the real kernel
 // (bench/ab_build.py --new-defines), it separates the dequantize -> MMA chain's own time from the weight stream's
 // (docs/BENCHMARKS.md, pending 10).
 #ifndef SDQ_DIRECT_PROBE_COMPUTE
@@ -105,8 +105,19 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     }
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
+#if SDQ_DIRECT_PROBE_COMPUTE >= 2  // (the probe's second level: the activations from registers too)
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 r = opaque_words(lane + 32 * nt, s * KS + kk);
+        xx[kk][nt][0] = r.x & 0x3f803f80u;  // bf16 / fp16 pairs of modest magnitude (no inf / NaN in the MMAs)
+        xx[kk][nt][1] = r.y & 0x3f803f80u;
+      }
+#else
     if (xs_on) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);  // the padded rows: no bank conflicts
     else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
+#endif
   };
   // (SDQ_DIRECT_XS_HOIST) the same loads with the shared-memory-or-L1 choice made at compile time
   auto issue_x_from = [&](auto from_smem, int s, uint32_t (&xx)[KS][NT][2]) {
