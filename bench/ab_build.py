@@ -3,9 +3,12 @@ a directory holding sdquant/kernels/csrc from e.g. ``git archive <rev> sdquant/k
 this tree with extra nvcc defines (--new-defines). Each build is its own module; the same layouts and activations
 go through each, outputs are compared (bit-identical, else the relative difference to the old build), and each
 config is timed interleaved (A, B, C, A, B, C) at M = 1-8 (--ms) on the Llama shapes (bench/gemm.py's method).
-Used to tell a code change from a machine difference.
+Used to tell a code change from a machine difference. "max_rel_vs_old" compares every build's output with the first
+build's (old, or new with --old none); --new-defines may be given several times (one build each).
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
+    python bench/ab_build.py --old none --new-defines=-DSDQ_DIRECT_XS_HOIST=1 --new-defines=-DSDQ_DIRECT_PROBE_COMPUTE=1 \
+        --configs 10,11,12 --ms 1 --out $OUT
 """
 from __future__ import annotations
 
@@ -41,18 +44,22 @@ def build(name: str, csrc: Path, defines) -> object:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True)
-    ap.add_argument("--new-defines", default="")
+    ap.add_argument("--old", required=True, help="a directory holding sdquant/kernels/csrc, or 'none' (no old build: "
+                                                 "outputs and times are then compared with this tree's build)")
+    ap.add_argument("--new-defines", action="append", default=[],
+                    help="comma-separated extra nvcc defines for one more build of this tree; may be given several "
+                         "times (one build each)")
     ap.add_argument("--configs", default="10")
     ap.add_argument("--ms", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     here = Path(int4_cuda.__file__).parent / "csrc"
-    exts = {"old": build("sdq_ab_old", Path(args.old) / "sdquant/kernels/csrc", []),
-            "new": build("sdq_ab_new", here, [])}
-    if args.new_defines:
-        exts["new+defs"] = build("sdq_ab_newdefs", here, args.new_defines.split(","))
+    exts = {} if args.old == "none" else {"old": build("sdq_ab_old", Path(args.old) / "sdquant/kernels/csrc", [])}
+    exts["new"] = build("sdq_ab_new", here, [])
+    for i, defs in enumerate(d for d in args.new_defines if d):
+        exts["new+defs" if i == 0 else f"new+defs{i + 1}"] = build(f"sdq_ab_newdefs{i or ''}", here, defs.split(","))
+    base = next(iter(exts))  # outputs are compared with this build's
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
     for (k, n) in gemm.RUN_ORDER:
@@ -73,8 +80,8 @@ def main(argv=None):
                         call = functools.partial(call, extra=())
                         outs[name] = call(0)
                     calls[name] = call
-                same = all(torch.equal(outs["old"], o) for o in outs.values())
-                ref = outs["old"].float()
+                same = all(torch.equal(outs[base], o) for o in outs.values())
+                ref = outs[base].float()
                 rel = max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())
                 ts = {name: [] for name in exts}
                 for _ in range(args.rounds):
