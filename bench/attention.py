@@ -18,6 +18,7 @@ in the same process: "masked" = the runtime's "matmul" attention (q.kT over ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -50,22 +51,18 @@ def settings(chunks: str, bts: str, warps: str):
     return out
 
 
+@contextlib.contextmanager
 def with_env(env: dict):
-    """Context: the knobs set to env (the rest unset), restored afterwards."""
-    class _Ctx:
-        def __enter__(self):
-            self.old = {k: os.environ.get(k) for k in KNOBS}
-            for k in KNOBS:
-                os.environ.pop(k, None)
-            os.environ.update(env)
-
-        def __exit__(self, *exc):
-            for k, v in self.old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    return _Ctx()
+    """The knobs set to env (the rest unset) inside the block, restored afterwards."""
+    old = {k: os.environ.pop(k, None) for k in KNOBS}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def masked_attention(q, k, v, pos, scale, cos, sin):
