@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -51,6 +52,7 @@ def main(argv=None):
                          "times (one build each)")
     ap.add_argument("--configs", default="10")
     ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--dtypes", default="bfloat16", help="activation dtypes, comma-separated (bfloat16, float16)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -60,9 +62,9 @@ def main(argv=None):
     for i, defs in enumerate(d for d in args.new_defines if d):
         exts["new+defs" if i == 0 else f"new+defs{i + 1}"] = build(f"sdq_ab_newdefs{i or ''}", here, defs.split(","))
     base = next(iter(exts))  # outputs are compared with this build's
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev = torch.device("cuda")
     rows = []
-    for (k, n) in gemm.RUN_ORDER:
+    for (k, n), dt in itertools.product(gemm.RUN_ORDER, [getattr(torch, d) for d in args.dtypes.split(",")]):
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         lays = [int4_layout.repack_cuda(qw, dt) for _ in range(gemm.n_copies(n * k // 2))]
         for m in [int(v) for v in args.ms.split(",")]:
@@ -81,13 +83,15 @@ def main(argv=None):
                         outs[name] = call(0)
                     calls[name] = call
                 same = all(torch.equal(outs[base], o) for o in outs.values())
+                same_each = {name: torch.equal(outs[base], o) for name, o in outs.items() if name != base}
                 ref = outs[base].float()
                 rel = max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())
                 ts = {name: [] for name in exts}
                 for _ in range(args.rounds):
                     for name, call in calls.items():
                         ts[name].append(gemm.time_rotating(call, len(lays)))
-                row = {"K": k, "N": n, "M": m, "config": c, "identical": same, "max_rel_vs_old": rel,
+                row = {"K": k, "N": n, "M": m, "dtype": str(dt).removeprefix("torch."), "config": c, "identical": same,
+                       "identical_each": same_each, "max_rel_vs_old": rel,
                        **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -99,11 +103,12 @@ def main(argv=None):
                                                               "old": args.old, "new_defines": args.new_defines,
                                                               "rows": rows}, indent=1))
     names = list(exts)
-    print("\n| K×N | M | config | " + " | ".join(names) + " | identical |")
-    print("|---|---|---|" + "---|" * len(names) + "---|")
+    print("\n| K×N | dtype | M | config | " + " | ".join(names) + " | identical to " + base + " |")
+    print("|---|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:
-        print(f"| {r['K']}×{r['N']} | {r['M']} | v{r['config']} | " + " | ".join(f"{r[nm]:.1f}" for nm in names)
-              + f" | {r['identical']} ({r['max_rel_vs_old']:.1e}) |")
+        same = ", ".join(f"{nm}: {'yes' if v else 'no'}" for nm, v in r["identical_each"].items())
+        print(f"| {r['K']}×{r['N']} | {r['dtype']} | {r['M']} | v{r['config']} | "
+              + " | ".join(f"{r[nm]:.1f}" for nm in names) + f" | {same} (max rel {r['max_rel_vs_old']:.1e}) |")
 
 
 if __name__ == "__main__":
