@@ -64,8 +64,18 @@ GEMV_CONFIGS = {
     "gv512k32": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "waves": 3.0},
     "gv512k64": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0},
     "gv256k32": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 6.0},
+    # ZFOLD: the zero point folded in once a tile (s * sum(code x) + zs * sum(x)) instead of a division per column
+    # and an FADD operand per code
+    "gv512k64z": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
+                  "ZFOLD": True},
+    "gv512k128z": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0,
+                   "ZFOLD": True},
+    "gv256k64z": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0,
+                  "ZFOLD": True},
+    "gv512k64zw4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0,
+                    "ZFOLD": True},
 }
-FULL_CHECK = {"tc128", "gv512k32"}
+FULL_CHECK = {"tc128", "gv512k32", "gv512k64z"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
 CHECK_CASES = [
     (4096, 4096, 128, True, False, "bfloat16", (1, 3, 8, 16), (0, 2)),
@@ -415,6 +425,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--no-cuda", action="store_true")
+    ap.add_argument("--configs", default="", help="comma-separated config names to check and time (default: all)")
     a = ap.parse_args(argv)
     if a.dry:
         os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported (the library's @jit helpers)
@@ -430,6 +441,11 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.ms.split(",")]
     configs = {"old": None, **TC_CONFIGS, **GEMV_CONFIGS}
+    if a.configs:
+        unknown = [c for c in a.configs.split(",") if c not in configs]
+        if unknown:
+            sys.exit(f"error: --configs: unknown {unknown}; known: {sorted(configs)}")
+        configs = {c: configs[c] for c in a.configs.split(",")}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "triton": triton.__version__, "commit": os.environ.get("SDQUANT_COMMIT", "unknown"), "dtype": "bfloat16",
             "group_size": GS, "configs": configs, "dry": a.dry, "python": sys.version.split()[0]}
@@ -438,7 +454,7 @@ def main(argv=None):
         shapes, ms = [(256, 128), (512, 64)], [1, 2, 16, 32]
         meta["device"] = "cpu (dry run, Triton interpreter)"
         configs = {"old": None, "tc128": TC_CONFIGS["tc128"], "tc64": TC_CONFIGS["tc64"],
-                   "gv512k32": GEMV_CONFIGS["gv512k32"]}
+                   "gv512k32": GEMV_CONFIGS["gv512k32"], "gv512k64z": GEMV_CONFIGS["gv512k64z"]}
     else:
         dev = torch.device("cuda")
         meta["device"] = torch.cuda.get_device_name()

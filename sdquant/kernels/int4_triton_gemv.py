@@ -225,28 +225,37 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, 
 
 
 def _gemv_dot(x_ptr, stride_xm, ROW, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7):
-    """sum over the tile's K of (code - zero)[k, n] * x[ROW, k], fp32 [BN] (one FMA chain per element)."""
+    """(sum over the tile's K of d[k, n] * x[ROW, k] as fp32 [BN] (one FMA chain per element), sum of x[ROW, k])."""
     xa = tl.load(x_ptr + ROW * stride_xm + kx, mask=(kx * 0 + ROW) < M, other=0.0).to(tl.float32)  # [R, 8]
     a0, a1, a2, a3, a4, a5, a6, a7 = _split8(xa, R)
     p = (d0 * a0[:, None] + d1 * a1[:, None] + d2 * a2[:, None] + d3 * a3[:, None]
          + d4 * a4[:, None] + d5 * a5[:, None] + d6 * a6[:, None] + d7 * a7[:, None])
-    return tl.reduce(p, 0, _add)
+    return tl.reduce(p, 0, _add), tl.reduce(tl.reduce(xa, 1, _add), 0, _add)
 
 
-def _gemv_code(wq, wh, j, mg, zero):
-    """code_j - zero as fp32 [R, BN]: in-place nibble + magic number, one FADD (exact)."""
+def _gemv_code(wq, wh, j, mg, zero, ZFOLD):
+    """code_j - zero as fp32 [R, BN] (code_j alone with ZFOLD): in-place nibble + magic number, one FADD (exact)."""
     if j < 5:
         w = wq
         P = 4 * j
     else:
         w = wh
         P = 4 * j - 12
+    if ZFOLD:
+        return _nib32(w, P, mg) - (1 << (23 - P))
     return _nib32(w, P, mg) - ((1 << (23 - P)) + zero)[None, :]
+
+
+def _gemv_fold(p, xsum, s, zs, ZFOLD):
+    """A tile's contribution to a row: s * sum((code - zero) x), or with ZFOLD s * sum(code x) + zs * sum(x)."""
+    if ZFOLD:
+        return p * s + zs * xsum
+    return p * s
 
 
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT, MAGIC,
                  GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr):
+                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, ZFOLD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -271,22 +280,29 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
         g = k0 // GS
         s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
         zs = tl.load(zs_ptr + g * N + offs_n).to(tl.float32)
-        zero = tl.where(s != 0.0, -zs / tl.where(s != 0.0, s, 1.0), 0.0)
-        d0 = _gemv_code(wq, wh, 0, mg, zero)
-        d1 = _gemv_code(wq, wh, 1, mg, zero)
-        d2 = _gemv_code(wq, wh, 2, mg, zero)
-        d3 = _gemv_code(wq, wh, 3, mg, zero)
-        d4 = _gemv_code(wq, wh, 4, mg, zero)
-        d5 = _gemv_code(wq, wh, 5, mg, zero)
-        d6 = _gemv_code(wq, wh, 6, mg, zero)
-        d7 = _gemv_code(wq, wh, 7, mg, zero)
-        acc0 += _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+        if ZFOLD:  # s * (code - zero) = s * code + zs: the zero point enters once a tile through sum(x)
+            zero = zs
+        else:
+            zero = tl.where(s != 0.0, -zs / tl.where(s != 0.0, s, 1.0), 0.0)
+        d0 = _gemv_code(wq, wh, 0, mg, zero, ZFOLD)
+        d1 = _gemv_code(wq, wh, 1, mg, zero, ZFOLD)
+        d2 = _gemv_code(wq, wh, 2, mg, zero, ZFOLD)
+        d3 = _gemv_code(wq, wh, 3, mg, zero, ZFOLD)
+        d4 = _gemv_code(wq, wh, 4, mg, zero, ZFOLD)
+        d5 = _gemv_code(wq, wh, 5, mg, zero, ZFOLD)
+        d6 = _gemv_code(wq, wh, 6, mg, zero, ZFOLD)
+        d7 = _gemv_code(wq, wh, 7, mg, zero, ZFOLD)
+        p0, x0 = _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+        acc0 += _gemv_fold(p0, x0, s, zs, ZFOLD)
         if ROWS > 1:
-            acc1 += _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+            p1, x1 = _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc1 += _gemv_fold(p1, x1, s, zs, ZFOLD)
         if ROWS > 2:
-            acc2 += _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+            p2, x2 = _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc2 += _gemv_fold(p2, x2, s, zs, ZFOLD)
         if ROWS > 3:
-            acc3 += _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7) * s
+            p3, x3 = _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc3 += _gemv_fold(p3, x3, s, zs, ZFOLD)
     if not PARTIAL:
         dst = out_ptr + offs_n
         tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
@@ -326,7 +342,7 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
 
 
 _HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_unpack_kn",
-            "_unpack_nk", "_gemv_dot", "_gemv_code")
+            "_unpack_nk", "_gemv_dot", "_gemv_code", "_gemv_fold")
 _KERNELS: dict = {}
 
 
@@ -345,7 +361,7 @@ def _kernels():
 DEFAULT_TC = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
               "SPLIT_K": 0, "UNPACK": 2, "SWAP": True}
 DEFAULT_GEMV = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
-                "SPLIT_K": 0}
+                "SPLIT_K": 0, "ZFOLD": False}
 
 
 def num_sms(device: torch.device) -> int:
@@ -416,7 +432,8 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     if c["kernel"] == "gemv":
         kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, MAGIC_F32,
                            GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                           HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                           HAS_PERM=has_perm, ZFOLD=bool(c["ZFOLD"]), num_warps=c["num_warps"],
+                           num_stages=c["num_stages"])
     else:
         interp = _interpret()
         # the interpreter runs no inline PTX and no bf16 bit tricks: plain conversion there (fp16 magic is fine)
