@@ -169,16 +169,28 @@ def _kernels():
 # ({"kernel": "tc" | "gemv", tile sizes, split}), or None for _splitk_kernel. Chosen from the H200 sweep of
 # bench/triton_small_m.py (only where faster than the old kernel in the same run); SHAPE_PLAN holds
 # per-(K, N, bucket) overrides for the measured Llama shapes.
-_GV512K64 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0}
 _GV256K32 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 6.0}
 _TC64 = {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0}
 _TC128K64 = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "waves": 2.0}
+# ZFOLD: the GEMV with its zero point folded in once a tile (s * sum(code x) + zs * sum(x)); 4 waves of programs
+_GV512K64Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0,
+              "ZFOLD": True}
+_GV512K64Z3 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
+               "ZFOLD": True}
+_GV512K128Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0,
+               "ZFOLD": True}
+_GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0,
+              "ZFOLD": True}
 # H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
-# kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time)
-SMALL_M_PLAN: dict = {1: _GV512K64, 2: _GV512K64, 4: _TC64, 8: _TC64, 16: _TC64}
+# kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time).
+# M = 1-2 from the run of 2026-12-01 20:58 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the
+# folded zero point made the GEMV 5-11% faster (geo-mean time / best at M = 1: gv512k64 1.113, gv512k64zw4 1.042)
+SMALL_M_PLAN: dict = {1: _GV512K64Z, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _TC64}
 # per (K, N, bucket): the measured winner where it beats the bucket default by > 2%; None = the old kernel where
 # it was the fastest in that run
 SHAPE_PLAN: dict = {
+    (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z,
+    (8192, 10240, 2): _GV256K64Z,
     (4096, 4096, 4): None, (4096, 4096, 8): None, (4096, 4096, 16): None,
     (4096, 28672, 4): None, (4096, 28672, 8): None, (14336, 4096, 4): None, (14336, 4096, 8): None,
     (4096, 6144, 4): _TC128K64, (4096, 6144, 8): _TC128K64, (4096, 6144, 16): _TC128K64,
@@ -205,11 +217,13 @@ _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_
 # M = 3 as at 16 -- 1.2-2.3x the old kernels at M = 32, 1.2-6.7x at M = 64-1024). Run 4 (2026-12-01, 18:17 UTC,
 # commit 3a549c2, bench/results/triton_mid_m_h200_run4_m2.*, same process): at M = 2 too, 11-22% faster than the GEMV
 # (8192x28672 89.3 -> 79.5 us, 28672x8192 91.1 -> 74.8, 4096x4096 13.4 -> 10.5; 4096x6144 16.5 -> 14.0 with m32x2)
-# except on 8192x10240 (34.8 vs 38.3), which keeps the GEMV; M = 1 stays with the GEMV everywhere
+# except on 8192x10240 (34.8 vs 38.3), which keeps the GEMV; M = 1 stays with the GEMV everywhere. After the GEMV's
+# folded zero point (triton_small_m run of 20:58 UTC) the GEMV also beat it at M = 2 on 8192x28672 (70.9 vs 79.5 us,
+# cross-run) and 4096x28672 (38.8 vs 41.4), which go back to the small-M plan
 MID_M_PLAN: dict = {2: _MM32W8, 4: _MM32W8, 8: _MM32W8, 16: _MM32W8, 32: _MM32W8, 64: _MM128, 128: _MM128K64,
                     256: _MM256S4, 512: _MM256S4, 1024: _MM256S4}
 MID_SHAPE_PLAN: dict = {
-    (8192, 10240, 2): None, (4096, 6144, 2): _MM32X2,
+    (8192, 10240, 2): None, (4096, 6144, 2): _MM32X2, (8192, 28672, 2): None, (4096, 28672, 2): None,
     (8192, 10240, 4): _MM32X2, (4096, 6144, 4): _MM32X2, (8192, 10240, 8): _MM32X2, (4096, 6144, 8): _MM32X2,
     (8192, 10240, 16): _MM32X2, (4096, 6144, 16): _MM32X2, (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
     (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,
