@@ -115,13 +115,16 @@ def test_op_routes_mid_m_here(interpret, monkeypatch):
 
 
 def test_plan_leaves_m_1_to_the_gemv():
-    # M = 1 everywhere, and M = 2 where the GEMV was measured faster (8192x10240), run the GEMV of the small-M plan
+    # M = 1 everywhere, and M = 2 where the GEMV was measured faster (8192x10240, and since its folded zero point
+    # 8192x28672 and 4096x28672), run the GEMV of the small-M plan
     assert int4_triton.mid_m_plan(1, 4096, 4096) is None and int4_triton.mid_m_plan(2, 10240, 8192) is None
-    assert int4_triton.small_m_plan(2, 10240, 8192)["kernel"] == "gemv"
-    assert int4_triton.mid_m_plan(2, 28672, 8192) is not None and int4_triton.mid_m_plan(2, 6144, 4096)["waves"] == 2.0
+    for n, k in ((10240, 8192), (28672, 8192), (28672, 4096)):
+        assert int4_triton.mid_m_plan(2, n, k) is None and int4_triton.small_m_plan(2, n, k)["kernel"] == "gemv"
+    assert int4_triton.small_m_plan(1, 28672, 8192)["ZFOLD"] is True
+    assert int4_triton.mid_m_plan(2, 8192, 28672) is not None and int4_triton.mid_m_plan(2, 6144, 4096)["waves"] == 2.0
     for m in (2, 3, 17, 64, 300, 1024):
-        cfg = int4_triton.mid_m_plan(m, 28672, 8192)
-        assert cfg is not None and MM.resolve(cfg, m, 28672, 8192, 128, 132)["BLOCK_M"] >= 16
+        cfg = int4_triton.mid_m_plan(m, 8192, 28672)
+        assert cfg is not None and MM.resolve(cfg, m, 8192, 28672, 128, 132)["BLOCK_M"] >= 16
 
 
 def test_shapes_that_do_not_divide(interpret):
