@@ -69,6 +69,10 @@ CONFIGS = {
     "m32r128": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "maxnreg": 128},
     "m32s3": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
     "m32w8": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    # after ncu_triton (2026-12-01): m32w8 ran 224 programs on 8192x28672 (no split-K; 21% occupancy achieved)
+    "m32w8x2": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 2.0},
+    "m32w8x4": {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 4.0},
+    "n64m32x2": {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
     "m64k256w8": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
     "m64r168": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "maxnreg": 168},
     "m128s4": {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},

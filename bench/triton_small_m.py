@@ -74,6 +74,15 @@ GEMV_CONFIGS = {
                   "ZFOLD": True},
     "gv512k64zw4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0,
                     "ZFOLD": True},
+    # after ncu_triton (2026-12-01): the GEMV waits on its loads (long scoreboard ~40% of the stall cycles)
+    "gv512k64zs2": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "waves": 4.0,
+                    "ZFOLD": True},
+    "gv512k64zs3": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "waves": 4.0,
+                    "ZFOLD": True},
+    "gv512k128zw4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 4.0,
+                     "ZFOLD": True},
+    "gv256k64zw8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0,
+                    "ZFOLD": True},
 }
 FULL_CHECK = {"tc128", "gv512k32", "gv512k64z"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
