@@ -181,6 +181,8 @@ _GV512K128Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4,
                "ZFOLD": True}
 _GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0,
               "ZFOLD": True}
+_GV256K64Z8 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0,
+               "ZFOLD": True}
 # H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
 # kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time).
 # M = 1-2 from the run of 2026-12-01 20:58 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the
@@ -188,8 +190,12 @@ _GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "
 SMALL_M_PLAN: dict = {1: _GV512K64Z, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _TC64}
 # per (K, N, bucket): the measured winner where it beats the bucket default by > 2%; None = the old kernel where
 # it was the fastest in that run
+# M = 1 overrides from both GEMV runs of 20:58 and 21:20 UTC (the second: bench/results/triton_small_m_h200_zfold2.json;
+# 2 warps and 8 waves of programs were 3-5% faster on the three largest shapes, where ncu had the loads' latency
+# as the top stall)
 SHAPE_PLAN: dict = {
-    (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z,
+    (8192, 28672, 1): _GV256K64Z8, (4096, 28672, 1): _GV256K64Z8, (28672, 8192, 1): _GV256K64Z8,
+    (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z, (4096, 6144, 1): _GV512K128Z,
     (8192, 10240, 2): _GV256K64Z,
     (4096, 4096, 4): None, (4096, 4096, 8): None, (4096, 4096, 16): None,
     (4096, 28672, 4): None, (4096, 28672, 8): None, (14336, 4096, 4): None, (14336, 4096, 8): None,
@@ -205,6 +211,8 @@ SHAPE_PLAN: dict = {
 # geometric-mean config where it beats the old kernels; per shape the point's winner where it beats that by > 3%).
 _MM32W8 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
 _MM32X2 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0}
+_MM32W8X4 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 4.0}
+_MN64M32X2 = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MM64 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 _MM64K64X2 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MN64M64 = {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
@@ -220,12 +228,16 @@ _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_
 # except on 8192x10240 (34.8 vs 38.3), which keeps the GEMV; M = 1 stays with the GEMV everywhere. After the GEMV's
 # folded zero point (triton_small_m run of 20:58 UTC) the GEMV also beat it at M = 2 on 8192x28672 (70.9 vs 79.5 us,
 # cross-run) and 4096x28672 (38.8 vs 41.4), which go back to the small-M plan
-MID_M_PLAN: dict = {2: _MM32W8, 4: _MM32W8, 8: _MM32W8, 16: _MM32W8, 32: _MM32W8, 64: _MM128, 128: _MM128K64,
-                    256: _MM256S4, 512: _MM256S4, 1024: _MM256S4}
+# M = 4-16 from triton_mid_m of 21:20 UTC (commit 8c62956, bench/results/triton_mid_m_h200_run5.json): an ncu of
+# m32w8 (bench/results/ncu_triton_h200.txt) showed 224 programs on 8192x28672 (no split-K, 21% occupancy); with
+# split-K (waves) m32w8x4 / n64m32x2 were 2-22% faster than the plan before in the same process
+MID_M_PLAN: dict = {2: _MM32W8, 4: _MN64M32X2, 8: _MN64M32X2, 16: _MN64M32X2, 32: _MM32W8, 64: _MM128,
+                    128: _MM128K64, 256: _MM256S4, 512: _MM256S4, 1024: _MM256S4}
 MID_SHAPE_PLAN: dict = {
     (8192, 10240, 2): None, (4096, 6144, 2): _MM32X2, (8192, 28672, 2): None, (4096, 28672, 2): None,
-    (8192, 10240, 4): _MM32X2, (4096, 6144, 4): _MM32X2, (8192, 10240, 8): _MM32X2, (4096, 6144, 8): _MM32X2,
-    (8192, 10240, 16): _MM32X2, (4096, 6144, 16): _MM32X2, (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
+    (8192, 28672, 4): _MM32W8X4, (8192, 28672, 8): _MM32W8X4, (8192, 28672, 16): _MM32W8X4,
+    (8192, 10240, 4): _MM32W8X4, (8192, 10240, 8): _MM32W8X4, (8192, 10240, 16): _MM32W8X4,
+    (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
     (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,
     (8192, 10240, 128): _MM64K64X2, (4096, 6144, 128): _MM64K64X2,
     (14336, 4096, 256): _MM128K64, (4096, 4096, 256): _MN64M64, (4096, 4096, 512): _MM128K64,
