@@ -213,6 +213,7 @@ _MM32W8 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_s
 _MM32X2 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MM32W8X4 = {"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "waves": 4.0}
 _MN64M32X2 = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0}
+_MN64M32X4 = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0}
 _MM64 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 _MM64K64X2 = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0}
 _MN64M64 = {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
@@ -230,13 +231,15 @@ _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_
 # cross-run) and 4096x28672 (38.8 vs 41.4), which go back to the small-M plan
 # M = 4-16 from triton_mid_m of 21:20 UTC (commit 8c62956, bench/results/triton_mid_m_h200_run5.json): an ncu of
 # m32w8 (bench/results/ncu_triton_h200.txt) showed 224 programs on 8192x28672 (no split-K, 21% occupancy); with
-# split-K (waves) m32w8x4 / n64m32x2 were 2-22% faster than the plan before in the same process
-MID_M_PLAN: dict = {2: _MM32W8, 4: _MN64M32X2, 8: _MN64M32X2, 16: _MN64M32X2, 32: _MM32W8, 64: _MM128,
+# split-K (waves) m32w8x4 / n64m32x2 were 2-22% faster than the plan before in the same process. Run 6 (21:37 UTC,
+# commit d3493be, triton_mid_m_h200_run6.json): n64m32x2 also at M = 2 where the mid-M kernel serves it (4096x6144
+# 12.5 vs 14.3 us, 28672x8192 73.2 vs 75.5), n64m32x4 on 8192x10240 (29.0 vs 30.6 at M = 4); SCALE_ACC won nowhere
+MID_M_PLAN: dict = {2: _MN64M32X2, 4: _MN64M32X2, 8: _MN64M32X2, 16: _MN64M32X2, 32: _MM32W8, 64: _MM128,
                     128: _MM128K64, 256: _MM256S4, 512: _MM256S4, 1024: _MM256S4}
 MID_SHAPE_PLAN: dict = {
-    (8192, 10240, 2): None, (4096, 6144, 2): _MM32X2, (8192, 28672, 2): None, (4096, 28672, 2): None,
+    (8192, 10240, 2): None, (8192, 28672, 2): None, (4096, 28672, 2): None,
     (8192, 28672, 4): _MM32W8X4, (8192, 28672, 8): _MM32W8X4, (8192, 28672, 16): _MM32W8X4,
-    (8192, 10240, 4): _MM32W8X4, (8192, 10240, 8): _MM32W8X4, (8192, 10240, 16): _MM32W8X4,
+    (8192, 10240, 4): _MN64M32X4, (8192, 10240, 8): _MN64M32X4, (8192, 10240, 16): _MN64M32X4,
     (8192, 10240, 32): _MM32X2, (4096, 6144, 32): _MM32X2,
     (8192, 28672, 64): _MM64, (4096, 28672, 64): _MM64, (8192, 10240, 64): _MM64K64X2, (4096, 6144, 64): _MM64K64X2,
     (8192, 10240, 128): _MM64K64X2, (4096, 6144, 128): _MM64K64X2,
