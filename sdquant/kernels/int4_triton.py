@@ -185,12 +185,12 @@ _GV256K64Z8 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, 
                "ZFOLD": True}
 # H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
 # kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time).
-# M = 1-2 from the run of 2026-12-01 20:58 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the
+# M = 1-2 from the run of 2026-12-01 20:47 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the
 # folded zero point made the GEMV 5-11% faster (geo-mean time / best at M = 1: gv512k64 1.113, gv512k64zw4 1.042)
 SMALL_M_PLAN: dict = {1: _GV512K64Z, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _TC64}
 # per (K, N, bucket): the measured winner where it beats the bucket default by > 2%; None = the old kernel where
 # it was the fastest in that run
-# M = 1 overrides from both GEMV runs of 20:58 and 21:20 UTC (the second: bench/results/triton_small_m_h200_zfold2.json;
+# M = 1 overrides from both GEMV runs of 20:47 and 20:52 UTC (the second: bench/results/triton_small_m_h200_zfold2.json;
 # 2 warps and 8 waves of programs were 3-5% faster on the three largest shapes, where ncu had the loads' latency
 # as the top stall)
 SHAPE_PLAN: dict = {
@@ -227,11 +227,11 @@ _MM256S4 = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64, "num_warps": 8, "num_
 # commit 3a549c2, bench/results/triton_mid_m_h200_run4_m2.*, same process): at M = 2 too, 11-22% faster than the GEMV
 # (8192x28672 89.3 -> 79.5 us, 28672x8192 91.1 -> 74.8, 4096x4096 13.4 -> 10.5; 4096x6144 16.5 -> 14.0 with m32x2)
 # except on 8192x10240 (34.8 vs 38.3), which keeps the GEMV; M = 1 stays with the GEMV everywhere. After the GEMV's
-# folded zero point (triton_small_m run of 20:58 UTC) the GEMV also beat it at M = 2 on 8192x28672 (70.9 vs 79.5 us,
-# cross-run) and 4096x28672 (38.8 vs 41.4), which go back to the small-M plan
-# M = 4-16 from triton_mid_m of 21:20 UTC (commit 8c62956, bench/results/triton_mid_m_h200_run5.json): an ncu of
+# folded zero point the GEMV also beat it at M = 2 on 8192x28672 (72.9 vs 80.0 us) and 4096x28672 (39.4 vs 41.4),
+# which go back to the small-M plan (triton_mid_m of 20:49 UTC, same process, triton_mid_m_h200_run5_m2.json)
+# M = 4-16 from triton_mid_m of 20:53 UTC (commit 8c62956, bench/results/triton_mid_m_h200_run5.json): an ncu of
 # m32w8 (bench/results/ncu_triton_h200.txt) showed 224 programs on 8192x28672 (no split-K, 21% occupancy); with
-# split-K (waves) m32w8x4 / n64m32x2 were 2-22% faster than the plan before in the same process. Run 6 (21:37 UTC,
+# split-K (waves) m32w8x4 / n64m32x2 were 2-22% faster than the plan before in the same process. Run 6 (20:55 UTC,
 # commit d3493be, triton_mid_m_h200_run6.json): n64m32x2 also at M = 2 where the mid-M kernel serves it (4096x6144
 # 12.5 vs 14.3 us, 28672x8192 73.2 vs 75.5), n64m32x4 on 8192x10240 (29.0 vs 30.6 at M = 4); SCALE_ACC won nowhere
 MID_M_PLAN: dict = {2: _MN64M32X2, 4: _MN64M32X2, 8: _MN64M32X2, 16: _MN64M32X2, 32: _MM32W8, 64: _MM128,
