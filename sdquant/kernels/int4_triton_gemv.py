@@ -22,9 +22,12 @@ deterministic, no atomics, no memset):
 * ``_gemv_kernel`` (M <= 4, no ``tl.dot``): every thread holds all BK/8 word rows of 4-column chunks, so the
   reduction over K stays in registers; a nibble is converted in place with a per-position fp32 magic number
   (``(w & 0xF << P) | (150 - P) << 23`` is the float 2**(23-P) + code; P = 0..16, the top three nibbles from
-  ``w >> 12``) and one FADD that also removes the zero point (``f - (2**(23-P) + zero)``, zero = -zs/s per
-  column); then one FFMA per code and row against the activation, fp32 throughout, the scale applied once per
-  tile. The magic number comes in as a kernel argument so that it stays in a register.
+  ``w >> 12``) and one FADD; then one FFMA per code and row against the activation, fp32 throughout. With
+  ``ZFOLD`` (the shipped plans) the FADD removes only the constant 2**(23-P) and the zero point enters once a tile
+  and row, ``acc += s * sum(code * x) + zs * sum(x)``; without it the FADD also removes the zero point
+  (``f - (2**(23-P) + zero)``, zero = -zs/s: a division per column and tile) and ``acc += s * sum((code - zero) *
+  x)``. ZFOLD was 5-11% faster on the H200 (docs/BENCHMARKS.md, "Triton small-M: the folded zero point"). The
+  magic number comes in as a kernel argument so that it stays in a register.
 
 Both kernels read ``x[:, perm]`` through the act-order permutation in the load, take fp16/bf16 activations,
 groups of 32/64/128/... (multiples of 32 dividing K) or per-channel, and accumulate in fp32.
