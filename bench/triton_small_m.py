@@ -83,18 +83,6 @@ GEMV_CONFIGS = {
                      "ZFOLD": True},
     "gv256k64zw8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0,
                     "ZFOLD": True},
-    # M = 2 (ncu 2026-12-01: 166 registers a thread at M = 2 against 80 at M = 1, 19% occupancy): shorter K tiles
-    # (fewer x values held a thread) and JOINT (both rows in one pass over the codes)
-    "gv512k32z": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "waves": 4.0,
-                  "ZFOLD": True},
-    "gv256k32z8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 8.0,
-                   "ZFOLD": True},
-    "gv512k64zj": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0,
-                   "ZFOLD": True, "JOINT": True},
-    "gv512k32zj": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "waves": 4.0,
-                   "ZFOLD": True, "JOINT": True},
-    "gv256k32zj8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 8.0,
-                    "ZFOLD": True, "JOINT": True},
 }
 FULL_CHECK = {"tc128", "gv512k32", "gv512k64z"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)

@@ -256,44 +256,9 @@ def _gemv_fold(p, xsum, s, zs, ZFOLD):
     return p * s
 
 
-def _gemv_dot2(x_ptr, stride_xm, M, kx, R, wq, wh, mg, zero, ZFOLD):
-    """Two rows in one pass (JOINT): each code tensor d_j is used for both rows as soon as it is built, so the eight
-    never live together; returns (row-0 products, row-1 products, row-0 x sum, row-1 x sum) over the tile's K."""
-    xa = tl.load(x_ptr + kx, mask=(kx * 0) < M, other=0.0).to(tl.float32)                     # [R, 8]
-    xb = tl.load(x_ptr + stride_xm + kx, mask=(kx * 0 + 1) < M, other=0.0).to(tl.float32)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(xa, R)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _split8(xb, R)
-    d = _gemv_code(wq, wh, 0, mg, zero, ZFOLD)
-    p = d * a0[:, None]
-    q = d * b0[:, None]
-    d = _gemv_code(wq, wh, 1, mg, zero, ZFOLD)
-    p += d * a1[:, None]
-    q += d * b1[:, None]
-    d = _gemv_code(wq, wh, 2, mg, zero, ZFOLD)
-    p += d * a2[:, None]
-    q += d * b2[:, None]
-    d = _gemv_code(wq, wh, 3, mg, zero, ZFOLD)
-    p += d * a3[:, None]
-    q += d * b3[:, None]
-    d = _gemv_code(wq, wh, 4, mg, zero, ZFOLD)
-    p += d * a4[:, None]
-    q += d * b4[:, None]
-    d = _gemv_code(wq, wh, 5, mg, zero, ZFOLD)
-    p += d * a5[:, None]
-    q += d * b5[:, None]
-    d = _gemv_code(wq, wh, 6, mg, zero, ZFOLD)
-    p += d * a6[:, None]
-    q += d * b6[:, None]
-    d = _gemv_code(wq, wh, 7, mg, zero, ZFOLD)
-    p += d * a7[:, None]
-    q += d * b7[:, None]
-    return (tl.reduce(p, 0, _add), tl.reduce(q, 0, _add), tl.reduce(tl.reduce(xa, 1, _add), 0, _add),
-            tl.reduce(tl.reduce(xb, 1, _add), 0, _add))
-
-
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT, MAGIC,
                  GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, ZFOLD: tl.constexpr, JOINT: tl.constexpr):
+                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, ZFOLD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -322,30 +287,25 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
             zero = zs
         else:
             zero = tl.where(s != 0.0, -zs / tl.where(s != 0.0, s, 1.0), 0.0)
-        if JOINT:  # exactly two rows (resolve() turns JOINT off elsewhere)
-            p0, p1, x0, x1 = _gemv_dot2(x_ptr, stride_xm, M, kx, R, wq, wh, mg, zero, ZFOLD)
-            acc0 += _gemv_fold(p0, x0, s, zs, ZFOLD)
+        d0 = _gemv_code(wq, wh, 0, mg, zero, ZFOLD)
+        d1 = _gemv_code(wq, wh, 1, mg, zero, ZFOLD)
+        d2 = _gemv_code(wq, wh, 2, mg, zero, ZFOLD)
+        d3 = _gemv_code(wq, wh, 3, mg, zero, ZFOLD)
+        d4 = _gemv_code(wq, wh, 4, mg, zero, ZFOLD)
+        d5 = _gemv_code(wq, wh, 5, mg, zero, ZFOLD)
+        d6 = _gemv_code(wq, wh, 6, mg, zero, ZFOLD)
+        d7 = _gemv_code(wq, wh, 7, mg, zero, ZFOLD)
+        p0, x0 = _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+        acc0 += _gemv_fold(p0, x0, s, zs, ZFOLD)
+        if ROWS > 1:
+            p1, x1 = _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
             acc1 += _gemv_fold(p1, x1, s, zs, ZFOLD)
-        else:
-            d0 = _gemv_code(wq, wh, 0, mg, zero, ZFOLD)
-            d1 = _gemv_code(wq, wh, 1, mg, zero, ZFOLD)
-            d2 = _gemv_code(wq, wh, 2, mg, zero, ZFOLD)
-            d3 = _gemv_code(wq, wh, 3, mg, zero, ZFOLD)
-            d4 = _gemv_code(wq, wh, 4, mg, zero, ZFOLD)
-            d5 = _gemv_code(wq, wh, 5, mg, zero, ZFOLD)
-            d6 = _gemv_code(wq, wh, 6, mg, zero, ZFOLD)
-            d7 = _gemv_code(wq, wh, 7, mg, zero, ZFOLD)
-            p0, x0 = _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-            acc0 += _gemv_fold(p0, x0, s, zs, ZFOLD)
-            if ROWS > 1:
-                p1, x1 = _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-                acc1 += _gemv_fold(p1, x1, s, zs, ZFOLD)
-            if ROWS > 2:
-                p2, x2 = _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-                acc2 += _gemv_fold(p2, x2, s, zs, ZFOLD)
-            if ROWS > 3:
-                p3, x3 = _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-                acc3 += _gemv_fold(p3, x3, s, zs, ZFOLD)
+        if ROWS > 2:
+            p2, x2 = _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc2 += _gemv_fold(p2, x2, s, zs, ZFOLD)
+        if ROWS > 3:
+            p3, x3 = _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc3 += _gemv_fold(p3, x3, s, zs, ZFOLD)
     if not PARTIAL:
         dst = out_ptr + offs_n
         tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
@@ -385,7 +345,7 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
 
 
 _HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_unpack_kn",
-            "_unpack_nk", "_gemv_dot", "_gemv_dot2", "_gemv_code", "_gemv_fold")
+            "_unpack_nk", "_gemv_dot", "_gemv_code", "_gemv_fold")
 _KERNELS: dict = {}
 
 
@@ -404,7 +364,7 @@ def _kernels():
 DEFAULT_TC = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
               "SPLIT_K": 0, "UNPACK": 2, "SWAP": True}
 DEFAULT_GEMV = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
-                "SPLIT_K": 0, "ZFOLD": False, "JOINT": False}
+                "SPLIT_K": 0, "ZFOLD": False}
 
 
 def num_sms(device: torch.device) -> int:
@@ -448,7 +408,6 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
             raise ShapeError(f"gemv kernel: M={m} > 4 rows")
         # all K rows of a tile in one thread: BLOCK_N >= 4 columns x 32 lanes x warps
         c["num_warps"] = max(1, min(c["num_warps"], c["BLOCK_N"] // 128))
-        c["JOINT"] = bool(c["JOINT"]) and m == 2      # the two-row pass serves exactly two rows
     elif m > 16:
         raise ShapeError(f"tc small-M kernel: M={m} > 16 rows")
     tiles = n // c["BLOCK_N"]
@@ -476,7 +435,7 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     if c["kernel"] == "gemv":
         kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, MAGIC_F32,
                            GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                           HAS_PERM=has_perm, ZFOLD=bool(c["ZFOLD"]), JOINT=c["JOINT"], num_warps=c["num_warps"],
+                           HAS_PERM=has_perm, ZFOLD=bool(c["ZFOLD"]), num_warps=c["num_warps"],
                            num_stages=c["num_stages"])
     else:
         interp = _interpret()

@@ -96,22 +96,6 @@ def test_forced_split_k_is_deterministic(interpret, kernel, split):
     assert rel(y1, reference(x, qw)) < BOUND[torch.bfloat16]
 
 
-@pytest.mark.parametrize("k,n,gs,sym,act,dtype", CASES[:3])
-@pytest.mark.parametrize("zfold", [False, True])
-def test_gemv_joint_two_rows(interpret, k, n, gs, sym, act, dtype, zfold):
-    """JOINT (both rows of M = 2 in one pass over the codes) matches the reference and the row-by-row pass; at other
-    M resolve() turns it off."""
-    qw = make_qw(n, k, gs, sym, act, seed=k + 3 * n)
-    lay = L.repack_triton(qw, dtype)
-    x = torch.randn(2, k).to(dtype)
-    y = run(x, lay, {**GEMV, "ZFOLD": zfold, "JOINT": True})
-    assert rel(y, reference(x, qw)) < BOUND[dtype]
-    assert rel(y, run(x, lay, {**GEMV, "ZFOLD": zfold})) < BOUND[dtype] / 4
-    assert G.resolve({**GEMV, "JOINT": True}, 2, n, k, 128, 132)["JOINT"] is True
-    assert G.resolve({**GEMV, "JOINT": True}, 1, n, k, 128, 132)["JOINT"] is False
-    assert G.resolve({**GEMV, "JOINT": True}, 3, n, k, 128, 132)["JOINT"] is False
-
-
 @pytest.mark.parametrize("zfold", [False, True])
 def test_gemv_zero_scale_column(interpret, zfold):
     """A column whose scale is 0 (zero point undefined) must give 0, not NaN."""
