@@ -21,14 +21,17 @@ struct DCfg {
 
 // SDQ_DIRECT_XS_HOIST=1 (an experiment, off in the shipped build): the main loop compiled twice, once per source of
 // the activations, instead of choosing between shared memory and L1 at every K step (about 6 branches and their
-// convergence barriers a K step in v10's SASS; docs/BENCHMARKS.md "M = 1: what bounds the direct kernel", pending 10).
+// convergence barriers a K step in v10's SASS). Measured on the H200 0-8% slower than the shipped loop
+// (docs/BENCHMARKS.md, "M = 1: the compute-only probe ..."); kept for A/B builds.
 #ifndef SDQ_DIRECT_XS_HOIST
 #define SDQ_DIRECT_XS_HOIST 0
 #endif
 // SDQ_DIRECT_PROBE_COMPUTE=1 (a probe, never shipped; its outputs are meaningless): the weight words come from
 // registers (opaque to the compiler) instead of global memory, everything else as built; =2: the activations too. Timed beside the real kernel
-// (bench/ab_build.py --new-defines), it separates the dequantize -> MMA chain's own time from the weight stream's
-// (docs/BENCHMARKS.md, pending 10).
+// (bench/ab_build.py --new-defines), it separates the dequantize -> MMA chain's own time from the weight stream's.
+// H200, 8192x28672 M = 1: 45.2 us as built, 44.2 without weight loads, 38.7 without any loads (docs/BENCHMARKS.md,
+// "M = 1: the compute-only probe ..."). A two-accumulator variant (SDQ_DIRECT_ACC2, commit 5cd0842) was 7-14% slower
+// and was removed.
 #ifndef SDQ_DIRECT_PROBE_COMPUTE
 #define SDQ_DIRECT_PROBE_COMPUTE 0
 #endif
@@ -40,12 +43,6 @@ __device__ __forceinline__ uint4 opaque_words(int lane, int step) {
                : "r"(v), "r"(v ^ 0x5bd1e995u), "r"(v + 0x27d4eb2fu), "r"(~v));
   return r;
 }
-// SDQ_DIRECT_ACC2=1 (an experiment, off in the shipped build): the two K steps of a stage accumulate into two
-// accumulator sets, so consecutive MMAs of a 16-row tile no longer wait on each other; both are folded in at the
-// group's end (pending 10: the probe of 2026-12-01 put the M = 1 time in the dequantize -> MMA stream, not the loads).
-#ifndef SDQ_DIRECT_ACC2
-#define SDQ_DIRECT_ACC2 0
-#endif
 #ifndef SDQ_DIRECT_XS_BYTES
 #define SDQ_DIRECT_XS_BYTES 16384
 #endif
@@ -135,13 +132,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
-#if SDQ_DIRECT_ACC2
-  float accg2[NT][4][4];
-  frag_each<NT>([&](int i, int j, int e) { accg2[i][j][e] = 0.f; });
-  auto flush = [&]() { group_flush<NT>(acc, accg, sf); group_flush<NT>(acc, accg2, sf); };
-#else
-  auto flush = [&]() { group_flush<NT>(acc, accg, sf); };
-#endif
 
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;  // scales / zeros of group `grp`, fetched ahead
   auto load_sz = [&](int g) { load_group_sz(p, g, nblk, nb, g8, s_next, z_next); };
@@ -179,7 +169,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
         const int it = base + j;
         if (it < iters) {
           if (rem == 0 || first) {
-            if (!first) flush();
+            if (!first) group_flush<NT>(acc, accg, sf);
             group_begin<T>(s_next, z_next, sf, zl, zh);
             if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
           }
@@ -203,15 +193,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
 #endif
           }
 #pragma unroll
-          for (int kk = 0; kk < KS; ++kk) {
-#if SDQ_DIRECT_ACC2
-            if (kk & 1) {
-              group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg2);
-              continue;
-            }
-#endif
-            group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
-          }
+          for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
           first = false;
           if (++rem == gs_st) {
             rem = 0;
@@ -227,7 +209,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
 #else
   main_loop(std::false_type{});  // (unused: issue_x chooses per K step)
 #endif
-  flush();
+  group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue (no-op if done)
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
