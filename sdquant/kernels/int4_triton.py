@@ -172,17 +172,12 @@ def _kernels():
 _GV256K32 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1, "waves": 6.0}
 _TC64 = {"kernel": "tc", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0}
 _TC128K64 = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "waves": 2.0}
-# ZFOLD: the GEMV with its zero point folded in once a tile (s * sum(code x) + zs * sum(x)); 4 waves of programs
-_GV512K64Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0,
-              "ZFOLD": True}
-_GV512K64Z3 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
-               "ZFOLD": True}
-_GV512K128Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0,
-               "ZFOLD": True}
-_GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0,
-              "ZFOLD": True}
-_GV256K64Z8 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0,
-               "ZFOLD": True}
+# the GEMV (its zero point folded in once a tile since 2026-12-01: s * sum(code x) + zs * sum(x)) by tile and waves
+_GV512K64Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0}
+_GV512K64Z3 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0}
+_GV512K128Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0}
+_GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0}
+_GV256K64Z8 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0}
 # H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
 # kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time).
 # M = 1-2 from the run of 2026-12-01 20:47 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the

@@ -22,12 +22,11 @@ deterministic, no atomics, no memset):
 * ``_gemv_kernel`` (M <= 4, no ``tl.dot``): every thread holds all BK/8 word rows of 4-column chunks, so the
   reduction over K stays in registers; a nibble is converted in place with a per-position fp32 magic number
   (``(w & 0xF << P) | (150 - P) << 23`` is the float 2**(23-P) + code; P = 0..16, the top three nibbles from
-  ``w >> 12``) and one FADD; then one FFMA per code and row against the activation, fp32 throughout. With
-  ``ZFOLD`` (the shipped plans) the FADD removes only the constant 2**(23-P) and the zero point enters once a tile
-  and row, ``acc += s * sum(code * x) + zs * sum(x)``; without it the FADD also removes the zero point
-  (``f - (2**(23-P) + zero)``, zero = -zs/s: a division per column and tile) and ``acc += s * sum((code - zero) *
-  x)``. ZFOLD was 5-11% faster on the H200 (docs/BENCHMARKS.md, "Triton small-M: the folded zero point"). The
-  magic number comes in as a kernel argument so that it stays in a register.
+  ``w >> 12``) and one FADD that removes the constant 2**(23-P); then one FFMA per code and row against the
+  activation, fp32 throughout. The zero point enters once a tile and row, ``acc += s * sum(code * x) + zs *
+  sum(x)``: 5-11% faster on the H200 than removing ``zero = -zs/s`` from every code, which cost a division per
+  column and tile (docs/BENCHMARKS.md, "Triton small-M: the folded zero point"). The magic number comes in as a
+  kernel argument so that it stays in a register.
 
 Both kernels read ``x[:, perm]`` through the act-order permutation in the load, take fp16/bf16 activations,
 groups of 32/64/128/... (multiples of 32 dividing K) or per-channel, and accumulate in fp32.
@@ -236,29 +235,20 @@ def _gemv_dot(x_ptr, stride_xm, ROW, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7):
     return tl.reduce(p, 0, _add), tl.reduce(tl.reduce(xa, 1, _add), 0, _add)
 
 
-def _gemv_code(wq, wh, j, mg, zero, ZFOLD):
-    """code_j - zero as fp32 [R, BN] (code_j alone with ZFOLD): in-place nibble + magic number, one FADD (exact)."""
+def _gemv_code(wq, wh, j, mg):
+    """code_j as fp32 [R, BN]: in-place nibble + magic number, one FADD (exact)."""
     if j < 5:
         w = wq
         P = 4 * j
     else:
         w = wh
         P = 4 * j - 12
-    if ZFOLD:
-        return _nib32(w, P, mg) - (1 << (23 - P))
-    return _nib32(w, P, mg) - ((1 << (23 - P)) + zero)[None, :]
-
-
-def _gemv_fold(p, xsum, s, zs, ZFOLD):
-    """A tile's contribution to a row: s * sum((code - zero) x), or with ZFOLD s * sum(code x) + zs * sum(x)."""
-    if ZFOLD:
-        return p * s + zs * xsum
-    return p * s
+    return _nib32(w, P, mg) - (1 << (23 - P))
 
 
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT, MAGIC,
                  GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, ZFOLD: tl.constexpr):
+                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -283,29 +273,26 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
         g = k0 // GS
         s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
         zs = tl.load(zs_ptr + g * N + offs_n).to(tl.float32)
-        if ZFOLD:  # s * (code - zero) = s * code + zs: the zero point enters once a tile through sum(x)
-            zero = zs
-        else:
-            zero = tl.where(s != 0.0, -zs / tl.where(s != 0.0, s, 1.0), 0.0)
-        d0 = _gemv_code(wq, wh, 0, mg, zero, ZFOLD)
-        d1 = _gemv_code(wq, wh, 1, mg, zero, ZFOLD)
-        d2 = _gemv_code(wq, wh, 2, mg, zero, ZFOLD)
-        d3 = _gemv_code(wq, wh, 3, mg, zero, ZFOLD)
-        d4 = _gemv_code(wq, wh, 4, mg, zero, ZFOLD)
-        d5 = _gemv_code(wq, wh, 5, mg, zero, ZFOLD)
-        d6 = _gemv_code(wq, wh, 6, mg, zero, ZFOLD)
-        d7 = _gemv_code(wq, wh, 7, mg, zero, ZFOLD)
+        d0 = _gemv_code(wq, wh, 0, mg)
+        d1 = _gemv_code(wq, wh, 1, mg)
+        d2 = _gemv_code(wq, wh, 2, mg)
+        d3 = _gemv_code(wq, wh, 3, mg)
+        d4 = _gemv_code(wq, wh, 4, mg)
+        d5 = _gemv_code(wq, wh, 5, mg)
+        d6 = _gemv_code(wq, wh, 6, mg)
+        d7 = _gemv_code(wq, wh, 7, mg)
+        # s * (code - zero) = s * code + zs: the zero point enters once a tile and row, through sum(x)
         p0, x0 = _gemv_dot(x_ptr, stride_xm, 0, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-        acc0 += _gemv_fold(p0, x0, s, zs, ZFOLD)
+        acc0 += p0 * s + zs * x0
         if ROWS > 1:
             p1, x1 = _gemv_dot(x_ptr, stride_xm, 1, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-            acc1 += _gemv_fold(p1, x1, s, zs, ZFOLD)
+            acc1 += p1 * s + zs * x1
         if ROWS > 2:
             p2, x2 = _gemv_dot(x_ptr, stride_xm, 2, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-            acc2 += _gemv_fold(p2, x2, s, zs, ZFOLD)
+            acc2 += p2 * s + zs * x2
         if ROWS > 3:
             p3, x3 = _gemv_dot(x_ptr, stride_xm, 3, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7)
-            acc3 += _gemv_fold(p3, x3, s, zs, ZFOLD)
+            acc3 += p3 * s + zs * x3
     if not PARTIAL:
         dst = out_ptr + offs_n
         tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
@@ -345,7 +332,7 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
 
 
 _HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_unpack_kn",
-            "_unpack_nk", "_gemv_dot", "_gemv_code", "_gemv_fold")
+            "_unpack_nk", "_gemv_dot", "_gemv_code")
 _KERNELS: dict = {}
 
 
@@ -364,7 +351,7 @@ def _kernels():
 DEFAULT_TC = {"kernel": "tc", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0,
               "SPLIT_K": 0, "UNPACK": 2, "SWAP": True}
 DEFAULT_GEMV = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 3.0,
-                "SPLIT_K": 0, "ZFOLD": False}
+                "SPLIT_K": 0}
 
 
 def num_sms(device: torch.device) -> int:
@@ -435,8 +422,7 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     if c["kernel"] == "gemv":
         kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, MAGIC_F32,
                            GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                           HAS_PERM=has_perm, ZFOLD=bool(c["ZFOLD"]), num_warps=c["num_warps"],
-                           num_stages=c["num_stages"])
+                           HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         interp = _interpret()
         # the interpreter runs no inline PTX and no bf16 bit tricks: plain conversion there (fp16 magic is fine)

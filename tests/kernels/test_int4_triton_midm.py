@@ -120,7 +120,6 @@ def test_plan_leaves_m_1_to_the_gemv():
     assert int4_triton.mid_m_plan(1, 4096, 4096) is None and int4_triton.mid_m_plan(2, 10240, 8192) is None
     for n, k in ((10240, 8192), (28672, 8192), (28672, 4096)):
         assert int4_triton.mid_m_plan(2, n, k) is None and int4_triton.small_m_plan(2, n, k)["kernel"] == "gemv"
-    assert int4_triton.small_m_plan(1, 28672, 8192)["ZFOLD"] is True
     assert int4_triton.mid_m_plan(2, 8192, 28672) is not None and int4_triton.mid_m_plan(2, 6144, 4096)["waves"] == 2.0
     for m in (2, 3, 17, 64, 300, 1024):
         cfg = int4_triton.mid_m_plan(m, 8192, 28672)
