@@ -3,10 +3,11 @@ and the swap-AB mid-M kernel (M = 4-16) spend their time on the Llama shapes.
 
     SDQUANT_COMMIT=<hash> python bench/ncu_triton.py --out $OUT
     python bench/ncu_triton.py --child "8192x28672:1,8192x28672:8"   # what ncu runs (needs a GPU)
+    python bench/ncu_triton.py --dry       # CPU: the child on tiny shapes under Triton's interpreter, no ncu
 
 Each point: random symmetric g128 codes in the Triton layout, bf16 activations, the op's own plan (the kernel and
 tile config ``int4_triton`` picks for that M), called twice (the first call compiles; both launches are profiled,
-the report keeps both). ncu runs with unlocked clocks (``--clock-control none``) and the sections below; the
+the report keeps both); the output is checked against x @ W.T in float32 (relative error <= 1e-2). ncu runs with unlocked clocks (``--clock-control none``) and the sections below; the
 split-K reduction kernel is left out by the kernel-name filter. Writes $OUT/ncu_triton.txt (the full report) and
 prints the lines that say where the time goes.
 """
@@ -29,14 +30,17 @@ KEEP = ("ITEM", "_kernel", "Duration", "DRAM Throughput", "Compute (SM) Throughp
         "Block Limit", "Grid Size", "Block Size", "Executed Ipc Active", "L1/TEX Hit", "Mem Busy", "Max Bandwidth")
 
 
-def child(points: str) -> None:
+DRY_POINTS = "256x128:1,256x128:2,512x128:4"
+
+
+def child(points: str, dev_name: str = "cuda") -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import gemm
     from sdquant.kernels import int4_layout, int4_triton
-    dev = torch.device("cuda")
+    dev = torch.device(dev_name)
     for item in points.split(","):
         kn, m = item.split(":")
         k, n = (int(v) for v in kn.split("x"))
@@ -46,9 +50,13 @@ def child(points: str) -> None:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         plan = int4_triton.mid_m_plan(m, n, k) or int4_triton.small_m_plan(m, n, k)
         print(f"ITEM {k}x{n} M={m} plan={plan}", flush=True)
-        for _ in range(2):
-            int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay.get("perm"), None)
-        torch.cuda.synchronize()
+        ys = [int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay.get("perm"), None)
+              for _ in range(2)]
+        ref = x.float() @ qw.dequantize().float().t()
+        err = max(((y.float() - ref).norm() / ref.norm()).item() for y in ys)
+        print(f"  rel err {err:.2e}", flush=True)
+        if not err <= 1e-2:
+            raise SystemExit(f"error: {k}x{n} M={m}: relative error {err:.2e} > 1e-2")
 
 
 def main(argv=None):
@@ -57,9 +65,14 @@ def main(argv=None):
     ap.add_argument("--points", default=POINTS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=400)
+    ap.add_argument("--dry", action="store_true", help="CPU: the child on tiny shapes under Triton's interpreter")
     a = ap.parse_args(argv)
     if a.child:
         child(a.child)
+        return
+    if a.dry:
+        os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+        child(DRY_POINTS, "cpu")
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_gemv_kernel|_midm_kernel|_tc_kernel",

@@ -175,3 +175,20 @@ def test_bench_dry_run(tmp_path):
     assert all(c["pass"] for c in res["check"])
     kernels = {row["kernel"] for row in res["rows"]}
     assert {"bf16", "old", "tc128", "gv512k32"} <= kernels
+
+
+def test_ncu_bench_dry_run():
+    """bench/ncu_triton.py --dry: the profiled child (the op as routed, checked against x @ W.T) on CPU, no ncu."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "bench" / "ncu_triton.py"), "--dry"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert sum(ln.startswith("ITEM ") for ln in lines) == 3
+    errs = [float(ln.split()[-1]) for ln in lines if ln.strip().startswith("rel err")]
+    assert len(errs) == 3 and max(errs) <= 1e-2
