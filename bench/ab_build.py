@@ -4,11 +4,13 @@ this tree with extra nvcc defines (--new-defines). Each build is its own module;
 go through each, outputs are compared (bit-identical, else the relative difference to the old build), and each
 config is timed interleaved (A, B, C, A, B, C) at M = 1-8 (--ms) on the Llama shapes (bench/gemm.py's method).
 Used to tell a code change from a machine difference. "max_rel_vs_old" compares every build's output with the first
-build's (old, or new with --old none); --new-defines may be given several times (one build each).
+build's (old, or new with --old none), and "identical_each" says for each build whether its output is bit-identical
+to that first build's; --new-defines may be given several times (one build each); --dtypes times bf16 and/or fp16
+activations (each with its own layout).
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
     python bench/ab_build.py --old none --new-defines=-DSDQ_DIRECT_XS_HOIST=1 --new-defines=-DSDQ_DIRECT_PROBE_COMPUTE=1 \
-        --configs 10,11,12 --ms 1 --out $OUT
+        --configs 10,11,12 --ms 1 --dtypes bfloat16,float16 --out $OUT
 """
 from __future__ import annotations
 
