@@ -137,3 +137,21 @@ def test_shapes_that_do_not_divide(interpret):
     with pytest.raises(ShapeError, match="do not divide"):
         MM.run(torch.randn(40, 256).half(), lay["qweight"][:, :48], lay["scales"][:, :48], lay["zs"][:, :48],
                None, 128, {"BLOCK_N": 32})
+
+
+def test_bytes_prototype_dry_run():
+    """bench/triton_bytes.py --dry: the byte-layout swap-AB prototype (pending 12 of docs/BENCHMARKS.md) matches
+    x @ W.T under Triton's interpreter (fp16; symmetric / asymmetric, group 128 / 64 / per-channel, M = 1 / 3 / 17,
+    every config), so that its device run times a correct kernel."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "bench" / "triton_bytes.py"), "--dry"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3 * 3 * 5 and max(row["rel_err"] for row in rows) <= 2e-3
