@@ -58,45 +58,45 @@ def repack_bytes(qw, dtype):
     return {"qbytes": b, "scales": s.t().contiguous().to(dtype), "zs": zs.t().contiguous().to(dtype)}
 
 
+def _bytes_kernel(x_ptr, b_ptr, s_ptr, zs_ptr, out_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
+                  GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PARTIAL: tl.constexpr, CDT: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for kt in range(0, K_SPLIT, BLOCK_K):
+        k0 = k_begin + kt
+        wb = tl.load(b_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_b)[None, :])         # uint8 [BN, BK/2]
+        g = k0 // GS
+        s = tl.load(s_ptr + g * N + offs_n).to(CDT)[:, None]
+        z = tl.load(zs_ptr + g * N + offs_n).to(CDT)[:, None]
+        w16 = wb.to(tl.uint16)
+        lo = ((w16 & 0xF) | MAGIC).to(CDT, bitcast=True)
+        hi = ((w16 >> 4) | MAGIC).to(CDT, bitcast=True)
+        lo = (lo - BIAS) * s + z
+        hi = (hi - BIAS) * s + z
+        w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)                                        # k = 2j + (0 | 1)
+        xt = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                              mask=m_mask[:, None], other=0.0))                               # [BK, BM]
+        acc = tl.dot(w, xt.to(CDT), acc)
+    _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
+
+
 def _kernels():
-    import triton
+    """The prototype kernel jitted for the current interpreter mode, with the shipped mid-M kernel's epilogue."""
     import triton.language as tl
 
-    @triton.jit
-    def bytes_kernel(x_ptr, b_ptr, s_ptr, zs_ptr, out_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
-                     GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PARTIAL: tl.constexpr, CDT: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        k_begin = pid_k * K_SPLIT
-        for kt in range(0, K_SPLIT, BLOCK_K):
-            k0 = k_begin + kt
-            wb = tl.load(b_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_b)[None, :])     # uint8 [BN, BK/2]
-            g = k0 // GS
-            s = tl.load(s_ptr + g * N + offs_n).to(CDT)[:, None]
-            z = tl.load(zs_ptr + g * N + offs_n).to(CDT)[:, None]
-            w16 = wb.to(tl.uint16)
-            lo = ((w16 & 0xF) | MAGIC).to(CDT, bitcast=True)
-            hi = ((w16 >> 4) | MAGIC).to(CDT, bitcast=True)
-            lo = (lo - BIAS) * s + z
-            hi = (hi - BIAS) * s + z
-            w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)                                    # k = 2j + (0 | 1)
-            xt = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                  mask=m_mask[:, None], other=0.0))                           # [BK, BM]
-            acc = tl.dot(w, xt.to(CDT), acc)
-        if PARTIAL:
-            tl.store(part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=m_mask[None, :])
-        else:
-            tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[None, :])
-    return bytes_kernel
+    from sdquant.kernels import int4_triton_midm as MM
+    from sdquant.kernels.triton_jit import jit_in_namespace
+    (kern,) = jit_in_namespace({**globals(), "tl": tl}, (_bytes_kernel,), (MM._store_out_t,))
+    return kern
 
 
 _KERN: dict = {}
@@ -109,36 +109,28 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     import triton.language as tl
 
     from sdquant.kernels import int4_triton_gemv as G
+    from sdquant.kernels import int4_triton_midm as MM
     mode = os.environ.get("TRITON_INTERPRET", "0")
     if mode not in _KERN:
         _KERN[mode] = _kernels()
     m, k = x.shape
     n = lay["qbytes"].shape[0]
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    while bn > 32 and n % bn:
-        bn //= 2
-    while bk > 32 and (k % bk or gs % bk):
-        bk //= 2
-    bm = 16
-    while bm < m and bm < cfg["BLOCK_M"]:
-        bm *= 2
-    if n % bn or k % bk:
-        raise ValueError(f"triton_bytes: N={n}, K={k} do not divide into BLOCK_N={bn}, BLOCK_K={bk}")
-    tiles = (n // bn) * triton.cdiv(m, bm)
-    split = G.auto_split(k, bk, tiles, cfg["waves"] * sms)
+    # the shipped mid-M kernel's tile fitting and split-K; a K tile here must lie inside one group
+    c = MM.resolve({**cfg, "BLOCK_K": min(cfg["BLOCK_K"], gs)}, m, n, k, gs, sms)
+    bn, bk, bm, split = c["BLOCK_N"], c["BLOCK_K"], c["BLOCK_M"], c["SPLIT_K"]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     interp = mode == "1"
     if x.dtype == torch.float16:
         cdt, magic, bias = tl.float16, 0x6400, 1024.0
-    else:   # the interpreter evaluates bf16 arithmetic wrongly: fp32 there, with the bf16 bit pattern's value kept
+    else:
         cdt, magic, bias = tl.bfloat16, 0x4300, 128.0
     if interp and x.dtype == torch.bfloat16:
         raise ValueError("triton_bytes --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     _KERN[mode][(triton.cdiv(m, bm), n // bn, split)](
         x, lay["qbytes"], lay["scales"], lay["zs"], out, part, m, n, k, x.stride(0), k // split, GS=gs,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, PARTIAL=split > 1, CDT=cdt, MAGIC=magic, BIAS=bias,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
         block = 512
         G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,

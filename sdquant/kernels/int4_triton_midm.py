@@ -124,6 +124,11 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
                 z = tl.trans(tl.load(zs_ptr + rows[:, None] * N + offs_n[None, :]).to(CDT))
             w = _deq_nk(wt, s, z, R, BLOCK_N, CDT, UNPACK, BIAS, True)                      # [BN, BK]
             acc = tl.dot(w, xt.to(CDT), acc)
+    _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
+
+
+def _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL):
+    """Store the out^T tile acc [BN, BM]: into y [M, N] in its dtype, or (PARTIAL) into split pid_k's fp32 slice."""
     if PARTIAL:
         tl.store(part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=m_mask[None, :])
     else:
@@ -131,7 +136,7 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
                  mask=m_mask[None, :])
 
 
-_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_add", "_deq_nk")
+_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_add", "_deq_nk", "_store_out_t")
 _KERNELS: dict = {}
 
 
