@@ -148,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--no-cuda", action="store_true", help="skip the sdquant CUDA op (it builds on first use)")
     a = ap.parse_args(argv)
     if a.dry:
         os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
@@ -179,12 +180,20 @@ def main(argv=None):
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": configs}
     import triton
     meta["triton"] = triton.__version__
+    use_cuda = False
+    if not a.no_cuda:
+        from sdquant.kernels import int4_cuda
+        use_cuda = int4_cuda.available()
+        if not use_cuda:
+            print(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}", flush=True)
+    meta["cuda_op"] = use_cuda
     for (k, n) in gemm.RUN_ORDER:
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         nrot = gemm.n_copies(n * k // 2)
         lays = [repack_bytes(qw, dt) for _ in range(nrot)]
         from sdquant.kernels import int4_layout
         tl_lays = [int4_layout.repack_triton(qw, dt) for _ in range(nrot)]
+        cu_lays = [int4_layout.repack_cuda(qw, dt) for _ in range(nrot)] if use_cuda else []
         wf = qw.dequantize().float()
         w_bf16 = [wf.to(dt) for _ in range(min(nrot, max(2, gemm.n_copies(n * k * 2))))]
         for m in [int(v) for v in a.ms.split(",")]:
@@ -199,6 +208,13 @@ def main(argv=None):
             row["shipped"] = gemm.time_rotating(
                 lambda i: torch.ops.sdquant.w4a16_triton(x, tl_lays[i]["qweight"], tl_lays[i]["scales"],
                                                          tl_lays[i]["zs"], None, None), nrot)
+            if use_cuda:
+                def cuda_op(i):
+                    c = cu_lays[i]
+                    return torch.ops.sdquant.w4a16_cuda(x, c["qweight"], c["scales"], c["zeros"], c["perm"],
+                                                        c["locks"], None)
+                row["cuda_err"] = rel_err(cuda_op(0), ref)
+                row["cuda"] = gemm.time_rotating(cuda_op, nrot)
             for name, cfg in configs.items():
                 e = rel_err(run(x, lays[0], 128, cfg, sms), ref)
                 row[name + "_err"] = e
@@ -206,20 +222,22 @@ def main(argv=None):
                     row[name] = gemm.time_rotating(lambda i, cfg=cfg: run(x, lays[i], 128, cfg, sms), nrot)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        del lays, tl_lays, w_bf16, wf
+        del lays, tl_lays, cu_lays, w_bf16, wf
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "triton_bytes.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     tmp.replace(out / "triton_bytes.json")
-    names = ["bf16", "shipped", *configs]
-    print("\n| K×N | M | " + " | ".join(names) + " | best prototype ÷ shipped |")
-    print("|---|---|" + "---|" * len(names) + "---|")
+    names = ["bf16", "cuda", "shipped", *configs]
+    print("\n| K×N | M | " + " | ".join(names) + " | best prototype ÷ shipped | CUDA ÷ shipped | CUDA ÷ best |")
+    print("|---|---|" + "---|" * len(names) + "---|---|---|")
+    nan = float("nan")
     for r in rows:
-        best = min((r[c] for c in configs if c in r), default=float("nan"))
-        print(f"| {r['K']}×{r['N']} | {r['M']} | " + " | ".join(f"{r[c]:.1f}" if c in r else "fail" for c in names)
-              + f" | {best / r['shipped']:.2f} |")
+        best = min((r[c] for c in configs if c in r), default=nan)
+        print(f"| {r['K']}×{r['N']} | {r['M']} | " + " | ".join(f"{r[c]:.1f}" if c in r else "–" for c in names)
+              + f" | {best / r['shipped']:.2f} | {r.get('cuda', nan) / r['shipped']:.2f}"
+              + f" | {r.get('cuda', nan) / best:.2f} |")
     print(f"wall {time.time() - t0:.0f} s")
 
 
