@@ -1,0 +1,336 @@
+"""A prototype (not shipped): Triton W4A16 swap-AB GEMM over a "fragment" layout whose words unpack straight into
+the wgmma A operand (registers), timed beside the shipped Triton op, the sdquant CUDA op and cuBLAS bf16 at M = 1-64
+(H200, one device call). docs/BENCHMARKS.md, pending 12.
+
+    SDQUANT_COMMIT=<hash> python bench/triton_frag.py --out $OUT
+    python bench/triton_frag.py --dry          # CPU: Triton's interpreter, tiny shapes, checks only
+
+Why. The shipped swap-AB kernel (``int4_triton_midm``) converts its dequantized bf16 tile to the wgmma A-operand
+layout through shared memory (ncu: L1/shared pipe 77.5% busy at M = 4 on 8192x28672). The byte-layout prototype
+(``bench/triton_bytes.py``) kept the A operand in registers but read one byte per ``LDS.U8`` and was 3-16% slower
+(bench/results/triton_bytes_h200.json). Here each thread's 16-byte load holds exactly the codes of its fragment.
+
+Layout ("frag"): int32 [N, K/8]; K in blocks of 128; inside a block, with k' = jhi*32 + i1*16 + i0*8 + jlo*2 + h
+(jhi, jlo in 0..3; i1, i0, h in 0..1), the code of (n, k') is nibble p = (i0 + 2 i1) + 4 h of word
+(n, block, jlo, jhi) at n*K/8 + block*16 + jlo*4 + jhi. In Triton the 4x4 words of a row-block are loaded as
+[BN, 4 (jlo), 4 (jhi)] (16 contiguous bytes a thread), unpacked by inline PTX into 8 bf16 tensors (nibbles (j, j+4)
+of a word by one ``lop3`` with the magic 0x4300 = 128, minus (128 + zero) by one ``sub.bf16x2``: exact code - zero),
+joined to [BN, jlo, jhi, h, i0, i1], permuted to [BN, jhi, i1, i0, jlo, h] and reshaped to [BN, 128]. Offline
+(Triton 3.9, sm_90) that chain lowers to the ``dot_op`` (kWidth 2) layout with no layout conversion: per thread and
+128-K tile, two ``LDS.128`` of words, 24 SHF + 32 LOP3 + 32 HADD2 (64 weights), 8 HGMMA (BM 16), no STS, no PRMT.
+The per-group scale multiplies the fp32 product of each 128-K tile (so groups of 128 and multiples, and per-channel;
+smaller groups are rejected). Scale (fp16) and zero (128 + z in the activation dtype) share one int32 per [K/128, N]:
+4 bytes a row and tile, as in the shipped layouts. Split-K over all SMs with ``int4_triton_gemv``'s fixed-order reduction.
+
+Timing: bench/gemm.py's method (weight copies rotating past 3x L2, CUDA graph, median of 5 replays), bf16, random
+symmetric g128 codes. Every timed config is checked first against x @ W.T in float32 (relative error <= 1e-2; 2e-3
+for fp16 in --dry). Writes $OUT/triton_frag.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+CONFIGS = {
+    "n64w4s4x2": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    "n64w4s4x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 4.0},
+    "n128w4s4x2": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    "n128w8s4x2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4, "waves": 2.0},
+    "n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
+    "n64w4s6x3": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "waves": 3.0},
+}
+MS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def repack_frag(qw, dtype):
+    """The prototype's layout from a QuantizedWeight (no act-order; groups of 128 or a multiple, or per-channel)."""
+    import torch
+
+    from sdquant.kernels import int4_layout
+    if qw.g_idx is not None:
+        raise ValueError("triton_frag prototype: act-order weights are not supported")
+    codes, s, _zs, _ = int4_layout._prepared(qw, dtype)                     # codes [N, K] uint8, s [N, G]
+    n, k = codes.shape
+    gs = k // s.shape[1]
+    if k % 128 or gs % 128:
+        raise ValueError(f"triton_frag prototype: K={k} and the group size {gs} must be multiples of 128")
+    z = torch.full_like(s, 8.0) if qw.zeros is None else qw.zeros.float()
+    c = codes.view(n, k // 128, 4, 2, 2, 4, 2)                                # [n, b, jhi, i1, i0, jlo, h]
+    c = c.permute(0, 1, 5, 2, 6, 3, 4).reshape(n, k // 128, 4, 4, 8)          # [n, b, jlo, jhi, p = 4h + 2i1 + i0]
+    words = int4_layout._nibbles_to_words(c).reshape(n, k // 8).contiguous()
+    rep = gs // 128
+    s_t = s.repeat_interleave(rep, 1).t().contiguous().to(torch.float16).view(torch.int16)   # [K/128, N]
+    bias = 1024.0 if dtype == torch.float16 else 128.0
+    zb = (z + bias).repeat_interleave(rep, 1).t().contiguous().to(dtype).view(torch.int16)
+    sz = (s_t.to(torch.int32) & 0xFFFF) | (zb.to(torch.int32) << 16)       # fp16 scale bits | (B + z) bits << 16
+    return {"qweight": words, "sz": sz.contiguous()}
+
+
+def _unpack_sub(w, zp, CDT):
+    """word w (nibble p at bits 4p) and the pair (B + z, B + z) -> 8 tensors (code_p - z) in CDT, ordered
+    (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) and one packed subtraction."""
+    if CDT == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, t2, t3, s1, s2, s3;
+            shr.b32 s1, $8, 4;
+            shr.b32 s2, $8, 8;
+            shr.b32 s3, $8, 12;
+            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, s1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t2, s2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, s3, 0x000F000F, 0x64006400, 0xEA;
+            sub.rn.f16x2 t0, t0, $9;
+            sub.rn.f16x2 t1, t1, $9;
+            sub.rn.f16x2 t2, t2, $9;
+            sub.rn.f16x2 t3, t3, $9;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, t2, t3, s1, s2, s3;
+        shr.b32 s1, $8, 4;
+        shr.b32 s2, $8, 8;
+        shr.b32 s3, $8, 12;
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t1, s1, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t2, s2, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t3, s3, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 t0, t0, $9;
+        sub.rn.bf16x2 t1, t1, $9;
+        sub.rn.bf16x2 t2, t2, $9;
+        sub.rn.bf16x2 t3, t3, $9;
+        mov.b32 {$0, $1}, t0;
+        mov.b32 {$2, $3}, t1;
+        mov.b32 {$4, $5}, t2;
+        mov.b32 {$6, $7}, t3;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+def _nib(w, P, zf, CDT):
+    return ((w >> P) & 0xF).to(tl.float32).to(CDT) - zf
+
+
+def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, K_SPLIT,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, CDT: tl.constexpr,
+                 ASM: tl.constexpr, BIAS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    jl = tl.arange(0, 4)
+    jh = tl.arange(0, 4)
+    wp = w_ptr + offs_n[:, None, None] * stride_wn + jl[None, :, None] * 4 + jh[None, None, :]
+    offs_k = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    t_begin = pid_k * (K_SPLIT // 128)
+    for tt in range(0, K_SPLIT // 128):
+        g = t_begin + tt                                  # the 128-K tile (its scale row); 16 words a row
+        k0 = g * 128
+        w = tl.load(wp + g * 16)                                                   # [BN, 4, 4] int32
+        sz = tl.load(sz_ptr + g * N + offs_n)                  # int32: fp16 scale bits | (B + z) bits << 16
+        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if ASM:
+            zp = (sz & -65536) | ((sz >> 16) & 0xFFFF)                             # the pair (B + z, B + z)
+            l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
+        else:   # the interpreter: no inline PTX
+            zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
+            zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
+            l0 = _nib(w, 0, zf, CDT)
+            l1 = _nib(w, 4, zf, CDT)
+            l2 = _nib(w, 8, zf, CDT)
+            l3 = _nib(w, 12, zf, CDT)
+            h0 = _nib(w, 16, zf, CDT)
+            h1 = _nib(w, 20, zf, CDT)
+            h2 = _nib(w, 24, zf, CDT)
+            h3 = _nib(w, 28, zf, CDT)
+        t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+        t = tl.permute(t, (0, 2, 5, 4, 1, 3))                                      # [BN, jhi, i1, i0, jlo, h]
+        wt = tl.reshape(t, (BLOCK_N, 128))
+        xt = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                              mask=m_mask[:, None], other=0.0))                    # [128, BM]
+        p = tl.dot(wt, xt.to(CDT))
+        acc += s[:, None] * p
+    _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
+
+
+def _kernels():
+    import triton.language as tl
+
+    from sdquant.kernels import int4_triton_midm as MM
+    from sdquant.kernels.triton_jit import jit_in_namespace
+    ns = {**globals(), "tl": tl}
+    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _nib, MM._store_out_t))
+    return kern
+
+
+_KERN: dict = {}
+
+
+def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
+    from sdquant.kernels import int4_triton_gemv as G
+    bn = cfg["BLOCK_N"]
+    if n % bn or k % 128:
+        raise ValueError(f"triton_frag: N={n} / K={k} do not divide into {bn} x 128 tiles")
+    bm = 16
+    while bm < m and bm < 64:
+        bm *= 2
+    tiles = (n // bn) * ((m + bm - 1) // bm)
+    split = G.auto_split(k, 128, tiles, cfg["waves"] * sms)
+    return {**cfg, "BLOCK_M": bm, "SPLIT_K": split}
+
+
+def run(x, lay, cfg: dict, sms: int):
+    """y [M, N] = x [M, K] @ W.T through the prototype kernel."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from sdquant.kernels import int4_triton_gemv as G
+    mode = os.environ.get("TRITON_INTERPRET", "0")
+    if mode not in _KERN:
+        _KERN[mode] = _kernels()
+    m, k = x.shape
+    n = lay["qweight"].shape[0]
+    c = resolve(cfg, m, n, k, sms)
+    split = c["SPLIT_K"]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    interp = mode == "1"
+    if interp and x.dtype == torch.bfloat16:
+        raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
+    cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
+    _KERN[mode][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
+        x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
+        BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if split > 1:
+        block = 512
+        G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
+                                                             EVEN=(m * n) % block == 0, num_warps=4)
+    return out
+
+
+def rel_err(y, ref) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, tiny shapes, checks only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--no-cuda", action="store_true", help="skip the sdquant CUDA op (it builds on first use)")
+    a = ap.parse_args(argv)
+    if a.dry:
+        os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
+    import torch
+
+    import gemm
+    from sdquant.kernels import int4_triton  # noqa: F401  (registers the op)
+    configs = {c: CONFIGS[c] for c in a.configs.split(",")}
+    t0 = time.time()
+    rows = []
+    if a.dry:
+        dt, sms = torch.float16, 4
+        for (k, n, gs, sym) in [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False)]:
+            qw = gemm.random_int4(n, k, gs=gs, symmetric=sym, seed=k + n)
+            lay = repack_frag(qw, dt)
+            for m in (1, 3, 17):
+                x = torch.randn(m, k).to(dt)
+                ref = x.float() @ qw.dequantize().float().t()
+                for name, cfg in configs.items():
+                    e = rel_err(run(x, lay, cfg, sms), ref)
+                    rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
+                    print(json.dumps(rows[-1]), flush=True)
+                    if not e <= 2e-3:
+                        raise SystemExit(f"error: {name} K={k} N={n} M={m}: relative error {e:.2e} > 2e-3")
+        return
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    import triton
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "configs": configs}
+    use_cuda = False
+    if not a.no_cuda:
+        from sdquant.kernels import int4_cuda
+        use_cuda = int4_cuda.available()
+        if not use_cuda:
+            print(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}", flush=True)
+    meta["cuda_op"] = use_cuda
+    from sdquant.kernels import int4_layout
+    for (k, n) in gemm.RUN_ORDER:
+        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
+        nrot = gemm.n_copies(n * k // 2)
+        lays = [repack_frag(qw, dt) for _ in range(nrot)]
+        tl_lays = [int4_layout.repack_triton(qw, dt) for _ in range(nrot)]
+        cu_lays = [int4_layout.repack_cuda(qw, dt) for _ in range(nrot)] if use_cuda else []
+        wf = qw.dequantize().float()
+        w_bf16 = [wf.to(dt) for _ in range(min(nrot, max(2, gemm.n_copies(n * k * 2))))]
+        for m in [int(v) for v in a.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ref = x.float() @ wf.t()
+            row = {"K": k, "N": n, "M": m}
+            row["bf16"] = gemm.time_rotating(lambda i: torch.nn.functional.linear(x, w_bf16[i % len(w_bf16)]),
+                                             len(w_bf16))
+            row["shipped_err"] = rel_err(torch.ops.sdquant.w4a16_triton(
+                x, tl_lays[0]["qweight"], tl_lays[0]["scales"], tl_lays[0]["zs"], None, None), ref)
+            row["shipped"] = gemm.time_rotating(
+                lambda i: torch.ops.sdquant.w4a16_triton(x, tl_lays[i]["qweight"], tl_lays[i]["scales"],
+                                                         tl_lays[i]["zs"], None, None), nrot)
+            if use_cuda:
+                def cuda_op(i):
+                    c = cu_lays[i]
+                    return torch.ops.sdquant.w4a16_cuda(x, c["qweight"], c["scales"], c["zeros"], c["perm"],
+                                                        c["locks"], None)
+                row["cuda_err"] = rel_err(cuda_op(0), ref)
+                row["cuda"] = gemm.time_rotating(cuda_op, nrot)
+            for name, cfg in configs.items():
+                try:
+                    e = rel_err(run(x, lays[0], cfg, sms), ref)
+                except Exception as ex:  # a config that does not compile is a result, not a crash
+                    row[name + "_fail"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+                    continue
+                row[name + "_err"] = e
+                if e <= 1e-2:
+                    row[name] = gemm.time_rotating(lambda i, cfg=cfg: run(x, lays[i], cfg, sms), nrot)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del lays, tl_lays, cu_lays, w_bf16, wf
+        torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "triton_frag.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tmp.replace(out / "triton_frag.json")
+    names = ["bf16", "cuda", "shipped", *configs]
+    nan = float("nan")
+    print("\n| K×N | M | " + " | ".join(names) + " | best frag ÷ shipped | CUDA ÷ shipped | CUDA ÷ best frag |")
+    print("|---|---|" + "---|" * len(names) + "---|---|---|")
+    for r in rows:
+        best = min((r[c] for c in configs if c in r), default=nan)
+        print(f"| {r['K']}×{r['N']} | {r['M']} | " + " | ".join(f"{r[c]:.1f}" if c in r else "–" for c in names)
+              + f" | {best / r['shipped']:.2f} | {r.get('cuda', nan) / r['shipped']:.2f}"
+              + f" | {r.get('cuda', nan) / best:.2f} |")
+    print(f"wall {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
