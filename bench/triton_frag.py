@@ -39,13 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-CONFIGS = {
-    "n64w4s4x2": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    "n64w4s4x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 4.0},
-    "n128w4s4x2": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    "n128w8s4x2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4, "waves": 2.0},
+CONFIGS = {  # run 1 (bench/results/triton_frag_h200_run1.json): n128w4s3x4 fastest at most M <= 16 points
     "n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
-    "n64w4s6x3": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "waves": 3.0},
+    "n64w4s4x2": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
+    "n128w4s3x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 8.0},
+    "n128w4s2x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 6.0},
+    "w_n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0, "SCALE_W": True},
+    "w_n128w4s3x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 8.0, "SCALE_W": True},
+    "w_n64w4s4x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 4.0, "SCALE_W": True},
+    "w_n256w8s3x4": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3, "waves": 4.0, "SCALE_W": True},
 }
 MS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -71,7 +73,9 @@ def repack_frag(qw, dtype):
     bias = 1024.0 if dtype == torch.float16 else 128.0
     zb = (z + bias).repeat_interleave(rep, 1).t().contiguous().to(dtype).view(torch.int16)
     sz = (s_t.to(torch.int32) & 0xFFFF) | (zb.to(torch.int32) << 16)       # fp16 scale bits | (B + z) bits << 16
-    return {"qweight": words, "sz": sz.contiguous()}
+    s_d = s.repeat_interleave(rep, 1).t().contiguous().to(dtype).view(torch.int16)
+    szw = (s_d.to(torch.int32) & 0xFFFF) | (zb.to(torch.int32) << 16)      # the same with the scale in dtype (SCALE_W)
+    return {"qweight": words, "sz": sz.contiguous(), "szw": szw.contiguous()}
 
 
 def _unpack_sub(w, zp, CDT):
@@ -120,13 +124,67 @@ def _unpack_sub(w, zp, CDT):
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
+def _unpack_sub_mul(w, zp, sp, CDT):
+    """As _unpack_sub, then times the scale pair (s, s): the weights (code - z) * s rounded once in CDT."""
+    if CDT == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, t2, t3, s1, s2, s3;
+            shr.b32 s1, $8, 4;
+            shr.b32 s2, $8, 8;
+            shr.b32 s3, $8, 12;
+            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, s1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t2, s2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, s3, 0x000F000F, 0x64006400, 0xEA;
+            sub.rn.f16x2 t0, t0, $9;
+            sub.rn.f16x2 t1, t1, $9;
+            sub.rn.f16x2 t2, t2, $9;
+            sub.rn.f16x2 t3, t3, $9;
+            mul.rn.f16x2 t0, t0, $10;
+            mul.rn.f16x2 t1, t1, $10;
+            mul.rn.f16x2 t2, t2, $10;
+            mul.rn.f16x2 t3, t3, $10;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, zp, sp], dtype=(tl.float16,) * 8, is_pure=True,
+            pack=1)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, t2, t3, s1, s2, s3;
+        shr.b32 s1, $8, 4;
+        shr.b32 s2, $8, 8;
+        shr.b32 s3, $8, 12;
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t1, s1, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t2, s2, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 t3, s3, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 t0, t0, $9;
+        sub.rn.bf16x2 t1, t1, $9;
+        sub.rn.bf16x2 t2, t2, $9;
+        sub.rn.bf16x2 t3, t3, $9;
+        mul.rn.bf16x2 t0, t0, $10;
+        mul.rn.bf16x2 t1, t1, $10;
+        mul.rn.bf16x2 t2, t2, $10;
+        mul.rn.bf16x2 t3, t3, $10;
+        mov.b32 {$0, $1}, t0;
+        mov.b32 {$2, $3}, t1;
+        mov.b32 {$4, $5}, t2;
+        mov.b32 {$6, $7}, t3;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, zp, sp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
 def _nib(w, P, zf, CDT):
     return ((w >> P) & 0xF).to(tl.float32).to(CDT) - zf
 
 
 def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, K_SPLIT,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, CDT: tl.constexpr,
-                 ASM: tl.constexpr, BIAS: tl.constexpr):
+                 ASM: tl.constexpr, BIAS: tl.constexpr, SCALE_W: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -144,10 +202,17 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
         k0 = g * 128
         w = tl.load(wp + g * 16)                                                   # [BN, 4, 4] int32
         sz = tl.load(sz_ptr + g * N + offs_n)                  # int32: fp16 scale bits | (B + z) bits << 16
-        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if SCALE_W:   # the scale in CDT, applied to the weights (the MMAs accumulate straight into acc)
+            s = (sz & 0xFFFF).to(tl.int16).to(CDT, bitcast=True).to(tl.float32)
+        else:         # the fp16 scale, applied to each tile's fp32 product
+            s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         if ASM:
             zp = (sz & -65536) | ((sz >> 16) & 0xFFFF)                             # the pair (B + z, B + z)
-            l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
+            if SCALE_W:
+                sp = (sz & 0xFFFF) * 65537                                         # the pair (s, s)
+                l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub_mul(w, zp[:, None, None], sp[:, None, None], CDT)
+            else:
+                l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
         else:   # the interpreter: no inline PTX
             zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
             zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
@@ -159,13 +224,19 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
             h1 = _nib(w, 20, zf, CDT)
             h2 = _nib(w, 24, zf, CDT)
             h3 = _nib(w, 28, zf, CDT)
+            if SCALE_W:
+                sc = s.to(CDT)[:, None, None]
+                l0, l1, l2, l3 = l0 * sc, l1 * sc, l2 * sc, l3 * sc
+                h0, h1, h2, h3 = h0 * sc, h1 * sc, h2 * sc, h3 * sc
         t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
         t = tl.permute(t, (0, 2, 5, 4, 1, 3))                                      # [BN, jhi, i1, i0, jlo, h]
         wt = tl.reshape(t, (BLOCK_N, 128))
         xt = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                               mask=m_mask[:, None], other=0.0))                    # [128, BM]
-        p = tl.dot(wt, xt.to(CDT))
-        acc += s[:, None] * p
+        if SCALE_W:
+            acc = tl.dot(wt, xt.to(CDT), acc)
+        else:
+            acc += s[:, None] * tl.dot(wt, xt.to(CDT))
     _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
 
 
@@ -175,7 +246,7 @@ def _kernels():
     from sdquant.kernels import int4_triton_midm as MM
     from sdquant.kernels.triton_jit import jit_in_namespace
     ns = {**globals(), "tl": tl}
-    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _nib, MM._store_out_t))
+    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _unpack_sub_mul, _nib, MM._store_out_t))
     return kern
 
 
@@ -216,8 +287,9 @@ def run(x, lay, cfg: dict, sms: int):
         raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
     _KERN[mode][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
-        x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
+        x, lay["qweight"], lay["szw" if c.get("SCALE_W") else "sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
         BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
+        SCALE_W=bool(c.get("SCALE_W")),
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
         block = 512
@@ -249,13 +321,15 @@ def main(argv=None):
     rows = []
     if a.dry:
         dt, sms = torch.float16, 4
-        for (k, n, gs, sym) in [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False)]:
+        for (k, n, gs, sym) in [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False), (256, 512, 128, False)]:
             qw = gemm.random_int4(n, k, gs=gs, symmetric=sym, seed=k + n)
             lay = repack_frag(qw, dt)
             for m in (1, 3, 17):
                 x = torch.randn(m, k).to(dt)
                 ref = x.float() @ qw.dequantize().float().t()
                 for name, cfg in configs.items():
+                    if n % cfg["BLOCK_N"]:
+                        continue
                     e = rel_err(run(x, lay, cfg, sms), ref)
                     rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
                     print(json.dumps(rows[-1]), flush=True)
