@@ -39,15 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-CONFIGS = {  # run 1 (bench/results/triton_frag_h200_run1.json): n128w4s3x4 fastest at most M <= 16 points
+CONFIGS = {  # runs 1-2 (bench/results/triton_frag_h200_run{1,2}.json): n128w4s3x4 fastest at most M <= 16 points
     "n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
     "n64w4s4x2": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    "n128w4s3x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 8.0},
-    "n128w4s2x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 6.0},
-    "w_n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0, "SCALE_W": True},
-    "w_n128w4s3x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 8.0, "SCALE_W": True},
-    "w_n64w4s4x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 4.0, "SCALE_W": True},
-    "w_n256w8s3x4": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3, "waves": 4.0, "SCALE_W": True},
+    "p_n128w4s2x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 4.0, "PAIR": True},
+    "p_n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0, "PAIR": True},
+    "p_n64w4s3x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 4.0, "PAIR": True},
+    "p_n128w4s2x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 8.0, "PAIR": True},
 }
 MS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -73,9 +71,7 @@ def repack_frag(qw, dtype):
     bias = 1024.0 if dtype == torch.float16 else 128.0
     zb = (z + bias).repeat_interleave(rep, 1).t().contiguous().to(dtype).view(torch.int16)
     sz = (s_t.to(torch.int32) & 0xFFFF) | (zb.to(torch.int32) << 16)       # fp16 scale bits | (B + z) bits << 16
-    s_d = s.repeat_interleave(rep, 1).t().contiguous().to(dtype).view(torch.int16)
-    szw = (s_d.to(torch.int32) & 0xFFFF) | (zb.to(torch.int32) << 16)      # the same with the scale in dtype (SCALE_W)
-    return {"qweight": words, "sz": sz.contiguous(), "szw": szw.contiguous()}
+    return {"qweight": words, "sz": sz.contiguous()}
 
 
 def _unpack_sub(w, zp, CDT):
@@ -124,67 +120,38 @@ def _unpack_sub(w, zp, CDT):
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
-def _unpack_sub_mul(w, zp, sp, CDT):
-    """As _unpack_sub, then times the scale pair (s, s): the weights (code - z) * s rounded once in CDT."""
-    if CDT == tl.float16:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, t2, t3, s1, s2, s3;
-            shr.b32 s1, $8, 4;
-            shr.b32 s2, $8, 8;
-            shr.b32 s3, $8, 12;
-            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, s1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t2, s2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, s3, 0x000F000F, 0x64006400, 0xEA;
-            sub.rn.f16x2 t0, t0, $9;
-            sub.rn.f16x2 t1, t1, $9;
-            sub.rn.f16x2 t2, t2, $9;
-            sub.rn.f16x2 t3, t3, $9;
-            mul.rn.f16x2 t0, t0, $10;
-            mul.rn.f16x2 t1, t1, $10;
-            mul.rn.f16x2 t2, t2, $10;
-            mul.rn.f16x2 t3, t3, $10;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            mov.b32 {$4, $5}, t2;
-            mov.b32 {$6, $7}, t3;
-            }""",
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, zp, sp], dtype=(tl.float16,) * 8, is_pure=True,
-            pack=1)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, t2, t3, s1, s2, s3;
-        shr.b32 s1, $8, 4;
-        shr.b32 s2, $8, 8;
-        shr.b32 s3, $8, 12;
-        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t1, s1, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t2, s2, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t3, s3, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 t0, t0, $9;
-        sub.rn.bf16x2 t1, t1, $9;
-        sub.rn.bf16x2 t2, t2, $9;
-        sub.rn.bf16x2 t3, t3, $9;
-        mul.rn.bf16x2 t0, t0, $10;
-        mul.rn.bf16x2 t1, t1, $10;
-        mul.rn.bf16x2 t2, t2, $10;
-        mul.rn.bf16x2 t3, t3, $10;
-        mov.b32 {$0, $1}, t0;
-        mov.b32 {$2, $3}, t1;
-        mov.b32 {$4, $5}, t2;
-        mov.b32 {$6, $7}, t3;
-        }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, zp, sp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-
-
 def _nib(w, P, zf, CDT):
     return ((w >> P) & 0xF).to(tl.float32).to(CDT) - zf
 
 
+def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS):
+    """One 128-K tile: words [BN, 4, 4] and the packed scale / zero [BN] -> (code - z) [BN, 128] in CDT (the wgmma A
+    operand's register layout) and the fp32 scale [BN]."""
+    s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if ASM:
+        zp = (sz & -65536) | ((sz >> 16) & 0xFFFF)                                 # the pair (B + z, B + z)
+        l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
+    else:   # the interpreter: no inline PTX
+        zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
+        zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
+        l0 = _nib(w, 0, zf, CDT)
+        l1 = _nib(w, 4, zf, CDT)
+        l2 = _nib(w, 8, zf, CDT)
+        l3 = _nib(w, 12, zf, CDT)
+        h0 = _nib(w, 16, zf, CDT)
+        h1 = _nib(w, 20, zf, CDT)
+        h2 = _nib(w, 24, zf, CDT)
+        h3 = _nib(w, 28, zf, CDT)
+    t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    t = tl.permute(t, (0, 2, 5, 4, 1, 3))                                          # [BN, jhi, i1, i0, jlo, h]
+    return tl.reshape(t, (BLOCK_N, 128)), s
+
+
 def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, K_SPLIT,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, CDT: tl.constexpr,
-                 ASM: tl.constexpr, BIAS: tl.constexpr, SCALE_W: tl.constexpr):
+                 ASM: tl.constexpr, BIAS: tl.constexpr, PAIR: tl.constexpr):
+    """out^T [BN, BM] per program over its K slice; PAIR: two 128-K tiles an iteration, both products issued
+    before either is scaled (the second tile's unpacking can overlap the first tile's wgmma)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -195,47 +162,25 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
     jh = tl.arange(0, 4)
     wp = w_ptr + offs_n[:, None, None] * stride_wn + jl[None, :, None] * 4 + jh[None, None, :]
     offs_k = tl.arange(0, 128)
+    xp = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     t_begin = pid_k * (K_SPLIT // 128)
-    for tt in range(0, K_SPLIT // 128):
-        g = t_begin + tt                                  # the 128-K tile (its scale row); 16 words a row
-        k0 = g * 128
-        w = tl.load(wp + g * 16)                                                   # [BN, 4, 4] int32
-        sz = tl.load(sz_ptr + g * N + offs_n)                  # int32: fp16 scale bits | (B + z) bits << 16
-        if SCALE_W:   # the scale in CDT, applied to the weights (the MMAs accumulate straight into acc)
-            s = (sz & 0xFFFF).to(tl.int16).to(CDT, bitcast=True).to(tl.float32)
-        else:         # the fp16 scale, applied to each tile's fp32 product
-            s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if ASM:
-            zp = (sz & -65536) | ((sz >> 16) & 0xFFFF)                             # the pair (B + z, B + z)
-            if SCALE_W:
-                sp = (sz & 0xFFFF) * 65537                                         # the pair (s, s)
-                l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub_mul(w, zp[:, None, None], sp[:, None, None], CDT)
-            else:
-                l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
-        else:   # the interpreter: no inline PTX
-            zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
-            zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
-            l0 = _nib(w, 0, zf, CDT)
-            l1 = _nib(w, 4, zf, CDT)
-            l2 = _nib(w, 8, zf, CDT)
-            l3 = _nib(w, 12, zf, CDT)
-            h0 = _nib(w, 16, zf, CDT)
-            h1 = _nib(w, 20, zf, CDT)
-            h2 = _nib(w, 24, zf, CDT)
-            h3 = _nib(w, 28, zf, CDT)
-            if SCALE_W:
-                sc = s.to(CDT)[:, None, None]
-                l0, l1, l2, l3 = l0 * sc, l1 * sc, l2 * sc, l3 * sc
-                h0, h1, h2, h3 = h0 * sc, h1 * sc, h2 * sc, h3 * sc
-        t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
-        t = tl.permute(t, (0, 2, 5, 4, 1, 3))                                      # [BN, jhi, i1, i0, jlo, h]
-        wt = tl.reshape(t, (BLOCK_N, 128))
-        xt = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                              mask=m_mask[:, None], other=0.0))                    # [128, BM]
-        if SCALE_W:
-            acc = tl.dot(wt, xt.to(CDT), acc)
-        else:
+    if PAIR:
+        for tt in range(0, K_SPLIT // 256):
+            g = t_begin + 2 * tt                              # tiles g, g + 1 (their scale rows); 16 words a row
+            wa, sa = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS)
+            xa = tl.trans(tl.load(xp + g * 128, mask=m_mask[:, None], other=0.0))
+            pa = tl.dot(wa, xa.to(CDT))
+            wb, sb = _frag_tile(tl.load(wp + (g + 1) * 16), tl.load(sz_ptr + (g + 1) * N + offs_n), BLOCK_N, CDT,
+                                ASM, BIAS)
+            xb = tl.trans(tl.load(xp + (g + 1) * 128, mask=m_mask[:, None], other=0.0))
+            pb = tl.dot(wb, xb.to(CDT))
+            acc += sa[:, None] * pa + sb[:, None] * pb
+    else:
+        for tt in range(0, K_SPLIT // 128):
+            g = t_begin + tt                                  # the 128-K tile (its scale row); 16 words a row
+            wt, s = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS)
+            xt = tl.trans(tl.load(xp + g * 128, mask=m_mask[:, None], other=0.0))      # [128, BM]
             acc += s[:, None] * tl.dot(wt, xt.to(CDT))
     _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
 
@@ -246,7 +191,7 @@ def _kernels():
     from sdquant.kernels import int4_triton_midm as MM
     from sdquant.kernels.triton_jit import jit_in_namespace
     ns = {**globals(), "tl": tl}
-    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _unpack_sub_mul, _nib, MM._store_out_t))
+    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _nib, _frag_tile, MM._store_out_t))
     return kern
 
 
@@ -262,7 +207,10 @@ def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     while bm < m and bm < 64:
         bm *= 2
     tiles = (n // bn) * ((m + bm - 1) // bm)
-    split = G.auto_split(k, 128, tiles, cfg["waves"] * sms)
+    unit = 256 if cfg.get("PAIR") else 128                  # PAIR: an even number of 128-K tiles per split
+    if k % unit:
+        raise ValueError(f"triton_frag: K={k} is not a multiple of {unit} (PAIR)")
+    split = G.auto_split(k, unit, tiles, cfg["waves"] * sms)
     return {**cfg, "BLOCK_M": bm, "SPLIT_K": split}
 
 
@@ -287,9 +235,9 @@ def run(x, lay, cfg: dict, sms: int):
         raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
     _KERN[mode][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
-        x, lay["qweight"], lay["szw" if c.get("SCALE_W") else "sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
+        x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
         BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
-        SCALE_W=bool(c.get("SCALE_W")),
+        PAIR=bool(c.get("PAIR")),
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
         block = 512
@@ -328,7 +276,7 @@ def main(argv=None):
                 x = torch.randn(m, k).to(dt)
                 ref = x.float() @ qw.dequantize().float().t()
                 for name, cfg in configs.items():
-                    if n % cfg["BLOCK_N"]:
+                    if n % cfg["BLOCK_N"] or (cfg.get("PAIR") and k % 256):
                         continue
                     e = rel_err(run(x, lay, cfg, sms), ref)
                     rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
