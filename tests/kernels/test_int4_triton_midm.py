@@ -155,3 +155,46 @@ def test_bytes_prototype_dry_run():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(rows) == 3 * 3 * 5 and max(row["rel_err"] for row in rows) <= 2e-3
+
+
+def test_frag_prototype_dry_run_and_layout():
+    """bench/triton_frag.py (pending 12 of docs/BENCHMARKS.md): its repack puts code (n, k) where the docstring says
+    (decoded here independently of the kernel), it rejects groups smaller than 128, and --dry matches x @ W.T under
+    Triton's interpreter for every config (fp16; symmetric / asymmetric, group 128 / 256 / per-channel, M = 1 / 3 /
+    17), so that its device runs time a correct kernel."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import gemm
+        import triton_frag
+    finally:
+        sys.path.remove(str(root / "bench"))
+    n, k = 64, 384
+    qw = gemm.random_int4(n, k, gs=128, symmetric=False, seed=3)
+    lay = triton_frag.repack_frag(qw, torch.float16)
+    words = lay["qweight"].view(n, k // 128, 4, 4)                         # [n, block, jlo, jhi]
+    codes = qw.codes()
+    for kk in (0, 1, 2, 7, 8, 9, 31, 32, 33, 100, 127, 128, 200, 383):
+        b, kp = divmod(kk, 128)
+        jhi, i1, i0, jlo, h = kp >> 5, (kp >> 4) & 1, (kp >> 3) & 1, (kp >> 1) & 3, kp & 1
+        p = (i0 + 2 * i1) + 4 * h
+        got = (words[:, b, jlo, jhi] >> (4 * p)) & 0xF
+        assert torch.equal(got.to(torch.uint8), codes[:, kk].to(torch.uint8)), kk
+    sz = lay["sz"]                                                          # [K/128, N]
+    s = (sz & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    zb = ((sz >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    assert torch.equal(s, qw.scales.float().t().to(torch.float16).float())
+    assert torch.equal(zb - 1024, qw.zeros.float().t())
+    with pytest.raises(ValueError, match="multiples of 128"):
+        triton_frag.repack_frag(gemm.random_int4(n, 256, gs=64, seed=4), torch.float16)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "bench" / "triton_frag.py"), "--dry"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 60 and max(row["rel_err"] for row in rows) <= 2e-3
