@@ -39,15 +39,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-CONFIGS = {  # runs 1-2 (bench/results/triton_frag_h200_run{1,2}.json): n128w4s3x4 fastest at most M <= 16 points
+CONFIGS = {  # runs 1-3 (bench/results/triton_frag_h200_run{1,2,3}.json): n128w4s3x4 fastest at most M <= 16 points;
+    # PAIR slower everywhere (run 3). r128: ptxas capped at 128 registers (167 without: 3 CTAs an SM; 127 and no
+    # spills with the cap: 4)
     "n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0},
     "n64w4s4x2": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
-    "p_n128w4s2x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 4.0, "PAIR": True},
     "p_n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0, "PAIR": True},
-    "p_n64w4s3x4": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 4.0, "PAIR": True},
-    "p_n128w4s2x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "waves": 8.0, "PAIR": True},
+    "r128_n128w4s3x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 4.0, "maxnreg": 128},
+    "r128_n128w4s4x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0, "maxnreg": 128},
+    "r128_n128w4s3x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 6.0, "maxnreg": 128},
+    "r128_n128w4s4x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 8.0, "maxnreg": 128},
 }
 MS = [1, 2, 4, 8, 16, 32, 64]
+DRY_SHAPES = [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False), (256, 512, 128, False)]
+DRY_MS = (1, 3, 17)
+
+
+def dry_applies(cfg: dict, k: int, n: int) -> bool:
+    """Whether --dry runs cfg on a K x N shape (BLOCK_N divides N; PAIR needs K in 256s)."""
+    return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256)
 
 
 def repack_frag(qw, dtype):
@@ -238,7 +248,7 @@ def run(x, lay, cfg: dict, sms: int):
         x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
         BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
         PAIR=bool(c.get("PAIR")),
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if "maxnreg" in c else {}))
     if split > 1:
         block = 512
         G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
@@ -269,14 +279,14 @@ def main(argv=None):
     rows = []
     if a.dry:
         dt, sms = torch.float16, 4
-        for (k, n, gs, sym) in [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False), (256, 512, 128, False)]:
+        for (k, n, gs, sym) in DRY_SHAPES:
             qw = gemm.random_int4(n, k, gs=gs, symmetric=sym, seed=k + n)
             lay = repack_frag(qw, dt)
-            for m in (1, 3, 17):
+            for m in DRY_MS:
                 x = torch.randn(m, k).to(dt)
                 ref = x.float() @ qw.dequantize().float().t()
                 for name, cfg in configs.items():
-                    if n % cfg["BLOCK_N"] or (cfg.get("PAIR") and k % 256):
+                    if not dry_applies(cfg, k, n):
                         continue
                     e = rel_err(run(x, lay, cfg, sms), ref)
                     rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
