@@ -71,6 +71,7 @@ class ActivationScalingConfig:
 @dataclass(frozen=True)
 class Fp8Config:
     activations: Literal["dynamic", "static"] = "dynamic"
+    weights: Literal["channel", "tensor"] = "channel"   # weight scales per output channel, or one per tensor
     smoothing: bool = False        # SmoothQuant-style migration of activation range into the weights
     smooth_alpha: float = 0.5
 

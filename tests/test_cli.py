@@ -86,7 +86,7 @@ def test_tiny_template_end_to_end(repo, tmp_path):
 
 
 LLM_TEMPLATES = ["quickstart", "awq-gptq-w4-a10", "awq-gptq-w4-a100", "awq-gptq-w4-h100", "awq-gptq-w4-h200",
-                 "awq-gptq-w4-mi300", "awq-gptq-w4-multigpu", "fp8-w8a8-h100"]
+                 "awq-gptq-w4-mi300", "awq-gptq-w4-multigpu", "fp8-w8a8-h100", "fp8-w8a8-tensorwise-h100"]
 
 
 @pytest.mark.parametrize("name", LLM_TEMPLATES)
@@ -106,6 +106,11 @@ def test_llm_templates_run_end_to_end_on_a_tiny_model(repo, tmp_path, name):
         cfg = cfg.replace(**{"quant.group_size": 32})
     res = sdquant.calibrate(config=cfg)
     assert len(res.weights) == 14 and res.rows
+    if cfg.quant.method == "fp8":   # the template's scale granularity reached every weight
+        per_tensor = cfg.quant.fp8.weights == "tensor"
+        assert all(bool((w.weight_scale == w.weight_scale[0]).all()) == per_tensor for w in res.weights.values())
+        assert all((w.input_scale is not None) == (cfg.quant.fp8.activations == "static")
+                   for w in res.weights.values())
     q = sdquant.load(sdquant.export(res, cfg.output), device="cpu", dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 8))
     with torch.no_grad():

@@ -31,6 +31,7 @@ BAD = [
     ({"quant.awq.grid": 0}, "quant.awq.grid", ">= 1"),
     ({"quant.awq.clip_max_shrink": 1.5}, "quant.awq.clip_max_shrink", "(0, 1)"),
     ({"quant.fp8.activations": "tensor"}, "quant.fp8.activations", "not one of"),
+    ({"quant.fp8.weights": "group"}, "quant.fp8.weights", "not one of"),
     ({"quant.fp8.smooth_alpha": 2}, "quant.fp8.smooth_alpha", "[0, 1]"),
     ({"quant.ignore": ["(unclosed"]}, "quant.ignore[0]", "invalid regular expression"),
     ({"quant.ignore": "lm_head"}, "quant.ignore", "expected a list"),

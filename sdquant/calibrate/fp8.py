@@ -1,4 +1,4 @@
-"""FP8 W8A8 (e4m3) calibration math: per-output-channel weight scales, static per-tensor activation scales
+"""FP8 W8A8 (e4m3) calibration math: per-output-channel (or per-tensor) weight scales, static per-tensor activation scales
 from calibrated absmax, or dynamic per-token scales (no calibration), and SmoothQuant-style migration of
 activation outliers into the weights with the same fold/smooth machinery as AWQ.
 
@@ -41,9 +41,9 @@ def smooth_scales(channel_amax: torch.Tensor, weights: Sequence[torch.Tensor], a
     return s.clamp(min=1e-5, max=1e5)
 
 
-def quantize_fp8(W: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> Fp8Weight:
-    """Per-output-channel absmax e4m3 weight; input_scale None = dynamic per-token activations."""
-    return quantize_fp8_weight(W, input_scale)
+def quantize_fp8(W: torch.Tensor, input_scale: Optional[torch.Tensor] = None, per_tensor: bool = False) -> Fp8Weight:
+    """Absmax e4m3 weight, per output channel (or per tensor); input_scale None = dynamic per-token activations."""
+    return quantize_fp8_weight(W, input_scale, per_tensor=per_tensor)
 
 
 def fake_quant_fp8_activation(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> torch.Tensor:

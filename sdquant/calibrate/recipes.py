@@ -421,6 +421,7 @@ def _fp8_block(ctx, names: list, res: BlockResult) -> None:
     q = ctx.qcfg
     targets = {n: ctx.targets[n] for n in names}
     static = str(cfg(q, "fp8.activations", "dynamic")) == "static"
+    per_tensor = str(cfg(q, "fp8.weights", "channel")) == "tensor"
     smoothing = bool(cfg(q, "fp8.smoothing", False))
     alpha = float(cfg(q, "fp8.smooth_alpha", 0.5))
     amax: dict[str, Optional[torch.Tensor]] = {}
@@ -462,7 +463,7 @@ def _fp8_block(ctx, names: list, res: BlockResult) -> None:
             if n in smooth_of:
                 a = a / smooth_of[n].to(a.device)
             in_scale = fp8_math.static_input_scale(a)
-        fw: Fp8Weight = fp8_math.quantize_fp8(W, in_scale)
+        fw: Fp8Weight = fp8_math.quantize_fp8(W, in_scale, per_tensor=per_tensor)
         deq = fw.dequantize(torch.float32)
         err = float((deq - W).pow(2).mean())
         if n in res.smooth:

@@ -42,7 +42,8 @@ def rtn_block(ctx) -> BlockResult:
         spec = ctx.spec(name)
         w = lin.weight.detach()
         if spec.method == "fp8":
-            qw = quantize_fp8_weight(w)
+            fp8cfg = getattr(ctx.qcfg, "fp8", None)
+            qw = quantize_fp8_weight(w, per_tensor=getattr(fp8cfg, "weights", "channel") == "tensor")
         else:
             qw = rtn_quantize(w, spec.bits, spec.group_size, spec.symmetric)
         w_hat = qw.dequantize(w.dtype)

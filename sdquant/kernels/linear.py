@@ -372,7 +372,9 @@ class QuantLinear(_Prepared):
 
 
 class Fp8Linear(_Prepared):
-    """W8A8 e4m3 linear: per-channel weight scales, static or dynamic per-token activation scales.
+    """W8A8 e4m3 linear: per-channel (or per-tensor) weight scales, static or dynamic per-token activation scales.
+    A per-tensor weight with a static activation scale runs the tensorwise ``torch._scaled_mm`` where the plan
+    picks cuBLASLt (large M); every other path reads the [N] scales.
 
     ``fuse_act_quant`` (class default True): under torch.compile the activations are quantized by plain torch
     ops that inductor fuses into the producing kernel, and only the GEMM is an sdquant op (see
@@ -418,6 +420,11 @@ class Fp8Linear(_Prepared):
         device, dtype = _resolve(device, dtype, self.weight)
         self.to(device)
         self.weight_scale = self.weight_scale.float().contiguous()
+        # a per-tensor weight (every channel's scale equal) with a static activation scale: the _scaled_mm path runs
+        # cuBLASLt's tensorwise kernel, given the one scale (ops._scaled_mm_rowwise); one host sync, here only
+        ws = self.weight_scale.reshape(-1)
+        tensorwise = self.input_scale is not None and ws.numel() > 0 and bool((ws == ws[0]).all())
+        self.register_buffer("_mm_weight_scale", ws[:1].clone() if tensorwise else None, persistent=False)
         available = self.available_kernels(device, dtype) + (("dense",) if dense else ())
         if kernels == "auto" and device.type != "cuda":
             plan = dispatch.uniform("reference", "cpu")
@@ -441,7 +448,7 @@ class Fp8Linear(_Prepared):
             return torch.ops.sdquant.fp8_linear_triton(x, self.weight, self.weight_scale, self.input_scale,
                                                        self.bias, self.smooth, list(cfg))
         if name == "scaled_mm":
-            return torch.ops.sdquant.fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale,
+            return torch.ops.sdquant.fp8_linear_scaled_mm(x, self.weight, self._scaled_mm_scale(), self.input_scale,
                                                           self.bias, self.smooth, bool(self.fast_accum))
         if name == "dense":  # W8A16: the cached dequantized weight, activations not quantized
             if self.smooth is not None:
@@ -450,6 +457,12 @@ class Fp8Linear(_Prepared):
                                               self.bias.to(x.dtype))
         return torch.ops.sdquant.fp8_linear_dequant(x, self.weight, self.weight_scale, self.input_scale,
                                                     self.bias, self.smooth)
+
+    def _scaled_mm_scale(self) -> torch.Tensor:
+        """The weight scale the _scaled_mm ops get: one element for a per-tensor weight under a static activation
+        scale (tensorwise cuBLASLt), else the [N] channel scales (rowwise)."""
+        ws = getattr(self, "_mm_weight_scale", None)
+        return self.weight_scale if ws is None else ws
 
     def _run_prequantized(self, name: str, x: torch.Tensor, cfg) -> torch.Tensor:
         """Under torch.compile: the activation quantization as plain torch ops (ops.quantize_act_torch), which
@@ -462,10 +475,12 @@ class Fp8Linear(_Prepared):
             y = torch.ops.sdquant.fp8_gemm_triton(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype,
                                                   list(cfg))
         else:
-            y = torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype,
-                                                     bool(self.fast_accum))
+            y = torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, self.weight, self._scaled_mm_scale(), self.bias,
+                                                     x.dtype, bool(self.fast_accum))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         mode = "static" if self.input_scale is not None else "dynamic"
-        return f"in_features={self.in_features}, out_features={self.out_features}, act={mode}, kernel={self.kernel}"
+        tw = ", tensorwise" if getattr(self, "_mm_weight_scale", None) is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, act={mode}{tw}, "
+                f"kernel={self.kernel}")

@@ -101,7 +101,8 @@ def _(xq, xs, weight, weight_scale, bias, out_dtype, config):
 @torch.library.custom_op("sdquant::fp8_gemm_scaled_mm", mutates_args=())
 def fp8_gemm_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """``fp8_linear_scaled_mm``'s GEMM (``torch._scaled_mm``, rowwise scales) on pre-quantized activations."""
+    """``fp8_linear_scaled_mm``'s GEMM (``torch._scaled_mm``, rowwise scales; tensorwise when ``xs`` is a scalar and
+    ``weight_scale`` has one element) on pre-quantized activations."""
     m = xq.shape[0]
     if m == 0:
         return xq.new_empty((0, weight.shape[0]), dtype=out_dtype)
@@ -115,8 +116,14 @@ def _(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum=False):
 
 def _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum: bool = False):
     """fast_accum: cuBLASLt's ``use_fast_accum`` (the FP8 tensor-core accumulator is not periodically promoted to
-    fp32: faster at large M, less accurate; Fp8Linear.fast_accum)."""
+    fp32: faster at large M, less accurate; Fp8Linear.fast_accum). A scalar ``xs`` (static activation scale) with a
+    one-element ``weight_scale`` (a per-tensor weight, as Fp8Linear passes it) runs cuBLASLt's tensorwise kernel,
+    bias fused, in the output dtype; anything else the rowwise one."""
     m = xq.shape[0]
+    if xs.dim() == 0 and weight_scale.numel() == 1 and out_dtype in (torch.bfloat16, torch.float16):
+        return torch._scaled_mm(xq, weight.t(), scale_a=xs.float(), scale_b=weight_scale.float().reshape(()),
+                                bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
+                                use_fast_accum=bool(fast_accum))
     scale_a = xs.reshape(-1, 1) if xs.dim() == 1 else xs.reshape(1, 1).expand(m, 1).contiguous()
     # cuBLASLt rowwise scaling writes bf16 only (torch 2.4-2.11); the CPU kernel writes any float type
     mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
@@ -149,8 +156,9 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
                          input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                          smooth: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
     """W8A8 through ``torch._scaled_mm`` with rowwise scales (cuBLASLt on the GPU): per-token scale_a [M, 1],
-    per-channel scale_b [1, N]. weight [N, K] row-major is exactly the column-major [K, N] operand it wants,
-    so ``weight.t()`` is a view, no copy."""
+    per-channel scale_b [1, N]; tensorwise (both scalars) for a static activation scale with a one-element
+    ``weight_scale``. weight [N, K] row-major is exactly the column-major [K, N] operand it wants, so
+    ``weight.t()`` is a view, no copy."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

@@ -278,9 +278,15 @@ class Fp8Weight:
                 "activation": "static" if self.input_scale is not None else "dynamic_per_token"}
 
 
-def quantize_fp8_weight(w: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> Fp8Weight:
-    """Per-output-channel e4m3 weight quantization (absmax)."""
+def quantize_fp8_weight(w: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
+                        per_tensor: bool = False) -> Fp8Weight:
+    """e4m3 weight quantization (absmax): one scale per output channel, or (``per_tensor``) one for the whole
+    matrix, stored repeated as [N] so packages keep one format. With a static ``input_scale`` too, a per-tensor
+    weight runs on cuBLASLt's tensorwise FP8 GEMM (Fp8Linear; the NVIDIA ModelOpt / TensorRT-LLM FP8 recipe)."""
     w = w.detach().float()
-    scale = (w.abs().amax(1) / FP8_MAX).clamp(min=1e-12)
+    if per_tensor:
+        scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12).expand(w.shape[0]).contiguous()
+    else:
+        scale = (w.abs().amax(1) / FP8_MAX).clamp(min=1e-12)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8Weight(q, scale, None if input_scale is None else input_scale.float().reshape(()))

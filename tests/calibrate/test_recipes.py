@@ -87,10 +87,15 @@ def test_unfoldable_group_becomes_explicit_smooth(setup):
     torch.testing.assert_close(b.self_attn.q_proj.weight.detach(), eff, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("activations,smoothing", [("dynamic", False), ("static", False), ("static", True)])
-def test_fp8_block(setup, activations, smoothing):
-    b, res, err = _run(setup, method="fp8", fp8=Fp8Config(activations=activations, smoothing=smoothing))
+@pytest.mark.parametrize("activations,smoothing,weights", [("dynamic", False, "channel"), ("static", False, "channel"),
+                                                            ("static", True, "channel"), ("static", True, "tensor")])
+def test_fp8_block(setup, activations, smoothing, weights):
+    b, res, err = _run(setup, method="fp8", fp8=Fp8Config(activations=activations, smoothing=smoothing,
+                                                         weights=weights))
     assert all(isinstance(w, Fp8Weight) for w in res.weights.values()) and len(res.weights) == 7
+    # per-tensor weights: one scale per matrix (stored repeated); per-channel: they differ across channels
+    assert all(bool(torch.all(w.weight_scale == w.weight_scale[0])) == (weights == "tensor")
+               for w in res.weights.values())
     assert all((w.input_scale is not None) == (activations == "static") for w in res.weights.values())
     assert err < 1e-3
     assert bool(smoothing) == ("model.layers.0.fp8_smooth" in res.scales)

@@ -157,3 +157,55 @@ def test_fp8_fast_accum_reaches_scaled_mm(fused, monkeypatch):
                           test_utils=FP8_UTILS)
     torch.library.opcheck(torch.ops.sdquant.fp8_linear_scaled_mm, (x, w, ws, isc, b, None, True),
                           test_utils=FP8_UTILS)
+
+
+def test_fp8_per_tensor_weight_quantization():
+    """quantize_fp8_weight(per_tensor=True): one absmax scale for the matrix, stored repeated as [N] (the package
+    format of per-channel weights), every value within half an e4m3 step of the weight."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 96, generator=g)
+    w[7] *= 10.0                                            # one loud channel sets the tensor's scale
+    fw = quantize_fp8_weight(w, per_tensor=True)
+    assert fw.weight_scale.shape == (48,) and torch.all(fw.weight_scale == fw.weight_scale[0])
+    assert fw.weight_scale[0].item() == pytest.approx(w.abs().max().item() / 448, rel=1e-6)
+    err = (fw.dequantize() - w).abs() / fw.weight_scale[0]
+    assert err.max().item() <= 16 + 1e-3                    # e4m3 values near 448 are 32 apart: half a step
+    per_ch = quantize_fp8_weight(w)
+    assert not torch.all(per_ch.weight_scale == per_ch.weight_scale[0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_per_tensor_static_layer_runs_tensorwise(fused, monkeypatch):
+    """A per-tensor weight with a static activation scale reaches torch._scaled_mm with scalar scales (cuBLASLt's
+    tensorwise kernel, bias fused) on the scaled_mm path, eager and compiled; a dynamic-activation or per-channel
+    layer keeps rowwise scales. All agree with the reference W8A8 function (bf16 outputs)."""
+    from sdquant.kernels.linear import Fp8Linear
+    g = torch.Generator().manual_seed(2)
+    n, k = 32, 64
+    x = torch.randn(2, 3, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    b = torch.randn(n, generator=g)
+    isc = (x.float().abs().amax() / 448).reshape(())
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*a, **kw):
+        seen.append((tuple(kw["scale_a"].shape), tuple(kw["scale_b"].shape), kw.get("bias") is not None))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    cases = [(True, isc, [((), (), True)]),                      # per-tensor + static: tensorwise, bias fused
+             (True, None, [((6, 1), (1, n), False)]),            # dynamic activations: rowwise
+             (False, isc, [((6, 1), (1, n), False)])]            # per-channel weight: rowwise
+    for per_tensor, in_scale, want in cases:
+        fw = quantize_fp8_weight(w, in_scale, per_tensor=per_tensor)
+        layer = Fp8Linear(fw, b).prepare("cpu", torch.bfloat16, kernels="cuda")
+        assert layer.kernel.endswith(":scaled_mm")
+        assert ("tensorwise" in repr(layer)) == (per_tensor and in_scale is not None)
+        ref = torch.ops.sdquant.fp8_linear(x, fw.weight, fw.weight_scale, fw.input_scale, b).float()
+        seen.clear()
+        y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x) if fused else layer(x)
+        torch._dynamo.reset()
+        assert seen == want, (per_tensor, in_scale is not None, seen)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
