@@ -209,3 +209,19 @@ def test_fp8_per_tensor_static_layer_runs_tensorwise(fused, monkeypatch):
         assert seen == want, (per_tensor, in_scale is not None, seen)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_tensorwise_bench_dry_run():
+    """bench/fp8_tensorwise.py --dry: both layers it times plan the _scaled_mm path (the per-tensor one tensorwise)
+    and match an fp64 evaluation of their W8A8 function on CPU, so its device run times correct layers."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "bench" / "fp8_tensorwise.py"), "--dry"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 12 and {row["path"] for row in rows} == {"channel_layer", "tensor_layer"}
+    assert max(row["rel_err"] for row in rows) <= 1e-2
