@@ -145,7 +145,7 @@ class Variant:
     bits: Optional[int] = None     # None: every --bits
 
 
-METHODS = ("fp", "rtn", "awq", "gptq", "awq+gptq")
+METHODS = ("fp", "rtn", "awq", "gptq", "awq+gptq", "fp8")   # fp8: the weights on the e4m3 grid (bits 8, group -1)
 # the named variants; activation_scaling cannot be null in sdquant.config (a dataclass, not Optional): the
 # per-channel ratio is switched off with activation_scaling.per_channel=false
 BUILTIN = {
@@ -219,6 +219,8 @@ def parse_sets(items) -> dict:
 def quant_config(method: str, bits: int, group_size: int, extra: dict, device: str = "cpu",
                  model_path: Optional[str] = None, batch_size: int = 8) -> dict:
     q = {"method": method, "bits": bits, "group_size": group_size, "symmetric": False}
+    if method == "fp8":   # e4m3: no integer width or group; --bits / --group-size do not apply
+        q.update(bits=8, group_size=-1, symmetric=True)
     for k, v in extra.items():
         cur = q
         parts = k.split(".")
@@ -278,8 +280,9 @@ def ppl_of(model, ev: torch.Tensor, seq_len: int, windows: int, device: str, bat
 
 def run_jobs(model0, calib, ev, jobs, *, group_size=64, extra=None, device="cpu", seq_len=2048, windows=40,
              eval_batch=1, calib_batch=8, model_path=None, meta=None, jsonl=None, time_budget=0.0,
-             tokenizer=None, log=print):
-    """Run every (variant, bits) on a fresh copy of model0's fp32 state; yield one row per job."""
+             tokenizer=None, log=print, w8a8=False):
+    """Run every (variant, bits) on a fresh copy of model0's fp32 state; yield one row per job. ``w8a8``: an fp8
+    variant is scored as its exported package runs (activations quantized too), not as fake-quantized weights."""
     import sdquant
     extra = extra or {}
     model0.to("cpu")
@@ -311,15 +314,22 @@ def run_jobs(model0, calib, ev, jobs, *, group_size=64, extra=None, device="cpu"
             _sync(device)
             calib_s = time.perf_counter() - t0
             model = res.model
+            if w8a8 and v.method == "fp8":   # the package as it runs: Fp8Linear quantizes the activations too
+                import tempfile
+                with tempfile.TemporaryDirectory() as td:
+                    model = sdquant.load(sdquant.export(res, str(Path(td) / "m.sd2")), device="cpu",
+                                         dtype=torch.float32)
         elif v.method == "fp":
             model = model0
         t1 = time.perf_counter()
         p = ppl_of(model, ev, seq_len, windows, device, eval_batch)
         _sync(device)
         row = {**(meta or {}), "variant": v.name, "method": v.method, "overrides": v.overrides,
-               "bits": bits, "ppl": p["ppl"], "nll": p["nll"], "eval_windows": p["windows"],
+               "bits": 8 if v.method == "fp8" else bits, "ppl": p["ppl"], "nll": p["nll"], "eval_windows": p["windows"],
                "eval_seq_len": p["seq_len"], "calib_seconds": round(calib_s, 1),
                "eval_seconds": round(time.perf_counter() - t1, 1)}
+        if v.method == "fp8":
+            row["scored_as"] = "w8a8 package" if w8a8 else "fake-quantized weights"
         if res is not None:
             ratios = [r["loss"] / r["rtn_loss"] for r in res.rows
                       if r.get("loss") is not None and r.get("rtn_loss")]
@@ -477,6 +487,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="2-block random Llama instead of SmolLM2 (tests)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="append results (one JSON object per line)")
+    ap.add_argument("--w8a8", action="store_true",
+                    help="score fp8 variants as their exported packages run (activations quantized too)")
     ap.add_argument("--minilm", action="store_true", help="run the all-MiniLM-L6-v2 embedding benchmark instead")
     a = ap.parse_args(argv)
     if a.list_variants:
@@ -550,7 +562,7 @@ def main(argv=None):
     rows = list(run_jobs(model0, calib, ev, jobs, group_size=a.group_size, extra=extra, device=a.device,
                          seq_len=a.seq_len, windows=a.windows, eval_batch=eval_batch, calib_batch=a.calib_batch,
                          model_path=model_path, meta=meta, jsonl=a.json, time_budget=a.time_budget,
-                         tokenizer=tok, log=lambda s: print(s, flush=True)))
+                         tokenizer=tok, log=lambda s: print(s, flush=True), w8a8=a.w8a8))
     print(summary(rows), flush=True)
     if any(not math.isfinite(r["ppl"]) for r in rows):
         print("# some perplexities are not finite", flush=True)
