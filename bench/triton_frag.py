@@ -49,15 +49,20 @@ CONFIGS = {  # runs 1-3 (bench/results/triton_frag_h200_run{1,2,3}.json): n128w4
     "r128_n128w4s4x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0, "maxnreg": 128},
     "r128_n128w4s3x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 6.0, "maxnreg": 128},
     "r128_n128w4s4x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 8.0, "maxnreg": 128},
+    # the GEMV over the same layout (M <= 2), the shipped GEMV's tiles (int4_triton._GV512K64Z, _GV256K64Z8)
+    "gv512k64x4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0},
+    "gv256k64x8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0},
+    "gv512k128x3": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0},
 }
 MS = [1, 2, 4, 8, 16, 32, 64]
 DRY_SHAPES = [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False), (256, 512, 128, False)]
-DRY_MS = (1, 3, 17)
+DRY_MS = (1, 2, 3, 17)
 
 
-def dry_applies(cfg: dict, k: int, n: int) -> bool:
-    """Whether --dry runs cfg on a K x N shape (BLOCK_N divides N; PAIR needs K in 256s)."""
-    return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256)
+def dry_applies(cfg: dict, k: int, n: int, m: int = 1) -> bool:
+    """Whether --dry runs cfg on an M x K x N problem (BLOCK_N divides N; PAIR needs K in 256s; the GEMV M <= 2)."""
+    return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256) and not (cfg.get("kernel") == "gemv"
+                                                                                 and m > 2)
 
 
 def repack_frag(qw, dtype):
@@ -195,14 +200,93 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
     _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
 
 
+def _fadd(a, b):
+    return a + b
+
+
+def _frag_xdot(x_ptr, stride_xm, ROW, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7):
+    """(sum over the tile of code_p[r, n] * x[ROW, k(r, p)] as fp32 [BN], sum of the tile's x[ROW, k]). xoff [R, 4, 2]:
+    the K index of nibble p = j + 4h of word r at [r, j, h] (h adjacent in K: 4-byte pair loads)."""
+    xa = tl.load(x_ptr + ROW * stride_xm + xoff, mask=(xoff * 0 + ROW) < M, other=0.0).to(tl.float32)   # [R, 4, 2]
+    xl, xh = tl.split(xa)                                                  # h = 0 | 1: [R, 4] over j = i0 + 2 i1
+    l2 = tl.reshape(xl, (R, 2, 2))                                         # [R, i1, i0]
+    h2 = tl.reshape(xh, (R, 2, 2))
+    l_i0a, l_i0b = tl.split(l2)                                            # i0 = 0 | 1: [R, i1]
+    h_i0a, h_i0b = tl.split(h2)
+    x0, x2 = tl.split(l_i0a)                                               # j = 0 | 2 (h = 0: nibbles 0, 2)
+    x1, x3 = tl.split(l_i0b)                                               # j = 1 | 3
+    x4, x6 = tl.split(h_i0a)                                               # nibbles 4, 6
+    x5, x7 = tl.split(h_i0b)                                               # nibbles 5, 7
+    p = (d0 * x0[:, None] + d1 * x1[:, None] + d2 * x2[:, None] + d3 * x3[:, None]
+         + d4 * x4[:, None] + d5 * x5[:, None] + d6 * x6[:, None] + d7 * x7[:, None])
+    return tl.reduce(p, 0, _fadd), tl.reduce(tl.reduce(tl.reduce(xa, 2, _fadd), 1, _fadd), 0, _fadd)
+
+
+def _frag_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K_SPLIT, MAGIC,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                      CDT: tl.constexpr, BIAS: tl.constexpr):
+    """The GEMV (M <= 2) over the fragment layout: int4_triton_gemv's arithmetic (fp32 codes by the magic number,
+    s * sum(code x) + zs * sum(x) once a tile and row), the words of a column K-contiguous ([R, BN] tiles, 16-byte
+    loads along K) and the activations gathered in the layout's K order (4-byte pairs)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    jj = tl.arange(0, 4)
+    hh = tl.arange(0, 2)
+    kj = (jj & 1) * 8 + (jj >> 1) * 16                                     # i0 * 8 + i1 * 16
+    mg = MAGIC.to(tl.uint32)
+    acc0 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    acc1 = tl.full((BLOCK_N,), 0.0, tl.float32)
+    t_begin = pid_k * (K_SPLIT // BLOCK_K)
+    for tt in range(0, K_SPLIT // BLOCK_K):
+        wr = (t_begin + tt) * R                                            # the tile's first word along K
+        wq = tl.load(w_ptr + offs_n[None, :] * stride_wn + (wr + offs_r)[:, None]).to(tl.uint32, bitcast=True)
+        wh = wq >> 12
+        wi = (wr + offs_r) % 16                                            # word within its 128-block: jlo * 4 + jhi
+        blk = (wr // 16) * 128
+        kr = blk + (wi % 4) * 32 + (wi // 4) * 2                           # jhi * 32 + jlo * 2
+        xoff = kr[:, None, None] + kj[None, :, None] + hh[None, None, :]   # [R, 4, 2]
+        sz = tl.load(sz_ptr + (wr // 16) * N + offs_n)
+        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z = ((sz >> 16) & 0xFFFF).to(tl.int16).to(CDT, bitcast=True).to(tl.float32) - BIAS
+        zs = -z * s
+        d0 = _gemv_code(wq, wh, 0, mg)
+        d1 = _gemv_code(wq, wh, 1, mg)
+        d2 = _gemv_code(wq, wh, 2, mg)
+        d3 = _gemv_code(wq, wh, 3, mg)
+        d4 = _gemv_code(wq, wh, 4, mg)
+        d5 = _gemv_code(wq, wh, 5, mg)
+        d6 = _gemv_code(wq, wh, 6, mg)
+        d7 = _gemv_code(wq, wh, 7, mg)
+        p0, x0 = _frag_xdot(x_ptr, stride_xm, 0, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7)
+        acc0 += p0 * s + zs * x0
+        if ROWS > 1:
+            p1, x1 = _frag_xdot(x_ptr, stride_xm, 1, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc1 += p1 * s + zs * x1
+    if not PARTIAL:
+        dst = out_ptr + offs_n
+        tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
+        if ROWS > 1:
+            tl.store(dst + N, acc1.to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 1) < M)
+    else:
+        dst = part_ptr + pid_k * M * N + offs_n
+        tl.store(dst, acc0)
+        if ROWS > 1:
+            tl.store(dst + N, acc1, mask=(offs_n * 0 + 1) < M)
+
+
 def _kernels():
     import triton.language as tl
 
     from sdquant.kernels import int4_triton_midm as MM
     from sdquant.kernels.triton_jit import jit_in_namespace
+    from sdquant.kernels import int4_triton_gemv as G
     ns = {**globals(), "tl": tl}
-    (kern,) = jit_in_namespace(ns, (_frag_kernel,), (_unpack_sub, _nib, _frag_tile, MM._store_out_t))
-    return kern
+    return dict(zip(("tc", "gemv"), jit_in_namespace(
+        ns, (_frag_kernel, _frag_gemv_kernel),
+        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _frag_xdot, G._nib32, G._gemv_code))))
 
 
 _KERN: dict = {}
@@ -211,6 +295,13 @@ _KERN: dict = {}
 def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     from sdquant.kernels import int4_triton_gemv as G
     bn = cfg["BLOCK_N"]
+    if cfg.get("kernel") == "gemv":
+        bk = cfg["BLOCK_K"]
+        if m > 2 or n % bn or k % 128 or 128 % bk:
+            raise ValueError(f"triton_frag gemv: M={m} > 2, or N={n} / K={k} do not divide into {bn} x {bk} tiles")
+        c = {**cfg, "num_warps": max(1, min(cfg["num_warps"], bn // 128))}
+        c["SPLIT_K"] = G.auto_split(k, bk, n // bn, cfg["waves"] * sms)
+        return c
     if n % bn or k % 128:
         raise ValueError(f"triton_frag: N={n} / K={k} do not divide into {bn} x 128 tiles")
     bm = 16
@@ -244,16 +335,28 @@ def run(x, lay, cfg: dict, sms: int):
     if interp and x.dtype == torch.bfloat16:
         raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
-    _KERN[mode][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
-        x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
-        BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
-        PAIR=bool(c.get("PAIR")),
-        num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if "maxnreg" in c else {}))
+    if c.get("kernel") == "gemv":
+        _KERN[mode]["gemv"][(n // c["BLOCK_N"], split)](
+            x, lay["qweight"], lay["sz"], out, part, m, n, x.stride(0), k // 8, k // split, G.MAGIC_F32, ROWS=m,
+            BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1, CDT=cdt, BIAS=bias,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    else:
+        _launch_tc(x, lay, out, part, m, n, k, split, c, cdt, bias, interp)
     if split > 1:
         block = 512
         G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
                                                              EVEN=(m * n) % block == 0, num_warps=4)
     return out
+
+
+def _launch_tc(x, lay, out, part, m, n, k, split, c, cdt, bias, interp):
+    import triton
+    mode = os.environ.get("TRITON_INTERPRET", "0")
+    _KERN[mode]["tc"][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
+        x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
+        BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
+        PAIR=bool(c.get("PAIR")),
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if "maxnreg" in c else {}))
 
 
 def rel_err(y, ref) -> float:
@@ -286,7 +389,7 @@ def main(argv=None):
                 x = torch.randn(m, k).to(dt)
                 ref = x.float() @ qw.dequantize().float().t()
                 for name, cfg in configs.items():
-                    if not dry_applies(cfg, k, n):
+                    if not dry_applies(cfg, k, n, m):
                         continue
                     e = rel_err(run(x, lay, cfg, sms), ref)
                     rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
@@ -335,6 +438,8 @@ def main(argv=None):
                 row["cuda_err"] = rel_err(cuda_op(0), ref)
                 row["cuda"] = gemm.time_rotating(cuda_op, nrot)
             for name, cfg in configs.items():
+                if cfg.get("kernel") == "gemv" and m > 2:
+                    continue
                 try:
                     e = rel_err(run(x, lays[0], cfg, sms), ref)
                 except Exception as ex:  # a config that does not compile is a result, not a crash

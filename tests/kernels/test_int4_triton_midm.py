@@ -197,6 +197,6 @@ def test_frag_prototype_dry_run_and_layout():
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-    expected = len(triton_frag.DRY_MS) * sum(triton_frag.dry_applies(c, k, n) for (k, n, _, _) in triton_frag.DRY_SHAPES
-                                             for c in triton_frag.CONFIGS.values())
+    expected = sum(triton_frag.dry_applies(c, k, n, m) for (k, n, _, _) in triton_frag.DRY_SHAPES
+                   for m in triton_frag.DRY_MS for c in triton_frag.CONFIGS.values())
     assert expected >= 40 and len(rows) == expected and max(row["rel_err"] for row in rows) <= 2e-3
