@@ -73,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--dry", action="store_true", help="CPU: tiny shapes, checks only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every path this many times, round robin, and keep the median (run-to-run noise)")
     a = ap.parse_args(argv)
     import torch
 
@@ -97,7 +99,7 @@ def main(argv=None):
     import gemm
     dev, dt = torch.device("cuda"), torch.bfloat16
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": a.rounds}
     for (k, n) in SHAPES:
         w = torch.randn(n, k, device=dev) / math.sqrt(k)
         nrot = gemm.n_copies(n * k)
@@ -111,23 +113,32 @@ def main(argv=None):
                     raise SystemExit(f"error: {name} K={k} N={n} M={m}: relative error {row[name + '_err']:.2e}")
             chs = [ch.weight.clone() for _ in range(nrot)]
             wb = [(ch.weight.float() * ch.weight_scale[:, None]).to(dt) for _ in range(min(nrot, gemm.n_copies(2 * n * k)))]
-            row["bf16"] = gemm.time_rotating(lambda i: torch.nn.functional.linear(x, wb[i % len(wb)]), len(wb))
             xq_t = (x.float() / te.input_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
             one = torch.ones((), device=dev)
-            row["tensorwise"] = gemm.time_rotating(
-                lambda i: torch._scaled_mm(xq_t, chs[i].t(), scale_a=one, scale_b=one, out_dtype=dt), nrot)
             xq_r, xs_r = ops.quantize_fp8_per_token(x.float())
             sa, sb = xs_r.reshape(-1, 1).float(), ch.weight_scale.reshape(1, -1)
-            row["rowwise"] = gemm.time_rotating(
-                lambda i: torch._scaled_mm(xq_r, chs[i].t(), scale_a=sa, scale_b=sb, out_dtype=dt), nrot)
             ch_l = [ch] + [layer_copy(ch, c) for c in chs[1:]]
             te_l = [te] + [layer_copy(te, c) for c in chs[1:]]
-            row["channel_layer"] = gemm.time_rotating(lambda i: ch_l[i](x), nrot)
-            row["tensor_layer"] = gemm.time_rotating(lambda i: te_l[i](x), nrot)
             xq, xs = ops.quantize_act_torch(x, None, te.input_scale)
             ws1 = te._scaled_mm_scale()
-            row["tensor_gemm"] = gemm.time_rotating(
-                lambda i: torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, chs[i], ws1, None, dt, False), nrot)
+            paths = {
+                "bf16": (lambda i: torch.nn.functional.linear(x, wb[i % len(wb)]), len(wb)),
+                "tensorwise": (lambda i: torch._scaled_mm(xq_t, chs[i].t(), scale_a=one, scale_b=one,
+                                                          out_dtype=dt), nrot),
+                "rowwise": (lambda i: torch._scaled_mm(xq_r, chs[i].t(), scale_a=sa, scale_b=sb, out_dtype=dt), nrot),
+                "channel_layer": (lambda i: ch_l[i](x), nrot),
+                "tensor_layer": (lambda i: te_l[i](x), nrot),
+                "tensor_gemm": (lambda i: torch.ops.sdquant.fp8_gemm_scaled_mm(xq, xs, chs[i], ws1, None, dt, False),
+                                nrot),
+            }
+            times = {name: [] for name in paths}
+            for _ in range(max(1, a.rounds)):
+                for name, (call, nr) in paths.items():
+                    times[name].append(gemm.time_rotating(call, nr))
+            for name, ts in times.items():
+                row[name] = sorted(ts)[len(ts) // 2]
+                if len(ts) > 1:
+                    row[name + "_rounds"] = ts
             print(json.dumps(row), flush=True)
             rows.append(row)
             del chs, wb, ch_l, te_l
