@@ -41,6 +41,8 @@ VARIANTS = {
     "int4-compiled": dict(linears="int4", compiled=True, graph=True),
     "int4all-compiled": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True),
     "fp8-compiled": dict(linears="fp8", compiled=True, graph=True),
+    # per-tensor weights + static activation scales (templates/fp8-w8a8-tensorwise-h100.yaml): tensorwise _scaled_mm
+    "fp8static-compiled": dict(linears="fp8-static", compiled=True, graph=True),
     # the same-run baseline of Fp8Linear.fuse_act_quant: the quantize kernel inside the op, as before
     "fp8-compiled-unfused": dict(linears="fp8", compiled=True, graph=True, fp8_fuse=False),
     # programmatic dependent launch (PDL). "all": what Transformer.compile_decode(pdl=None) does on Hopper (inductor's

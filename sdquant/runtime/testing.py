@@ -56,9 +56,13 @@ def random_int_weight(n: int, k: int, bits=4, group_size=128, symmetric=True, de
     return QuantizedWeight(qweight, scales.half(), zeros, bits, group_size, k)
 
 
-def random_fp8_weight(n: int, k: int, device="cpu", generator: Optional[torch.Generator] = None) -> Fp8Weight:
+def random_fp8_weight(n: int, k: int, device="cpu", generator: Optional[torch.Generator] = None,
+                      input_scale: Optional[float] = None) -> Fp8Weight:
+    """Random e4m3 codes with one (per-tensor) weight scale; ``input_scale``: a static activation scale (then the
+    layer runs the tensorwise ``_scaled_mm`` at large M), None = dynamic per-token."""
     w = torch.randn(n, k, device=device, generator=generator).clamp(-6, 6).to(torch.float8_e4m3fn)
-    return Fp8Weight(w, torch.full((n,), 0.01 / 2, device=device), None)
+    isc = None if input_scale is None else torch.tensor(float(input_scale), device=device)
+    return Fp8Weight(w, torch.full((n,), 0.01 / 2, device=device), isc)
 
 
 # ------------------------------------------------------------------------------- random runtime models
@@ -80,8 +84,9 @@ def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch
                    kernels: str = "auto", seed: int = 0):
     """A runtime Transformer of the given shape with random weights made directly on ``device``.
 
-    linears: "bf16" (nn.Linear in ``dtype``), "int4" (QuantLinear, g``group_size``) or "fp8" (Fp8Linear,
-    dynamic per-token activations). lm_head: "bf16" or "int4"; embed: "bf16" or "int4" (QuantEmbedding).
+    linears: "bf16" (nn.Linear in ``dtype``), "int4" (QuantLinear, g``group_size``), "fp8" (Fp8Linear, dynamic
+    per-token activations) or "fp8-static" (Fp8Linear, per-tensor weight and a static activation scale of 8 / 448:
+    the RMS-normalized unit-variance inputs of this random model stay inside the e4m3 range). lm_head: "bf16" or "int4"; embed: "bf16" or "int4" (QuantEmbedding).
     Fused qkv / gate-up weights are made fused (one [N_q+2N_kv, H] and one [2I, H] weight per layer).
     """
     from sdquant.kernels.linear import Fp8Linear, QuantLinear
@@ -93,8 +98,8 @@ def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch
     def linear(n, k, kind):
         if kind == "int4":
             m = QuantLinear(random_int_weight(n, k, 4, group_size, symmetric, device, g))
-        elif kind == "fp8":
-            m = Fp8Linear(random_fp8_weight(n, k, device, g))
+        elif kind in ("fp8", "fp8-static"):
+            m = Fp8Linear(random_fp8_weight(n, k, device, g, 8.0 / 448 if kind == "fp8-static" else None))
         else:
             m = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
             with torch.no_grad():

@@ -117,6 +117,21 @@ def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
     assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]
 
 
+def test_random_decoder_fp8_static_layers_plan_tensorwise():
+    """random_decoder(linears="fp8-static") (bench/e2e.py's fp8static-compiled): every linear is an Fp8Linear with one
+    weight scale and a static activation scale, so its _scaled_mm path is the tensorwise one; "fp8" stays rowwise."""
+    import torch
+
+    from sdquant.kernels.linear import Fp8Linear
+    from sdquant.runtime.testing import TINY, random_decoder
+    for kind, tensorwise in (("fp8-static", True), ("fp8", False)):
+        m = random_decoder(TINY, linears=kind, device="cpu", dtype=torch.float32)
+        fp8 = [x for x in m.modules() if isinstance(x, Fp8Linear)]
+        assert len(fp8) == 4 * TINY["n_layers"]
+        assert all(("tensorwise" in repr(x)) == tensorwise for x in fp8)
+        assert all((x.input_scale is not None) == tensorwise for x in fp8)
+
+
 def test_auto_attention_resolves_by_device_and_head_dim(monkeypatch):
     from types import SimpleNamespace
 
