@@ -112,6 +112,11 @@ def test_llm_templates_run_end_to_end_on_a_tiny_model(repo, tmp_path, name):
         assert all((w.input_scale is not None) == (cfg.quant.fp8.activations == "static")
                    for w in res.weights.values())
     q = sdquant.load(sdquant.export(res, cfg.output), device="cpu", dtype=torch.float32)
+    if cfg.quant.method == "fp8":   # the loaded layers see the granularity again (tensorwise _scaled_mm on a GPU)
+        from sdquant.kernels.linear import Fp8Linear
+        tw = cfg.quant.fp8.weights == "tensor" and cfg.quant.fp8.activations == "static"
+        layers = [m for m in q.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) == 14 and all(("tensorwise" in repr(m)) == tw for m in layers)
     ids = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
         got, ref = q(ids).logits, res.model(ids).logits
