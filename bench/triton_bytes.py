@@ -25,11 +25,8 @@ symmetric g128 codes; baselines in the same process: cuBLAS bf16 ``F.linear`` an
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +105,6 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     import triton
     import triton.language as tl
 
-    from sdquant.kernels import int4_triton_gemv as G
     from sdquant.kernels import int4_triton_midm as MM
     mode = os.environ.get("TRITON_INTERPRET", "0")
     if mode not in _KERN:
@@ -132,113 +128,17 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, PARTIAL=split > 1, CDT=cdt, MAGIC=magic, BIAS=bias,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1:
-        block = 512
-        G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
-                                                             EVEN=(m * n) % block == 0, num_warps=4)
+        import w4a16_proto
+        w4a16_proto.reduce_splits(part, out, m, n, split)
     return out
 
 
-def rel_err(y, ref) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
+DRY_SHAPES = [(256, 128, 128, True), (512, 64, 64, False), (256, 128, -1, True)]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, tiny shapes, checks only")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--no-cuda", action="store_true", help="skip the sdquant CUDA op (it builds on first use)")
-    a = ap.parse_args(argv)
-    if a.dry:
-        os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
-    import torch
-
-    import gemm
-    from sdquant.kernels import int4_triton  # noqa: F401  (registers the op)
-    configs = {c: CONFIGS[c] for c in a.configs.split(",")}
-    t0 = time.time()
-    rows = []
-    if a.dry:
-        dev, dt, sms = torch.device("cpu"), torch.float16, 4
-        for (k, n, gs, sym) in [(256, 128, 128, True), (512, 64, 64, False), (256, 128, -1, True)]:
-            qw = gemm.random_int4(n, k, gs=gs, symmetric=sym, seed=k + n)
-            lay = repack_bytes(qw, dt)
-            for m in (1, 3, 17):
-                x = torch.randn(m, k).to(dt)
-                ref = x.float() @ qw.dequantize().float().t()
-                for name, cfg in configs.items():
-                    e = rel_err(run(x, lay, k if gs == -1 else gs, cfg, sms), ref)
-                    rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
-                    print(json.dumps(rows[-1]), flush=True)
-                    if not e <= 2e-3:
-                        raise SystemExit(f"error: {name} K={k} N={n} M={m}: relative error {e:.2e} > 2e-3")
-        return
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": configs}
-    import triton
-    meta["triton"] = triton.__version__
-    use_cuda = False
-    if not a.no_cuda:
-        from sdquant.kernels import int4_cuda
-        use_cuda = int4_cuda.available()
-        if not use_cuda:
-            print(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}", flush=True)
-    meta["cuda_op"] = use_cuda
-    for (k, n) in gemm.RUN_ORDER:
-        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
-        nrot = gemm.n_copies(n * k // 2)
-        lays = [repack_bytes(qw, dt) for _ in range(nrot)]
-        from sdquant.kernels import int4_layout
-        tl_lays = [int4_layout.repack_triton(qw, dt) for _ in range(nrot)]
-        cu_lays = [int4_layout.repack_cuda(qw, dt) for _ in range(nrot)] if use_cuda else []
-        wf = qw.dequantize().float()
-        w_bf16 = [wf.to(dt) for _ in range(min(nrot, max(2, gemm.n_copies(n * k * 2))))]
-        for m in [int(v) for v in a.ms.split(",")]:
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            ref = x.float() @ wf.t()
-            row = {"K": k, "N": n, "M": m}
-            row["bf16"] = gemm.time_rotating(lambda i: torch.nn.functional.linear(x, w_bf16[i % len(w_bf16)]),
-                                             len(w_bf16))
-            y = torch.ops.sdquant.w4a16_triton(x, tl_lays[0]["qweight"], tl_lays[0]["scales"], tl_lays[0]["zs"],
-                                               None, None)
-            row["shipped_err"] = rel_err(y, ref)
-            row["shipped"] = gemm.time_rotating(
-                lambda i: torch.ops.sdquant.w4a16_triton(x, tl_lays[i]["qweight"], tl_lays[i]["scales"],
-                                                         tl_lays[i]["zs"], None, None), nrot)
-            if use_cuda:
-                def cuda_op(i):
-                    c = cu_lays[i]
-                    return torch.ops.sdquant.w4a16_cuda(x, c["qweight"], c["scales"], c["zeros"], c["perm"],
-                                                        c["locks"], None)
-                row["cuda_err"] = rel_err(cuda_op(0), ref)
-                row["cuda"] = gemm.time_rotating(cuda_op, nrot)
-            for name, cfg in configs.items():
-                e = rel_err(run(x, lays[0], 128, cfg, sms), ref)
-                row[name + "_err"] = e
-                if e <= 1e-2:
-                    row[name] = gemm.time_rotating(lambda i, cfg=cfg: run(x, lays[i], 128, cfg, sms), nrot)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        del lays, tl_lays, cu_lays, w_bf16, wf
-        torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "triton_bytes.json.tmp"
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    tmp.replace(out / "triton_bytes.json")
-    names = ["bf16", "cuda", "shipped", *configs]
-    print("\n| K×N | M | " + " | ".join(names) + " | best prototype ÷ shipped | CUDA ÷ shipped | CUDA ÷ best |")
-    print("|---|---|" + "---|" * len(names) + "---|---|---|")
-    nan = float("nan")
-    for r in rows:
-        best = min((r[c] for c in configs if c in r), default=nan)
-        print(f"| {r['K']}×{r['N']} | {r['M']} | " + " | ".join(f"{r[c]:.1f}" if c in r else "–" for c in names)
-              + f" | {best / r['shipped']:.2f} | {r.get('cuda', nan) / r['shipped']:.2f}"
-              + f" | {r.get('cuda', nan) / best:.2f} |")
-    print(f"wall {time.time() - t0:.0f} s")
+    import w4a16_proto
+    return w4a16_proto.main(argv, __doc__, "triton_bytes", CONFIGS, repack_bytes, run, MS, DRY_SHAPES, (1, 3, 17))
 
 
 if __name__ == "__main__":

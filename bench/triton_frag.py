@@ -28,11 +28,8 @@ for fp16 in --dry). Writes $OUT/triton_frag.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,8 +312,8 @@ def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     return {**cfg, "BLOCK_M": bm, "SPLIT_K": split}
 
 
-def run(x, lay, cfg: dict, sms: int):
-    """y [M, N] = x [M, K] @ W.T through the prototype kernel."""
+def run(x, lay, gs: int, cfg: dict, sms: int):
+    """y [M, N] = x [M, K] @ W.T through the prototype kernel (``gs`` is in the layout: unused)."""
     import torch
     import triton
     import triton.language as tl
@@ -343,9 +340,8 @@ def run(x, lay, cfg: dict, sms: int):
     else:
         _launch_tc(x, lay, out, part, m, n, k, split, c, cdt, bias, interp)
     if split > 1:
-        block = 512
-        G._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
-                                                             EVEN=(m * n) % block == 0, num_warps=4)
+        import w4a16_proto
+        w4a16_proto.reduce_splits(part, out, m, n, split)
     return out
 
 
@@ -359,114 +355,10 @@ def _launch_tc(x, lay, out, part, m, n, k, split, c, cdt, bias, interp):
         num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if "maxnreg" in c else {}))
 
 
-def rel_err(y, ref) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, tiny shapes, checks only")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--no-cuda", action="store_true", help="skip the sdquant CUDA op (it builds on first use)")
-    a = ap.parse_args(argv)
-    if a.dry:
-        os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
-    import torch
-
-    import gemm
-    from sdquant.kernels import int4_triton  # noqa: F401  (registers the op)
-    configs = {c: CONFIGS[c] for c in a.configs.split(",")}
-    t0 = time.time()
-    rows = []
-    if a.dry:
-        dt, sms = torch.float16, 4
-        for (k, n, gs, sym) in DRY_SHAPES:
-            qw = gemm.random_int4(n, k, gs=gs, symmetric=sym, seed=k + n)
-            lay = repack_frag(qw, dt)
-            for m in DRY_MS:
-                x = torch.randn(m, k).to(dt)
-                ref = x.float() @ qw.dequantize().float().t()
-                for name, cfg in configs.items():
-                    if not dry_applies(cfg, k, n, m):
-                        continue
-                    e = rel_err(run(x, lay, cfg, sms), ref)
-                    rows.append({"K": k, "N": n, "gs": gs, "sym": sym, "M": m, "config": name, "rel_err": e})
-                    print(json.dumps(rows[-1]), flush=True)
-                    if not e <= 2e-3:
-                        raise SystemExit(f"error: {name} K={k} N={n} M={m}: relative error {e:.2e} > 2e-3")
-        return
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    import triton
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "configs": configs}
-    use_cuda = False
-    if not a.no_cuda:
-        from sdquant.kernels import int4_cuda
-        use_cuda = int4_cuda.available()
-        if not use_cuda:
-            print(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}", flush=True)
-    meta["cuda_op"] = use_cuda
-    from sdquant.kernels import int4_layout
-    for (k, n) in gemm.RUN_ORDER:
-        qw = gemm.random_int4(n, k, device=dev, seed=k + n)
-        nrot = gemm.n_copies(n * k // 2)
-        lays = [repack_frag(qw, dt) for _ in range(nrot)]
-        tl_lays = [int4_layout.repack_triton(qw, dt) for _ in range(nrot)]
-        cu_lays = [int4_layout.repack_cuda(qw, dt) for _ in range(nrot)] if use_cuda else []
-        wf = qw.dequantize().float()
-        w_bf16 = [wf.to(dt) for _ in range(min(nrot, max(2, gemm.n_copies(n * k * 2))))]
-        for m in [int(v) for v in a.ms.split(",")]:
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            ref = x.float() @ wf.t()
-            row = {"K": k, "N": n, "M": m}
-            row["bf16"] = gemm.time_rotating(lambda i: torch.nn.functional.linear(x, w_bf16[i % len(w_bf16)]),
-                                             len(w_bf16))
-            row["shipped_err"] = rel_err(torch.ops.sdquant.w4a16_triton(
-                x, tl_lays[0]["qweight"], tl_lays[0]["scales"], tl_lays[0]["zs"], None, None), ref)
-            row["shipped"] = gemm.time_rotating(
-                lambda i: torch.ops.sdquant.w4a16_triton(x, tl_lays[i]["qweight"], tl_lays[i]["scales"],
-                                                         tl_lays[i]["zs"], None, None), nrot)
-            if use_cuda:
-                def cuda_op(i):
-                    c = cu_lays[i]
-                    return torch.ops.sdquant.w4a16_cuda(x, c["qweight"], c["scales"], c["zeros"], c["perm"],
-                                                        c["locks"], None)
-                row["cuda_err"] = rel_err(cuda_op(0), ref)
-                row["cuda"] = gemm.time_rotating(cuda_op, nrot)
-            for name, cfg in configs.items():
-                if cfg.get("kernel") == "gemv" and m > 2:
-                    continue
-                try:
-                    e = rel_err(run(x, lays[0], cfg, sms), ref)
-                except Exception as ex:  # a config that does not compile is a result, not a crash
-                    row[name + "_fail"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-                    continue
-                row[name + "_err"] = e
-                if e <= 1e-2:
-                    row[name] = gemm.time_rotating(lambda i, cfg=cfg: run(x, lays[i], cfg, sms), nrot)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        del lays, tl_lays, cu_lays, w_bf16, wf
-        torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "triton_frag.json.tmp"
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    tmp.replace(out / "triton_frag.json")
-    names = ["bf16", "cuda", "shipped", *configs]
-    nan = float("nan")
-    print("\n| K×N | M | " + " | ".join(names) + " | best frag ÷ shipped | CUDA ÷ shipped | CUDA ÷ best frag |")
-    print("|---|---|" + "---|" * len(names) + "---|---|---|")
-    for r in rows:
-        best = min((r[c] for c in configs if c in r), default=nan)
-        print(f"| {r['K']}×{r['N']} | {r['M']} | " + " | ".join(f"{r[c]:.1f}" if c in r else "–" for c in names)
-              + f" | {best / r['shipped']:.2f} | {r.get('cuda', nan) / r['shipped']:.2f}"
-              + f" | {r.get('cuda', nan) / best:.2f} |")
-    print(f"wall {time.time() - t0:.0f} s")
+    import w4a16_proto
+    return w4a16_proto.main(argv, __doc__, "triton_frag", CONFIGS, repack_frag, run, MS, DRY_SHAPES, DRY_MS,
+                            dry_applies)
 
 
 if __name__ == "__main__":
