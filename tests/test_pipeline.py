@@ -54,6 +54,17 @@ def test_keep_patterns_and_overrides_apply(tmp_path):
     assert "lm_head" not in res.weights
 
 
+@pytest.mark.parametrize("weights", ["channel", "tensor"])
+def test_fp8_override_in_an_rtn_run_follows_fp8_weights(weights):
+    """A layer overridden to fp8 inside an RTN run is quantized with quant.fp8.weights' granularity."""
+    from sdquant.quant.qtensor import Fp8Weight
+    cfg = _cfg("rtn", **{"quant.overrides": [{"pattern": "down_proj", "method": "fp8"}], "quant.fp8.weights": weights})
+    res = sdquant.calibrate(config=cfg, data=IDS)
+    fp8 = {n: w for n, w in res.weights.items() if isinstance(w, Fp8Weight)}
+    assert fp8 and all("down_proj" in n for n in fp8)
+    assert all(bool((w.weight_scale == w.weight_scale[0]).all()) == (weights == "tensor") for w in fp8.values())
+
+
 def test_progress_callback_and_silence(capsys):
     seen = []
     sdquant.calibrate(config=_cfg("rtn"), data=IDS, progress=lambda what, i, n: seen.append((i, n)))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdquant.calibrate._util import cfg
 from sdquant.quant.qtensor import QuantizedWeight, compute_qparams, quantize_codes, quantize_fp8_weight
 
 
@@ -42,8 +43,7 @@ def rtn_block(ctx) -> BlockResult:
         spec = ctx.spec(name)
         w = lin.weight.detach()
         if spec.method == "fp8":
-            fp8cfg = getattr(ctx.qcfg, "fp8", None)
-            qw = quantize_fp8_weight(w, per_tensor=getattr(fp8cfg, "weights", "channel") == "tensor")
+            qw = quantize_fp8_weight(w, per_tensor=cfg(ctx.qcfg, "fp8.weights", "channel") == "tensor")
         else:
             qw = rtn_quantize(w, spec.bits, spec.group_size, spec.symmetric)
         w_hat = qw.dequantize(w.dtype)

@@ -421,7 +421,7 @@ class Fp8Linear(_Prepared):
         self.to(device)
         self.weight_scale = self.weight_scale.float().contiguous()
         # a per-tensor weight (every channel's scale equal) with a static activation scale: the _scaled_mm path runs
-        # cuBLASLt's tensorwise kernel, given the one scale (ops._scaled_mm_rowwise); one host sync, here only
+        # cuBLASLt's tensorwise kernel, given the one scale (ops._scaled_mm_fp8); one host sync, here only
         ws = self.weight_scale.reshape(-1)
         tensorwise = self.input_scale is not None and ws.numel() > 0 and bool((ws == ws[0]).all())
         self.register_buffer("_mm_weight_scale", ws[:1].clone() if tensorwise else None, persistent=False)

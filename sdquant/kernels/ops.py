@@ -106,7 +106,7 @@ def fp8_gemm_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
     m = xq.shape[0]
     if m == 0:
         return xq.new_empty((0, weight.shape[0]), dtype=out_dtype)
-    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum)
+    return _scaled_mm_fp8(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum)
 
 
 @fp8_gemm_scaled_mm.register_fake
@@ -114,7 +114,7 @@ def _(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum=False):
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-def _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum: bool = False):
+def _scaled_mm_fp8(xq, xs, weight, weight_scale, bias, out_dtype, fast_accum: bool = False):
     """fast_accum: cuBLASLt's ``use_fast_accum`` (the FP8 tensor-core accumulator is not periodically promoted to
     fp32: faster at large M, less accurate; Fp8Linear.fast_accum). A scalar ``xs`` (static activation scale) with a
     one-element ``weight_scale`` (a per-tensor weight, as Fp8Linear passes it) runs cuBLASLt's tensorwise kernel,
@@ -165,7 +165,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
     xq, xs = _quantize_act(x2.contiguous(), smooth, input_scale)
-    return _scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype, fast_accum).reshape(*x.shape[:-1], n)
+    return _scaled_mm_fp8(xq, xs, weight, weight_scale, bias, x.dtype, fast_accum).reshape(*x.shape[:-1], n)
 
 
 @fp8_linear_scaled_mm.register_fake
