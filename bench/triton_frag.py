@@ -50,6 +50,10 @@ CONFIGS = {  # runs 1-3 (bench/results/triton_frag_h200_run{1,2,3}.json): n128w4
     "gv512k64x4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0},
     "gv256k64x8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0},
     "gv512k128x3": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0},
+    # the K-major GEMV (lanes along K, [BN, R] accumulators): not measured yet (pending 14)
+    "gk64k128x4": {"kernel": "gemvk", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 4.0},
+    "gk32k128x8": {"kernel": "gemvk", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 8.0},
+    "gk128k64x4": {"kernel": "gemvk", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, "waves": 4.0},
 }
 MS = [1, 2, 4, 8, 16, 32, 64]
 DRY_SHAPES = [(256, 128, 128, True), (512, 128, 256, False), (384, 256, -1, False), (256, 512, 128, False)]
@@ -58,8 +62,8 @@ DRY_MS = (1, 2, 3, 17)
 
 def dry_applies(cfg: dict, k: int, n: int, m: int = 1) -> bool:
     """Whether --dry runs cfg on an M x K x N problem (BLOCK_N divides N; PAIR needs K in 256s; the GEMV M <= 2)."""
-    return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256) and not (cfg.get("kernel") == "gemv"
-                                                                                 and m > 2)
+    return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256) and not (
+        cfg.get("kernel") in ("gemv", "gemvk") and m > 2)
 
 
 def repack_frag(qw, dtype):
@@ -274,6 +278,79 @@ def _frag_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, stride_xm, 
             tl.store(dst + N, acc1, mask=(offs_n * 0 + 1) < M)
 
 
+def _kx_row(x_ptr, stride_xm, ROW, M, kr, P: tl.constexpr):
+    """x[ROW, k] for nibble P of each word: kr [R] = the words' jhi * 32 + jlo * 2 (+ block), P = j + 4h."""
+    j: tl.constexpr = P % 4
+    koff: tl.constexpr = (j % 2) * 8 + (j // 2) * 16 + P // 4
+    return tl.load(x_ptr + ROW * stride_xm + kr + koff, mask=(kr * 0 + ROW) < M, other=0.0).to(tl.float32)
+
+
+def _kmajor_row(x_ptr, stride_xm, ROW, M, kr, d0, d1, d2, d3, d4, d5, d6, d7):
+    """(sum over each word's 8 nibbles of code * x as fp32 [BN, R], the words' x sums [R]) for one row of x."""
+    x0 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 0)
+    x1 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 1)
+    x2 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 2)
+    x3 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 3)
+    x4 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 4)
+    x5 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 5)
+    x6 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 6)
+    x7 = _kx_row(x_ptr, stride_xm, ROW, M, kr, 7)
+    p = (d0 * x0[None, :] + d1 * x1[None, :] + d2 * x2[None, :] + d3 * x3[None, :]
+         + d4 * x4[None, :] + d5 * x5[None, :] + d6 * x6[None, :] + d7 * x7[None, :])
+    return p, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+
+
+def _frag_gemvk_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K_SPLIT, MAGIC,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                       CDT: tl.constexpr, BIAS: tl.constexpr):
+    """A K-major GEMV (M <= 2) over the fragment layout: [BN, R] word tiles with K along the lanes (a warp reads
+    contiguous K of a few rows, as row-major GEMV kernels do), each word's 8 products and the group's scale and zero
+    applied in registers ([BN, R] accumulators), one cross-lane sum per row at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    mg = MAGIC.to(tl.uint32)
+    acc0 = tl.zeros((BLOCK_N, R), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, R), tl.float32)
+    t_begin = pid_k * (K_SPLIT // BLOCK_K)
+    for tt in range(0, K_SPLIT // BLOCK_K):
+        wr = (t_begin + tt) * R                                            # the tile's first word along K
+        wq = tl.load(w_ptr + offs_n[:, None] * stride_wn + (wr + offs_r)[None, :]).to(tl.uint32, bitcast=True)
+        wh = wq >> 12
+        wi = (wr + offs_r) % 16                                            # word within its 128-block: jlo * 4 + jhi
+        kr = (wr // 16) * 128 + (wi % 4) * 32 + (wi // 4) * 2              # block + jhi * 32 + jlo * 2
+        sz = tl.load(sz_ptr + (wr // 16) * N + offs_n)
+        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        z = ((sz >> 16) & 0xFFFF).to(tl.int16).to(CDT, bitcast=True).to(tl.float32) - BIAS
+        zs = (-z[:, None]) * s
+        d0 = _gemv_code(wq, wh, 0, mg)
+        d1 = _gemv_code(wq, wh, 1, mg)
+        d2 = _gemv_code(wq, wh, 2, mg)
+        d3 = _gemv_code(wq, wh, 3, mg)
+        d4 = _gemv_code(wq, wh, 4, mg)
+        d5 = _gemv_code(wq, wh, 5, mg)
+        d6 = _gemv_code(wq, wh, 6, mg)
+        d7 = _gemv_code(wq, wh, 7, mg)
+        p0, xs0 = _kmajor_row(x_ptr, stride_xm, 0, M, kr, d0, d1, d2, d3, d4, d5, d6, d7)
+        acc0 += p0 * s + zs * xs0[None, :]
+        if ROWS > 1:
+            p1, xs1 = _kmajor_row(x_ptr, stride_xm, 1, M, kr, d0, d1, d2, d3, d4, d5, d6, d7)
+            acc1 += p1 * s + zs * xs1[None, :]
+    y0 = tl.reduce(acc0, 1, _fadd)
+    if not PARTIAL:
+        dst = out_ptr + offs_n
+        tl.store(dst, y0.to(out_ptr.dtype.element_ty))
+        if ROWS > 1:
+            tl.store(dst + N, tl.reduce(acc1, 1, _fadd).to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 1) < M)
+    else:
+        dst = part_ptr + pid_k * M * N + offs_n
+        tl.store(dst, y0)
+        if ROWS > 1:
+            tl.store(dst + N, tl.reduce(acc1, 1, _fadd), mask=(offs_n * 0 + 1) < M)
+
+
 def _kernels():
     import triton.language as tl
 
@@ -281,9 +358,10 @@ def _kernels():
     from sdquant.kernels.triton_jit import jit_in_namespace
     from sdquant.kernels import int4_triton_gemv as G
     ns = {**globals(), "tl": tl}
-    return dict(zip(("tc", "gemv"), jit_in_namespace(
-        ns, (_frag_kernel, _frag_gemv_kernel),
-        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _frag_xdot, G._nib32, G._gemv_code))))
+    return dict(zip(("tc", "gemv", "gemvk"), jit_in_namespace(
+        ns, (_frag_kernel, _frag_gemv_kernel, _frag_gemvk_kernel),
+        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _frag_xdot, _kx_row, _kmajor_row, G._nib32,
+         G._gemv_code))))
 
 
 _KERN: dict = {}
@@ -292,11 +370,11 @@ _KERN: dict = {}
 def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     from sdquant.kernels import int4_triton_gemv as G
     bn = cfg["BLOCK_N"]
-    if cfg.get("kernel") == "gemv":
+    if cfg.get("kernel") in ("gemv", "gemvk"):
         bk = cfg["BLOCK_K"]
         if m > 2 or n % bn or k % 128 or 128 % bk:
             raise ValueError(f"triton_frag gemv: M={m} > 2, or N={n} / K={k} do not divide into {bn} x {bk} tiles")
-        c = {**cfg, "num_warps": max(1, min(cfg["num_warps"], bn // 128))}
+        c = dict(cfg) if cfg["kernel"] == "gemvk" else {**cfg, "num_warps": max(1, min(cfg["num_warps"], bn // 128))}
         c["SPLIT_K"] = G.auto_split(k, bk, n // bn, cfg["waves"] * sms)
         return c
     if n % bn or k % 128:
@@ -332,8 +410,8 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     if interp and x.dtype == torch.bfloat16:
         raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
-    if c.get("kernel") == "gemv":
-        _KERN[mode]["gemv"][(n // c["BLOCK_N"], split)](
+    if c.get("kernel") in ("gemv", "gemvk"):
+        _KERN[mode][c["kernel"]][(n // c["BLOCK_N"], split)](
             x, lay["qweight"], lay["sz"], out, part, m, n, x.stride(0), k // 8, k // split, G.MAGIC_F32, ROWS=m,
             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1, CDT=cdt, BIAS=bias,
             num_warps=c["num_warps"], num_stages=c["num_stages"])
