@@ -46,10 +46,8 @@ CONFIGS = {  # runs 1-3 (bench/results/triton_frag_h200_run{1,2,3}.json): n128w4
     "r128_n128w4s4x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0, "maxnreg": 128},
     "r128_n128w4s3x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 6.0, "maxnreg": 128},
     "r128_n128w4s4x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 8.0, "maxnreg": 128},
-    # the GEMV over the same layout (M <= 2), the shipped GEMV's tiles (int4_triton._GV512K64Z, _GV256K64Z8)
-    "gv512k64x4": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves": 4.0},
-    "gv256k64x8": {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0},
-    "gv512k128x3": {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0},
+    # (a GEMV with N-major tiles over this layout, gv*, ran in runs 4-5 and was removed after them: 8-25% slower than the
+    # shipped GEMV at M = 1, spilling at M = 2; code at commit 41d75f7)
     # the K-major GEMV (lanes along K, [BN, R] accumulators): not measured yet (pending 14)
     "gk64k128x4": {"kernel": "gemvk", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 4.0},
     "gk32k128x8": {"kernel": "gemvk", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 8.0},
@@ -63,7 +61,7 @@ DRY_MS = (1, 2, 3, 17)
 def dry_applies(cfg: dict, k: int, n: int, m: int = 1) -> bool:
     """Whether --dry runs cfg on an M x K x N problem (BLOCK_N divides N; PAIR needs K in 256s; the GEMV M <= 2)."""
     return n % cfg["BLOCK_N"] == 0 and not (cfg.get("PAIR") and k % 256) and not (
-        cfg.get("kernel") in ("gemv", "gemvk") and m > 2)
+        cfg.get("kernel") == "gemvk" and m > 2)
 
 
 def repack_frag(qw, dtype):
@@ -90,63 +88,41 @@ def repack_frag(qw, dtype):
     return {"qweight": words, "sz": sz.contiguous()}
 
 
-def _unpack_sub(w, zp, CDT):
-    """word w (nibble p at bits 4p) and the pair (B + z, B + z) -> 8 tensors (code_p - z) in CDT, ordered
-    (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) and one packed subtraction."""
+def sub_asm(fp16: bool) -> str:
+    """The inline PTX of ``_unpack_sub`` for fp16 or bf16: word $8 (nibble p at bits 4p) and the pair $9 = (B + z, B + z)
+    -> 8 halves (code_p - z) in the order (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) with the magic
+    number (fp16 0x6400 = 1024, bf16 0x4300 = 128) and one packed subtraction."""
+    magic, sub = ("0x64006400", "sub.rn.f16x2") if fp16 else ("0x43004300", "sub.rn.bf16x2")
+    lines = ["shr.b32 s1, $8, 4;", "shr.b32 s2, $8, 8;", "shr.b32 s3, $8, 12;"]
+    lines += [f"lop3.b32 t{i}, {'$8' if i == 0 else f's{i}'}, 0x000F000F, {magic}, 0xEA;" for i in range(4)]
+    lines += [f"{sub} t{i}, t{i}, $9;" for i in range(4)]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};" for i in range(4)]
+    return "{\n.reg .b32 t0, t1, t2, t3, s1, s2, s3;\n" + "\n".join(lines) + "\n}"
+
+
+def _unpack_sub(w, zp, CDT, SUB_ASM):
+    """``sub_asm``'s 8 results (code_p - z) in CDT for words w and zero pairs zp."""
+    # (a tuple of the constexpr CDT does not lower: the type is named, in one static branch each)
     if CDT == tl.float16:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, t2, t3, s1, s2, s3;
-            shr.b32 s1, $8, 4;
-            shr.b32 s2, $8, 8;
-            shr.b32 s3, $8, 12;
-            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, s1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t2, s2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, s3, 0x000F000F, 0x64006400, 0xEA;
-            sub.rn.f16x2 t0, t0, $9;
-            sub.rn.f16x2 t1, t1, $9;
-            sub.rn.f16x2 t2, t2, $9;
-            sub.rn.f16x2 t3, t3, $9;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            mov.b32 {$4, $5}, t2;
-            mov.b32 {$6, $7}, t3;
-            }""",
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, t2, t3, s1, s2, s3;
-        shr.b32 s1, $8, 4;
-        shr.b32 s2, $8, 8;
-        shr.b32 s3, $8, 12;
-        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t1, s1, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t2, s2, 0x000F000F, 0x43004300, 0xEA;
-        lop3.b32 t3, s3, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 t0, t0, $9;
-        sub.rn.bf16x2 t1, t1, $9;
-        sub.rn.bf16x2 t2, t2, $9;
-        sub.rn.bf16x2 t3, t3, $9;
-        mov.b32 {$0, $1}, t0;
-        mov.b32 {$2, $3}, t1;
-        mov.b32 {$4, $5}, t2;
-        mov.b32 {$6, $7}, t3;
-        }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(asm=SUB_ASM, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp],
+                                        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(asm=SUB_ASM, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, zp],
+                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return out
 
 
 def _nib(w, P, zf, CDT):
     return ((w >> P) & 0xF).to(tl.float32).to(CDT) - zf
 
 
-def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS):
+def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS, SUB_ASM):
     """One 128-K tile: words [BN, 4, 4] and the packed scale / zero [BN] -> (code - z) [BN, 128] in CDT (the wgmma A
     operand's register layout) and the fp32 scale [BN]."""
     s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if ASM:
         zp = (sz & -65536) | ((sz >> 16) & 0xFFFF)                                 # the pair (B + z, B + z)
-        l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT)
+        l0, h0, l1, h1, l2, h2, l3, h3 = _unpack_sub(w, zp[:, None, None], CDT, SUB_ASM)
     else:   # the interpreter: no inline PTX
         zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
         zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
@@ -165,7 +141,7 @@ def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS):
 
 def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, K_SPLIT,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, CDT: tl.constexpr,
-                 ASM: tl.constexpr, BIAS: tl.constexpr, PAIR: tl.constexpr):
+                 ASM: tl.constexpr, BIAS: tl.constexpr, PAIR: tl.constexpr, SUB_ASM: tl.constexpr):
     """out^T [BN, BM] per program over its K slice; PAIR: two 128-K tiles an iteration, both products issued
     before either is scaled (the second tile's unpacking can overlap the first tile's wgmma)."""
     pid_m = tl.program_id(0)
@@ -184,18 +160,20 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
     if PAIR:
         for tt in range(0, K_SPLIT // 256):
             g = t_begin + 2 * tt                              # tiles g, g + 1 (their scale rows); 16 words a row
-            wa, sa = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS)
+            wa, sa = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS,
+                                SUB_ASM)
             xa = tl.trans(tl.load(xp + g * 128, mask=m_mask[:, None], other=0.0))
             pa = tl.dot(wa, xa.to(CDT))
             wb, sb = _frag_tile(tl.load(wp + (g + 1) * 16), tl.load(sz_ptr + (g + 1) * N + offs_n), BLOCK_N, CDT,
-                                ASM, BIAS)
+                                ASM, BIAS, SUB_ASM)
             xb = tl.trans(tl.load(xp + (g + 1) * 128, mask=m_mask[:, None], other=0.0))
             pb = tl.dot(wb, xb.to(CDT))
             acc += sa[:, None] * pa + sb[:, None] * pb
     else:
         for tt in range(0, K_SPLIT // 128):
             g = t_begin + tt                                  # the 128-K tile (its scale row); 16 words a row
-            wt, s = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS)
+            wt, s = _frag_tile(tl.load(wp + g * 16), tl.load(sz_ptr + g * N + offs_n), BLOCK_N, CDT, ASM, BIAS,
+                               SUB_ASM)
             xt = tl.trans(tl.load(xp + g * 128, mask=m_mask[:, None], other=0.0))      # [128, BM]
             acc += s[:, None] * tl.dot(wt, xt.to(CDT))
     _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
@@ -203,79 +181,6 @@ def _frag_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, K, stride_xm, st
 
 def _fadd(a, b):
     return a + b
-
-
-def _frag_xdot(x_ptr, stride_xm, ROW, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7):
-    """(sum over the tile of code_p[r, n] * x[ROW, k(r, p)] as fp32 [BN], sum of the tile's x[ROW, k]). xoff [R, 4, 2]:
-    the K index of nibble p = j + 4h of word r at [r, j, h] (h adjacent in K: 4-byte pair loads)."""
-    xa = tl.load(x_ptr + ROW * stride_xm + xoff, mask=(xoff * 0 + ROW) < M, other=0.0).to(tl.float32)   # [R, 4, 2]
-    xl, xh = tl.split(xa)                                                  # h = 0 | 1: [R, 4] over j = i0 + 2 i1
-    l2 = tl.reshape(xl, (R, 2, 2))                                         # [R, i1, i0]
-    h2 = tl.reshape(xh, (R, 2, 2))
-    l_i0a, l_i0b = tl.split(l2)                                            # i0 = 0 | 1: [R, i1]
-    h_i0a, h_i0b = tl.split(h2)
-    x0, x2 = tl.split(l_i0a)                                               # j = 0 | 2 (h = 0: nibbles 0, 2)
-    x1, x3 = tl.split(l_i0b)                                               # j = 1 | 3
-    x4, x6 = tl.split(h_i0a)                                               # nibbles 4, 6
-    x5, x7 = tl.split(h_i0b)                                               # nibbles 5, 7
-    p = (d0 * x0[:, None] + d1 * x1[:, None] + d2 * x2[:, None] + d3 * x3[:, None]
-         + d4 * x4[:, None] + d5 * x5[:, None] + d6 * x6[:, None] + d7 * x7[:, None])
-    return tl.reduce(p, 0, _fadd), tl.reduce(tl.reduce(tl.reduce(xa, 2, _fadd), 1, _fadd), 0, _fadd)
-
-
-def _frag_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K_SPLIT, MAGIC,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                      CDT: tl.constexpr, BIAS: tl.constexpr):
-    """The GEMV (M <= 2) over the fragment layout: int4_triton_gemv's arithmetic (fp32 codes by the magic number,
-    s * sum(code x) + zs * sum(x) once a tile and row), the words of a column K-contiguous ([R, BN] tiles, 16-byte
-    loads along K) and the activations gathered in the layout's K order (4-byte pairs)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    R: tl.constexpr = BLOCK_K // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R)
-    jj = tl.arange(0, 4)
-    hh = tl.arange(0, 2)
-    kj = (jj & 1) * 8 + (jj >> 1) * 16                                     # i0 * 8 + i1 * 16
-    mg = MAGIC.to(tl.uint32)
-    acc0 = tl.full((BLOCK_N,), 0.0, tl.float32)
-    acc1 = tl.full((BLOCK_N,), 0.0, tl.float32)
-    t_begin = pid_k * (K_SPLIT // BLOCK_K)
-    for tt in range(0, K_SPLIT // BLOCK_K):
-        wr = (t_begin + tt) * R                                            # the tile's first word along K
-        wq = tl.load(w_ptr + offs_n[None, :] * stride_wn + (wr + offs_r)[:, None]).to(tl.uint32, bitcast=True)
-        wh = wq >> 12
-        wi = (wr + offs_r) % 16                                            # word within its 128-block: jlo * 4 + jhi
-        blk = (wr // 16) * 128
-        kr = blk + (wi % 4) * 32 + (wi // 4) * 2                           # jhi * 32 + jlo * 2
-        xoff = kr[:, None, None] + kj[None, :, None] + hh[None, None, :]   # [R, 4, 2]
-        sz = tl.load(sz_ptr + (wr // 16) * N + offs_n)
-        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z = ((sz >> 16) & 0xFFFF).to(tl.int16).to(CDT, bitcast=True).to(tl.float32) - BIAS
-        zs = -z * s
-        d0 = _gemv_code(wq, wh, 0, mg)
-        d1 = _gemv_code(wq, wh, 1, mg)
-        d2 = _gemv_code(wq, wh, 2, mg)
-        d3 = _gemv_code(wq, wh, 3, mg)
-        d4 = _gemv_code(wq, wh, 4, mg)
-        d5 = _gemv_code(wq, wh, 5, mg)
-        d6 = _gemv_code(wq, wh, 6, mg)
-        d7 = _gemv_code(wq, wh, 7, mg)
-        p0, x0 = _frag_xdot(x_ptr, stride_xm, 0, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7)
-        acc0 += p0 * s + zs * x0
-        if ROWS > 1:
-            p1, x1 = _frag_xdot(x_ptr, stride_xm, 1, M, xoff, R, d0, d1, d2, d3, d4, d5, d6, d7)
-            acc1 += p1 * s + zs * x1
-    if not PARTIAL:
-        dst = out_ptr + offs_n
-        tl.store(dst, acc0.to(out_ptr.dtype.element_ty))
-        if ROWS > 1:
-            tl.store(dst + N, acc1.to(out_ptr.dtype.element_ty), mask=(offs_n * 0 + 1) < M)
-    else:
-        dst = part_ptr + pid_k * M * N + offs_n
-        tl.store(dst, acc0)
-        if ROWS > 1:
-            tl.store(dst + N, acc1, mask=(offs_n * 0 + 1) < M)
 
 
 def _kx_row(x_ptr, stride_xm, ROW, M, kr, P: tl.constexpr):
@@ -358,10 +263,9 @@ def _kernels():
     from sdquant.kernels.triton_jit import jit_in_namespace
     from sdquant.kernels import int4_triton_gemv as G
     ns = {**globals(), "tl": tl}
-    return dict(zip(("tc", "gemv", "gemvk"), jit_in_namespace(
-        ns, (_frag_kernel, _frag_gemv_kernel, _frag_gemvk_kernel),
-        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _frag_xdot, _kx_row, _kmajor_row, G._nib32,
-         G._gemv_code))))
+    return dict(zip(("tc", "gemvk"), jit_in_namespace(
+        ns, (_frag_kernel, _frag_gemvk_kernel),
+        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _kx_row, _kmajor_row, G._nib32, G._gemv_code))))
 
 
 _KERN: dict = {}
@@ -370,11 +274,11 @@ _KERN: dict = {}
 def resolve(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     from sdquant.kernels import int4_triton_gemv as G
     bn = cfg["BLOCK_N"]
-    if cfg.get("kernel") in ("gemv", "gemvk"):
+    if cfg.get("kernel") == "gemvk":
         bk = cfg["BLOCK_K"]
         if m > 2 or n % bn or k % 128 or 128 % bk:
             raise ValueError(f"triton_frag gemv: M={m} > 2, or N={n} / K={k} do not divide into {bn} x {bk} tiles")
-        c = dict(cfg) if cfg["kernel"] == "gemvk" else {**cfg, "num_warps": max(1, min(cfg["num_warps"], bn // 128))}
+        c = dict(cfg)
         c["SPLIT_K"] = G.auto_split(k, bk, n // bn, cfg["waves"] * sms)
         return c
     if n % bn or k % 128:
@@ -410,8 +314,8 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     if interp and x.dtype == torch.bfloat16:
         raise ValueError("triton_frag --dry runs fp16 only (the interpreter's bf16 arithmetic is wrong)")
     cdt, bias = (tl.float16, 1024.0) if x.dtype == torch.float16 else (tl.bfloat16, 128.0)
-    if c.get("kernel") in ("gemv", "gemvk"):
-        _KERN[mode][c["kernel"]][(n // c["BLOCK_N"], split)](
+    if c.get("kernel") == "gemvk":
+        _KERN[mode]["gemvk"][(n // c["BLOCK_N"], split)](
             x, lay["qweight"], lay["sz"], out, part, m, n, x.stride(0), k // 8, k // split, G.MAGIC_F32, ROWS=m,
             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1, CDT=cdt, BIAS=bias,
             num_warps=c["num_warps"], num_stages=c["num_stages"])
@@ -425,11 +329,12 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
 
 def _launch_tc(x, lay, out, part, m, n, k, split, c, cdt, bias, interp):
     import triton
+    import triton.language as tl
     mode = os.environ.get("TRITON_INTERPRET", "0")
     _KERN[mode]["tc"][(triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)](
         x, lay["qweight"], lay["sz"], out, part, m, n, k, x.stride(0), k // 8, k // split,
         BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], PARTIAL=split > 1, CDT=cdt, ASM=not interp, BIAS=bias,
-        PAIR=bool(c.get("PAIR")),
+        PAIR=bool(c.get("PAIR")), SUB_ASM=sub_asm(cdt == tl.float16),
         num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if "maxnreg" in c else {}))
 
 
