@@ -20,7 +20,8 @@ joined to [BN, jlo, jhi, h, i0, i1], permuted to [BN, jhi, i1, i0, jlo, h] and r
 128-K tile, two ``LDS.128`` of words, 24 SHF + 32 LOP3 + 32 HADD2 (64 weights), 8 HGMMA (BM 16), no STS, no PRMT.
 The per-group scale multiplies the fp32 product of each 128-K tile (so groups of 128 and multiples, and per-channel;
 smaller groups are rejected). Scale (fp16) and zero (128 + z in the activation dtype) share one int32 per [K/128, N]:
-4 bytes a row and tile, as in the shipped layouts. Split-K over all SMs with ``int4_triton_gemv``'s fixed-order reduction.
+4 bytes a row and tile, as in the shipped layouts. Split-K over all SMs with ``int4_triton_gemv``'s fixed-order
+reduction.
 
 Timing: bench/gemm.py's method (weight copies rotating past 3x L2, CUDA graph, median of 5 replays), bf16, random
 symmetric g128 codes. Every timed config is checked first against x @ W.T in float32 (relative error <= 1e-2; 2e-3
@@ -46,8 +47,8 @@ CONFIGS = {  # runs 1-3 (bench/results/triton_frag_h200_run{1,2,3}.json): n128w4
     "r128_n128w4s4x4": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 4.0, "maxnreg": 128},
     "r128_n128w4s3x6": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "waves": 6.0, "maxnreg": 128},
     "r128_n128w4s4x8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "waves": 8.0, "maxnreg": 128},
-    # (a GEMV with N-major tiles over this layout, gv*, ran in runs 4-5 and was removed after them: 8-25% slower than the
-    # shipped GEMV at M = 1, spilling at M = 2; code at commit 41d75f7)
+    # (a GEMV with N-major tiles over this layout, gv*, ran in runs 4-5 and was removed after them: 8-25% slower
+    # than the shipped GEMV at M = 1, spilling at M = 2; code at commit 41d75f7)
     # the K-major GEMV (lanes along K, [BN, R] accumulators): not measured yet (pending 14)
     "gk64k128x4": {"kernel": "gemvk", "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 4.0},
     "gk32k128x8": {"kernel": "gemvk", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "waves": 8.0},
@@ -89,8 +90,8 @@ def repack_frag(qw, dtype):
 
 
 def sub_asm(fp16: bool) -> str:
-    """The inline PTX of ``_unpack_sub`` for fp16 or bf16: word $8 (nibble p at bits 4p) and the pair $9 = (B + z, B + z)
-    -> 8 halves (code_p - z) in the order (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) with the magic
+    """The inline PTX of ``_unpack_sub`` for fp16 or bf16: word $8 (nibble p at bits 4p) and the pair
+    $9 = (B + z, B + z) -> 8 halves (code_p - z) in the order (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) with the magic
     number (fp16 0x6400 = 1024, bf16 0x4300 = 128) and one packed subtraction."""
     magic, sub = ("0x64006400", "sub.rn.f16x2") if fp16 else ("0x43004300", "sub.rn.bf16x2")
     lines = ["shr.b32 s1, $8, 4;", "shr.b32 s2, $8, 8;", "shr.b32 s3, $8, 12;"]
