@@ -91,8 +91,8 @@ def repack_frag(qw, dtype):
 
 def sub_asm(fp16: bool) -> str:
     """The inline PTX of ``_unpack_sub`` for fp16 or bf16: word $8 (nibble p at bits 4p) and the pair
-    $9 = (B + z, B + z) -> 8 halves (code_p - z) in the order (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair (p, p + 4) with the magic
-    number (fp16 0x6400 = 1024, bf16 0x4300 = 128) and one packed subtraction."""
+    $9 = (B + z, B + z) -> 8 halves (code_p - z) in the order (p0, p4, p1, p5, p2, p6, p3, p7): one lop3 per pair
+    (p, p + 4) with the magic number (fp16 0x6400 = 1024, bf16 0x4300 = 128) and one packed subtraction."""
     magic, sub = ("0x64006400", "sub.rn.f16x2") if fp16 else ("0x43004300", "sub.rn.bf16x2")
     lines = ["shr.b32 s1, $8, 4;", "shr.b32 s2, $8, 8;", "shr.b32 s3, $8, 12;"]
     lines += [f"lop3.b32 t{i}, {'$8' if i == 0 else f's{i}'}, 0x000F000F, {magic}, 0xEA;" for i in range(4)]
@@ -113,10 +113,6 @@ def _unpack_sub(w, zp, CDT, SUB_ASM):
     return out
 
 
-def _nib(w, P, zf, CDT):
-    return ((w >> P) & 0xF).to(tl.float32).to(CDT) - zf
-
-
 def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS, SUB_ASM):
     """One 128-K tile: words [BN, 4, 4] and the packed scale / zero [BN] -> (code - z) [BN, 128] in CDT (the wgmma A
     operand's register layout) and the fp32 scale [BN]."""
@@ -127,14 +123,9 @@ def _frag_tile(w, sz, BLOCK_N, CDT, ASM, BIAS, SUB_ASM):
     else:   # the interpreter: no inline PTX
         zb = ((sz >> 16) & 0xFFFF).to(tl.int16)
         zf = (zb.to(CDT, bitcast=True).to(tl.float32) - BIAS).to(CDT)[:, None, None]
-        l0 = _nib(w, 0, zf, CDT)
-        l1 = _nib(w, 4, zf, CDT)
-        l2 = _nib(w, 8, zf, CDT)
-        l3 = _nib(w, 12, zf, CDT)
-        h0 = _nib(w, 16, zf, CDT)
-        h1 = _nib(w, 20, zf, CDT)
-        h2 = _nib(w, 24, zf, CDT)
-        h3 = _nib(w, 28, zf, CDT)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _codes8(w, CDT, 0)                          # nibble p at bits 4p, plain
+        l0, l1, l2, l3 = o0 - zf, o1 - zf, o2 - zf, o3 - zf
+        h0, h1, h2, h3 = o4 - zf, o5 - zf, o6 - zf, o7 - zf
     t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
     t = tl.permute(t, (0, 2, 5, 4, 1, 3))                                          # [BN, jhi, i1, i0, jlo, h]
     return tl.reshape(t, (BLOCK_N, 128)), s
@@ -266,7 +257,8 @@ def _kernels():
     ns = {**globals(), "tl": tl}
     return dict(zip(("tc", "gemvk"), jit_in_namespace(
         ns, (_frag_kernel, _frag_gemvk_kernel),
-        (_unpack_sub, _nib, _frag_tile, MM._store_out_t, _fadd, _kx_row, _kmajor_row, G._nib32, G._gemv_code))))
+        (_unpack_sub, _frag_tile, MM._store_out_t, _fadd, _kx_row, _kmajor_row, G._nib32, G._nib16, G._codes8,
+         G._asm_unpack8, G._gemv_code))))
 
 
 _KERN: dict = {}
