@@ -24,7 +24,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     kernels = [ln for ln in r.stderr.splitlines() if "Compiling entry function" in ln]
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
-    # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-44: 2 x 2 x 17 (+ 2 x 2 at four tiles);
+    # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-37 and 42-44:
+    # 2 x 2 x 13 (+ 2 x 2 at four tiles); tight variants 38-41: 2 x 2 x 4;
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
     # variants 58-61 and their probe: 2 x 2 x 5;
     # the linear read probe once; the wgmma kernel: 2 dtypes x 3 token tiles x {62: last-CTA fix-up, 63: separate
@@ -32,7 +33,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_kernel" in ln for ln in kernels) == 84  # + variants 2 and 5 at four tiles (2 x 2 K steps)
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
-    assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 72  # + 37 and 42 at four token tiles
+    assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 56  # + 37 and 42 at four token tiles
+    assert sum("w4a16_tight_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
@@ -98,8 +100,8 @@ def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
     assert int4_cuda.split_config(15) == (15, 0)         # a stream-K variant
     assert int4_cuda.split_config(63) == (63, 0)         # the wgmma kernel
-    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.BULK_VARIANTS,
-                   *int4_cuda.WGMMA_VARIANTS]) == \
+    assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.TIGHT_VARIANTS,
+                   *int4_cuda.BULK_VARIANTS, *int4_cuda.WGMMA_VARIANTS]) == \
         list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
     for m in (1, 2, 3, 8, 9, 16):
@@ -193,7 +195,7 @@ def test_tuned_configs_from_an_int4_tune_json(tmp_path):
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_pdl_kernels_wait_before_reading_activations():
     """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async, direct
-    and bulk-copy kernels (variants 0-12, 50-61) only, so exactly those must hold griddepcontrol.wait (a
+    bulk-copy and tight kernels (variants 0-12, 50-61, 38-41) only, so exactly those must hold griddepcontrol.wait (a
     PDL-launched kernel without it could read the previous kernel's output before it is written) and let the next
     kernel launch."""
     import re
@@ -207,7 +209,7 @@ def test_pdl_kernels_wait_before_reading_activations():
     bodies = re.split(r"\.entry\s+", ptx)[1:]
     by_kind = {}
     for b in bodies:
-        kind = next((k for k in ("w4a16_direct_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
+        kind = next((k for k in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
                                  "w4a16_lean_kernel", "w4a16_bulk_flat_kernel", "w4a16_bulk_kernel", "w4a16_kernel")
                      if k in b.split("(")[0]),
                     None)
@@ -215,11 +217,13 @@ def test_pdl_kernels_wait_before_reading_activations():
             by_kind.setdefault(kind, []).append(b)
     bulk = ("w4a16_bulk_kernel", "w4a16_bulk_flat_kernel")
     assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and all(by_kind[k] for k in bulk)
-    for kind in ("w4a16_direct_kernel", "w4a16_kernel", *bulk):
+    assert by_kind["w4a16_tight_kernel"]
+    for kind in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_kernel", *bulk):
         for b in by_kind[kind]:
             assert "griddepcontrol.wait" in b and "griddepcontrol.launch_dependents" in b, kind
-            # the direct kernel issues its first weight loads before the wait, and reads activations after it
-            if kind == "w4a16_direct_kernel":
+            # the direct and tight kernels issue their first weight loads before the wait, and read activations
+            # after it
+            if kind in ("w4a16_direct_kernel", "w4a16_tight_kernel"):
                 assert b.index("ld.global.nc.L1::no_allocate") < b.index("griddepcontrol.wait")
             # the bulk-copy kernel requests its first chunks before the wait; activations (ld.global.nc) come after
             if kind in bulk:

@@ -542,6 +542,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 #include "w4a16_streamk.cuh"  // the stream-K direct kernel and the read probes, same namespace
 #include "w4a16_lean.cuh"     // the lean direct kernel (variants 28+), same namespace
 #include "w4a16_bulk.cuh"     // the bulk-copy kernel (variants 50+), same namespace
+#include "w4a16_tight.cuh"    // the tight direct kernel (variants 38-41), same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -631,10 +632,10 @@ using V34 = LCfg<4, 1, 2, 8, 4, 5, 1>;
 using V35 = LCfg<2, 4, 4, 3, 1, 2, 1>;
 using V36 = LCfg<1, 8, 2, 4, 2, 2, 1>;
 using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
-using V38 = LCfg<4, 1, 4, 5, 3, 4, 0, 0, 1>;
-using V39 = LCfg<2, 4, 4, 2, 1, 2, 0, 0, 1>;
-using V40 = LCfg<2, 4, 8, 2, 1, 2, 0, 0, 1>;
-using V41 = LCfg<1, 8, 4, 2, 1, 2, 0, 0, 1>;
+using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
+using V39 = TCfg<4, 2, 2, 2>;
+using V40 = TCfg<4, 1, 2, 3>;
+using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = LCfg<4, 2, 4, 2, 1, 2, 0, 0, 1>;
 using V44 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1>;
@@ -673,6 +674,7 @@ struct Kern {
     else if constexpr (C::KIND == 4) return bulk_smem<C, NT>();
     else if constexpr (lean_flat<C>()) return 0;
     else if constexpr (C::KIND == 3) return lean_smem<C, NT>();
+    else if constexpr (C::KIND == 5) return tight_smem<C, NT>();
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
   }();
@@ -686,6 +688,7 @@ struct Kern {
     else if constexpr (C::KIND == 4) return w4a16_bulk_kernel<T, C, NT>;
     else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
+    else if constexpr (C::KIND == 5) return w4a16_tight_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
   }
@@ -792,6 +795,9 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   return K::launch(p, stream);
 }
 
+// The tight kernel's chunks need group % 64 == 0 (k % 64 == 0 then follows); otherwise its ids run the direct v10.
+inline bool tight_ok(const SdqW4A16Params& p) { return p.group_k16 % TIGHT_U == 0 && p.k % (16 * TIGHT_U) == 0; }
+
 template <typename T, int NT, int KS>
 int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if constexpr (NT <= 2) switch (variant) {
@@ -840,10 +846,10 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 35: return run_op<T, V35, NT, 2>(op, p, stream);
     case 36: return run_op<T, V36, NT, 2>(op, p, stream);
     case 37: return run_op<T, V37, NT, 2>(op, p, stream);
-    case 38: return run_op<T, V38, NT, 2>(op, p, stream);
-    case 39: return run_op<T, V39, NT, 2>(op, p, stream);
-    case 40: return run_op<T, V40, NT, 2>(op, p, stream);
-    case 41: return run_op<T, V41, NT, 2>(op, p, stream);
+    case 38: return tight_ok(p) ? run_op<T, V38, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 39: return tight_ok(p) ? run_op<T, V39, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 40: return tight_ok(p) ? run_op<T, V40, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 41: return tight_ok(p) ? run_op<T, V41, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 42: return run_op<T, V42, NT, 2>(op, p, stream);
     case 43: return run_op<T, V43, NT, 2>(op, p, stream);
     case 44: return run_op<T, V44, NT, 2>(op, p, stream);
