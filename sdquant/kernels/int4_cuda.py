@@ -20,10 +20,11 @@
                  one block a CTA with its warps interleaving 4 KB chunks; 28-37 the lean direct kernel of
                  csrc/w4a16_lean.cuh, 64-96 registers for 20-32 warps per SM, a ring of single K steps, the
                  group scale on the weights in bf16 (28-37, 42) or raw magic-number codes into the MMA with
-                 zero and scale applied per group in fp32 (43-44), the splits of a tile reducing through
-                 distributed shared memory as one thread-block cluster (28-36) or fp32 partials (37, 42-44);
-                 38-41 the tight kernel of csrc/w4a16_tight.cuh, the direct kernel's stream and arithmetic in a
-                 loop of static indices (chunks of 64 K, groups a multiple of 64, else they run 10); 45 the
+                 zero and scale applied per group in fp32 (46-48), the splits of a tile reducing through
+                 distributed shared memory as one thread-block cluster (28-36) or fp32 partials (37, 42);
+                 38-41 and 43-44 the tight kernel of csrc/w4a16_tight.cuh, the direct kernel's stream and arithmetic
+                 in a loop of static indices (chunks of 64 K, groups a multiple of 64, else they run 10; 43-44 with
+                 the raw codes); 45 the
                  stream-K kernel with the raw codes; 46-49 the lean kernel on a flat grid of the resident slots,
                  every warp an equal share of the flattened block x K-step space; 50-57 the bulk-copy kernel of
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
@@ -39,7 +40,7 @@
 
 Variants 0-61 are best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32
 runs in one launch, larger M in 32-row launches that each re-read the weights. The wgmma kernel (62-63) takes 256
-rows a launch; ``auto_config`` runs it above M = 32 and at the M = 9-32 points where it was measured faster. ``set_pdl`` launches variants 0-12, 38-41 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
+rows a launch; ``auto_config`` runs it above M = 32 and at the M = 9-32 points where it was measured faster. ``set_pdl`` launches variants 0-12, 38-41, 43-44 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
 does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
@@ -161,9 +162,9 @@ def evict_first_works() -> bool:
 
 N_VARIANTS = 64
 STREAMK_VARIANTS = (*range(13, 28), 45)
-LEAN_VARIANTS = (*range(28, 38), *range(42, 45), *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
+LEAN_VARIANTS = (*range(28, 38), 42, *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
 NT4_VARIANTS = (2, 5, 37, 42)  # instantiated for M = 17-32 too (four token tiles); the others stop at M = 16
-TIGHT_VARIANTS = (38, 39, 40, 41)  # csrc/w4a16_tight.cuh (these ids were raw-code lean configs until run 6b)
+TIGHT_VARIANTS = (38, 39, 40, 41, 43, 44)  # csrc/w4a16_tight.cuh (43-44 raw codes; these ids were raw-code lean configs)
 BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
 # csrc/w4a16_wgmma.cuh: warpgroup MMA, the dequantized weights the register A operand, 256 features x 16/32/64 tokens a
 # CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes). Split-K: 62 sums the
@@ -225,7 +226,7 @@ _PDL = [0]
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
-    """Launch variants 0-12, 38-41 and 50-61 with programmatic dependent launch from now on in this process: a kernel may
+    """Launch variants 0-12, 38-41, 43-44 and 50-61 with programmatic dependent launch from now on in this process: a kernel may
     start while the previous kernel of the stream finishes; the direct (8-12) and bulk-copy (50-61) kernels request
     their first weights, then wait
     (``griddepcontrol.wait``) before it reads activations, the cp.async kernel (0-7) waits at its start; each lets

@@ -19,7 +19,7 @@ struct SdqW4A16Params {
   int variant;         // kernel variant id (w4a16_kernel.cuh's list; 0 = the run-3 kernel; 62-63 w4a16_wgmma.cuh)
   int xs;              // 1: the direct kernel (variants 8-12) copies its CTA's activation range to shared memory once
                        // and reads the MMA fragments there, instead of through L1 every K step (int4_cuda.set_x_smem)
-  int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 38-41, 50-61, else ignored): the
+  int pdl;             // 1, 2: launch with programmatic dependent launch (variants 0-12, 38-44, 50-61, else ignored): the
                        // kernel may start while the previous kernel of the stream finishes; it reads weights
                        // first (direct kernel; the cp.async kernel waits at its start) and waits
                        // (griddepcontrol.wait) before it touches activations or the output. It

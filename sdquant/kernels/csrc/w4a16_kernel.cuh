@@ -637,8 +637,8 @@ using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
 using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
-using V43 = LCfg<4, 2, 4, 2, 1, 2, 0, 0, 1>;
-using V44 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1>;
+using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
+using V44 = TCfg<4, 2, 2, 2, 1>;
 using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;
 using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
 using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
@@ -851,8 +851,8 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 40: return tight_ok(p) ? run_op<T, V40, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 41: return tight_ok(p) ? run_op<T, V41, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 42: return run_op<T, V42, NT, 2>(op, p, stream);
-    case 43: return run_op<T, V43, NT, 2>(op, p, stream);
-    case 44: return run_op<T, V44, NT, 2>(op, p, stream);
+    case 43: return tight_ok(p) ? run_op<T, V43, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 44: return tight_ok(p) ? run_op<T, V44, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 45: return run_op<T, V45, NT, 2>(op, p, stream);
     case 46: return run_op<T, V46, NT, 2>(op, p, stream);
     case 47: return run_op<T, V47, NT, 2>(op, p, stream);

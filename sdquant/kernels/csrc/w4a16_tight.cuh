@@ -16,9 +16,14 @@
 // * The group boundary is tested once a chunk (a uniform branch), not once a K step.
 // The group arithmetic (exact (code - zero) in the MMA, fp32 scale per group), the grid (blocks x K-warps x split-K),
 // the K-warp reduction and the split-K epilogue are the direct kernel's.
-template <int WNN_, int KW_, int D_, int MINB_>
+// RAW = 1: the raw magic-number codes (128 + c in bf16, 1024 + c in fp16) go into the MMA with no zero subtraction
+// (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
+// activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
+// the lean kernel's raw mode, whose loop was not lean enough for it to pay).
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
+  static constexpr int RAW = RAW_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -43,6 +48,7 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
 template <typename T, typename C, int NT>
 __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const SdqW4A16Params p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U;
+  constexpr bool RAW = C::RAW != 0;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
 
@@ -76,20 +82,64 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   auto load_x = [&](int c, uint32_t (&xx)[U][NT][2]) {  // chunk c (clamped to the warp's last: never past its range)
     const int cc = c < nc ? c : nc - 1;
 #pragma unroll
-    for (int kk = 0; kk < U; ++kk)
+    for (int nt = 0; nt < NT; ++nt) {
+      const unsigned int* w = reinterpret_cast<const unsigned int*>(xsrc[nt] + cc * (U * 16));  // then immediates
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const unsigned int* w = reinterpret_cast<const unsigned int*>(xsrc[nt] + (cc * U + kk) * 16);
-        xx[kk][nt][0] = __ldg(w);
-        xx[kk][nt][1] = __ldg(w + 4);
+      for (int kk = 0; kk < U; ++kk) {
+        xx[kk][nt][0] = __ldg(w + kk * 8);
+        xx[kk][nt][1] = __ldg(w + kk * 8 + 4);
       }
+    }
   };
 
   float acc[NT][4][4], accg[NT][4][4];
   frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
+  float nz[4][2] = {}, xs[NT][4];  // RAW: -s * (magic + z) of rows (w, h); this group's activation sums
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
+  auto begin = [&]() {  // a group starts: its scales and zeros as fetched into s_next / z_next
+    if constexpr (RAW) {
+      constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
+      const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
+      const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+        const typename Ops<T>::T2 zz = *reinterpret_cast<const typename Ops<T>::T2*>(&zp[w]);  // (z_g, z_g+8)
+        sf[w][0] = f.x;
+        sf[w][1] = f.y;
+        nz[w][0] = -f.x * (MAGIC + __low2float(zz));
+        nz[w][1] = -f.y * (MAGIC + __high2float(zz));
+      }
+    } else {
+      group_begin<T>(s_next, z_next, sf, zl, zh);
+    }
+  };
+  auto step = [&](const uint4& wq1, const uint32_t (&x)[NT][2]) {  // one K step into accg (and xs)
+    if constexpr (RAW) {
+      const uint32_t q[4] = {wq1.x, wq1.y, wq1.z, wq1.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint32_t c[4];
+        raw_codes<T>(q[w], c);
+        const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) Ops<T>::mma(accg[nt][w], af, x[nt][0], x[nt][1]);
+      }
+      constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
+      const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) Ops<T>::mma(xs[nt], ones, x[nt][0], x[nt][1]);
+    } else {
+      group_step<T, NT>(wq1, x, zl, zh, accg);
+    }
+  };
+  auto flush = [&]() { group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs); };
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
@@ -103,7 +153,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   if (p.pdl == 2) griddep_launch_dependents();
   if (nc > 0) {
     load_x(0, xq[0]);
-    group_begin<T>(s_next, z_next, sf, zl, zh);
+    begin();
     if (gc - cig < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
   }
 
@@ -113,8 +163,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       const int c = base + j;
       if (c < nc) {
         if (cig == 0 && c > 0) {  // a new group: fold the last one in, unpack this one's, fetch the next one's
-          group_flush<NT>(acc, accg, sf);
-          group_begin<T>(s_next, z_next, sf, zl, zh);
+          flush();
+          begin();
           if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
         }
         load_x(c + 1, xq[(j + 1) % 2]);
@@ -122,7 +172,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
 #pragma unroll
         for (int kk = 0; kk < U; ++kk) {
           const uint4 w = wq[j][kk];
-          group_step<T, NT>(w, xq[j % 2][kk], zl, zh, accg);
+          step(w, xq[j % 2][kk]);
           ldg_stream16_if(wq[j][kk], nxt + kk * 32, c + D < nc);
         }
         if (++cig == gc) {
@@ -132,7 +182,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       }
     }
   }
-  group_flush<NT>(acc, accg, sf);
+  flush();
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
