@@ -72,6 +72,10 @@ VARIANTS = {
     # int4all-compiled with the CUDA kernel configs proposed by a bench/int4_tune.py run (--int4-tuned JSON)
     "int4all-compiled-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                    tuned=True),
+    # the INT4 default (int4all-compiled-pdl-early) with the --int4-tuned JSON's configs: e.g. the previous
+    # defaults (bench/results/int4_defaults_before_tight.json), for a same-process A/B of a table change
+    "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                             pdl="all", tuned=True),
 }
 # cheap eager variants first (the CUDA int4 extension builds meanwhile), the baseline, then the quantized
 # ones; int4all right after int4 reuses its compiled block (same block, only embedding/lm_head differ)

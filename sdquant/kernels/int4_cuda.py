@@ -206,13 +206,18 @@ WGMMA_VARIANTS = (62, 63)
 # 24.2); the cause is the compiled code (the same with the 16 KB shared-memory reservation compiled out), not the
 # machine. With it v10 beat the stream-K / cp.async configs of 8192x28672 (M = 1: v17 48.9) and 28672x8192 (M = 1-2: v5
 # 44.8 / 45.8 against v10 42.0 / 42.5) in bench/x_smem.py's run, so those points moved to v10.
-DEFAULT_CONFIGS = {1: 10, 2: 10, 4: 10, 8: 10, 16: 37}
+# 2026-12-02 (int4_tune runs 9-10, trees 8957ea5 / 2a51ef5, bench/results/int4_tune_h200_run{9_tight,10_tight_raw}.*):
+# the tight kernel (variants 38-41, csrc/w4a16_tight.cuh) beat v10 at M = 1-8 on every shape but 4096x4096 (a tie),
+# both runs and both confirm passes: 8192x28672 M = 1 39.0 / 39.3 us vs v10 45.2 / 45.9, 28672x8192 37.4 vs 42.3,
+# 4096x28672 21.6-21.8 vs 24.3-24.8 -> M = 1-8 default 38 (2 blocks x 4 K-warps). The lm_head shape -> 39 (75.8-79.1
+# us vs v38 78.5-82.3 and v12 87.4-88.0), 4096x6144 M = 1 -> 40 (9.1-9.2 vs v38 9.9 and v11 9.9); 4096x6144 M = 8
+# keeps 37 (10.5-10.6 vs v38 11.1). The raw-code twins 43-44 were 3-6% slower than 38-39 at M = 1-8.
+DEFAULT_CONFIGS = {1: 38, 2: 38, 4: 38, 8: 38, 16: 37}
 SHAPE_CONFIGS: dict = {  # (K, N, M bucket) -> config
-    (8192, 28672, 1): 10, (28672, 8192, 1): 10, (28672, 8192, 2): 10, (4096, 6144, 1): 11,
+    (4096, 6144, 1): 40,
     (8192, 28672, 16): 5, (28672, 8192, 16): 5, (8192, 10240, 16): 0,
-    # lm_head: v12 87.7-88.1 us vs v5 93.2-98.2 and v10 90.5-91.3 at M = 1-8 (int4_tune run 8, both passes)
-    (4096, 128256, 1): 12, (4096, 128256, 2): 12, (4096, 128256, 4): 12, (4096, 128256, 8): 12, (4096, 128256, 16): 5,
-    (4096, 6144, 2): 37, (4096, 6144, 4): 37, (4096, 6144, 8): 37,
+    (4096, 128256, 1): 39, (4096, 128256, 2): 39, (4096, 128256, 4): 39, (4096, 128256, 8): 39, (4096, 128256, 16): 5,
+    (4096, 6144, 8): 37,
     (14336, 4096, 32): 2, (4096, 4096, 32): 37, (4096, 6144, 32): 37, (4096, 28672, 32): 2, (8192, 10240, 32): 2,
 }
 # fp16 where SHAPE_CONFIGS holds a per-weight-scale variant (see WSCALE_TWIN): the config fp16 had before, since the

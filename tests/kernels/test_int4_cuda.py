@@ -104,6 +104,7 @@ def test_config_encoding_and_defaults():
                    *int4_cuda.BULK_VARIANTS, *int4_cuda.WGMMA_VARIANTS]) == \
         list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
+    assert not set(int4_cuda.TIGHT_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # so does the tight kernel (fp32 group sums)
     for m in (1, 2, 3, 8, 9, 16):
         v, _ = int4_cuda.split_config(int4_cuda.auto_config(m, 4096, 4096))
         assert 0 <= v < int4_cuda.N_VARIANTS
