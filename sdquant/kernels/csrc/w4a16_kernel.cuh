@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 #include "w4a16_streamk.cuh"  // the stream-K direct kernel and the read probes, same namespace
 #include "w4a16_lean.cuh"     // the lean direct kernel (variants 28+), same namespace
 #include "w4a16_bulk.cuh"     // the bulk-copy kernel (variants 50+), same namespace
-#include "w4a16_tight.cuh"    // the tight direct kernel (variants 38-41), same namespace
+#include "w4a16_tight.cuh"    // the tight direct kernel (variants 38-41, 43-44), same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -571,11 +571,13 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 //   34: 4 x 1, ring 2, 8/4/5, WSCALE (32 warps/SM)      35: 2 x 4, ring 4, 3/1/2, WSCALE
 //   36: 1 x 8, ring 2, 4/2/2, WSCALE (32 warps/SM)      37: = 30 without clusters (fp32 partials + lock)
 // (run 6 measured the clusters as a loss: e.g. 30 vs 37 on 4096x4096 M = 1, 14.8 vs 9.1 us; the ids below use none)
-// RAW codes (magic + code into the MMA, activation sums by a fifth MMA, zero and scale per group in fp32; both dtypes),
-// no clusters:
-//   38: 4 x 1, ring 4, 5/3/4          39: 2 x 4, ring 4, 2/1/2 (v10's geometry)     40: 2 x 4, ring 8, 2/1/2
-//   41: 1 x 8, ring 4, 2/1/2          42: = 28 without clusters (WSCALE, 24 warps/SM)  43: 4 x 2, ring 4, 2/1/2
-//   44: 8 x 1, ring 4, 2/1/2
+//   42: = 28 without clusters (WSCALE, 24 warps/SM)
+// (ids 38-41 and 43-44 held RAW-code lean configs until 2026-12-02; they won nowhere in run 6b and now name the tight
+// kernel below)
+// tight (w4a16_tight.cuh: the direct kernel's stream in a loop of static indices, chunks of 4 K steps, D chunks a warp
+// in flight; blocks x K-warps, D, min CTAs/SM at one tile):
+//   38: 2 x 4, 2, 2 (the M = 1-8 default)   39: 4 x 2, 2, 2   40: 4 x 1, 2, 3   41: 8 x 1, 2, 2
+//   43: = 38 with RAW codes               44: = 39 with RAW codes
 // stream-K with RAW codes (scales/zeros fetched when their group starts): 45: 4 blocks, 2 ahead, 3/2 (v14's geometry;
 // at v17's 8 blocks and 2 CTAs/SM it spills)
 // flat lean (w4a16_lean_flat_kernel: grid = resident slots, every warp W-th of the flattened block x K-step space):

@@ -33,6 +33,7 @@
 // SASS, steady state without the group-start code): v10 84 instructions, v17 110, WSCALE lean 88, RAW lean 59-61,
 // flat RAW 61-64. Run 6b (688daaf) timed the RAW and flat variants (38-49): none won at any shape or M = 1-8 (geo-mean
 // time / best at M = 1: v10 1.03, v39 RAW 1.22, v45 1.25); v37 won 4096x6144 at M = 2-8 and is its default there.
+// (Ids 38-41 and 43-44 now name the tight kernel, w4a16_tight.cuh; the RAW lean configs keep 46-48.)
 template <int WNN_, int KW_, int R_, int MINB_, int MINB2_, int HMINB_, int WSCALE_, int CL_ = 8, int RAW_ = 0,
           int FLAT_ = 0>
 struct LCfg {  // MINB / MINB2: min CTAs per SM for ptxas at one / two token tiles in bf16; HMINB: fp16 at one tile
