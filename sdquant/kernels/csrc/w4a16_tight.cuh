@@ -20,10 +20,12 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
+// PF > 0: an L2 prefetch of chunk c + D + PF while chunk c is consumed (16 lanes, one 128-byte line each): the
+// chunk's weights wait in L2, not DRAM, when its ring load is issued.
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int PF_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
-  static constexpr int RAW = RAW_;
+  static constexpr int RAW = RAW_, PF = PF_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -35,6 +37,12 @@ constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
 constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
+
+// an L2 prefetch of the 128-byte line at p if `on` (no branch)
+__device__ __forceinline__ void prefetch_l2_if(const void* p, bool on) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q prefetch.global.L2 [%0];\n}\n" ::"l"(p),
+               "r"(static_cast<int>(on)));
+}
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -168,6 +176,10 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
           if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
         }
         load_x(c + 1, xq[(j + 1) % 2]);
+        if constexpr (C::PF > 0)  // chunk c + D + PF: 2 KB, 16 lines, one a lane
+          prefetch_l2_if(reinterpret_cast<const char*>(wsrc - lane + static_cast<size_t>(c + D + C::PF) * U * 32) +
+                             lane * 128,
+                         lane < 16 && c + D + C::PF < nc);
         const uint4* nxt = wsrc + static_cast<size_t>(c + D) * U * 32;
 #pragma unroll
         for (int kk = 0; kk < U; ++kk) {
