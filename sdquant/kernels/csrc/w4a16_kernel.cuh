@@ -637,7 +637,7 @@ using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
-using V41 = TCfg<2, 4, 2, 2, 0, 2>;  // = 38 with an L2 prefetch 2 chunks past the ring (was 8 x 1: slower everywhere)
+using V41 = TCfg<2, 4, 2, 2, 0, 2>;  // = 38 + L2 prefetch 2 chunks past the ring: 2-11% slower than 38 (run 13)
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
 using V44 = TCfg<4, 2, 2, 2, 1>;

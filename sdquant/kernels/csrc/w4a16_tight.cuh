@@ -21,7 +21,8 @@
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
 // PF > 0: an L2 prefetch of chunk c + D + PF while chunk c is consumed (16 lanes, one 128-byte line each): the
-// chunk's weights wait in L2, not DRAM, when its ring load is issued.
+// chunk's weights wait in L2, not DRAM, when its ring load is issued. Measured (variant 41 = 38 with PF 2, int4_tune
+// run 13): 2-11% slower than 38 at M = 1-8 on every shape; kept for A/B builds, no default uses it.
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int PF_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
