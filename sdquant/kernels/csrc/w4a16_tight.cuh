@@ -14,19 +14,18 @@
 // * Activations one chunk ahead in two fixed register sets (chunk parity). Rows past M are not predicated: the row
 //   index is clamped to M - 1, so those lanes multiply real values into token columns that are never stored.
 // * The group boundary is tested once a chunk (a uniform branch), not once a K step.
+// Tried and removed: an L2 prefetch of the chunk two past the ring (16 lanes, one line each, once a chunk; commit
+// 2558337): 2-11% slower than variant 38 at M = 1-8 on every shape (int4_tune run 13).
 // The group arithmetic (exact (code - zero) in the MMA, fp32 scale per group), the grid (blocks x K-warps x split-K),
 // the K-warp reduction and the split-K epilogue are the direct kernel's.
 // RAW = 1: the raw magic-number codes (128 + c in bf16, 1024 + c in fp16) go into the MMA with no zero subtraction
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-// PF > 0: an L2 prefetch of chunk c + D + PF while chunk c is consumed (16 lanes, one 128-byte line each): the
-// chunk's weights wait in L2, not DRAM, when its ring load is issued. Measured (variant 41 = 38 with PF 2, int4_tune
-// run 13): 2-11% slower than 38 at M = 1-8 on every shape; kept for A/B builds, no default uses it.
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int PF_ = 0>
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
-  static constexpr int RAW = RAW_, PF = PF_;
+  static constexpr int RAW = RAW_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -38,12 +37,6 @@ constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
 constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
-
-// an L2 prefetch of the 128-byte line at p if `on` (no branch)
-__device__ __forceinline__ void prefetch_l2_if(const void* p, bool on) {
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q prefetch.global.L2 [%0];\n}\n" ::"l"(p),
-               "r"(static_cast<int>(on)));
-}
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -177,10 +170,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
           if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
         }
         load_x(c + 1, xq[(j + 1) % 2]);
-        if constexpr (C::PF > 0)  // chunk c + D + PF: 2 KB, 16 lines, one a lane
-          prefetch_l2_if(reinterpret_cast<const char*>(wsrc - lane + static_cast<size_t>(c + D + C::PF) * U * 32) +
-                             lane * 128,
-                         lane < 16 && c + D + C::PF < nc);
         const uint4* nxt = wsrc + static_cast<size_t>(c + D) * U * 32;
 #pragma unroll
         for (int kk = 0; kk < U; ++kk) {
