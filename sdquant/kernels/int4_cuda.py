@@ -23,9 +23,8 @@
                  zero and scale applied per group in fp32 (46-48), the splits of a tile reducing through
                  distributed shared memory as one thread-block cluster (28-36) or fp32 partials (37, 42);
                  38-41 and 43-44 the tight kernel of csrc/w4a16_tight.cuh, the direct kernel's stream and arithmetic
-                 in a loop of static indices (chunks of 64 K, groups a multiple of 64, else they run 10; 43 with
-                 the raw codes; 41 and 44 on a flat grid of the resident slots, every warp an equal share of the
-                 (block, chunk) units); 45 the
+                 in a loop of static indices (chunks of 64 K, groups a multiple of 64, else they run 10; 43-44 with
+                 the raw codes); 45 the
                  stream-K kernel with the raw codes; 46-49 the lean kernel on a flat grid of the resident slots,
                  every warp an equal share of the flattened block x K-step space; 50-57 the bulk-copy kernel of
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
@@ -165,7 +164,7 @@ N_VARIANTS = 64
 STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 38), 42, *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
 NT4_VARIANTS = (2, 5, 37, 42)  # instantiated for M = 17-32 too (four token tiles); the others stop at M = 16
-TIGHT_VARIANTS = (38, 39, 40, 41, 43, 44)  # csrc/w4a16_tight.cuh (43 raw codes, 41 / 44 flat grid; ids of old lean configs)
+TIGHT_VARIANTS = (38, 39, 40, 41, 43, 44)  # csrc/w4a16_tight.cuh (43-44 raw codes; these ids were raw-code lean configs)
 BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
 # csrc/w4a16_wgmma.cuh: warpgroup MMA, the dequantized weights the register A operand, 256 features x 16/32/64 tokens a
 # CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes). Split-K: 62 sums the

@@ -25,7 +25,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-37 and 42:
-    # 2 x 2 x 11 (+ 2 x 2 at four tiles); tight variants 38-40 and 43: 2 x 2 x 4, flat tight 41 and 44: 2 x 2 x 2;
+    # 2 x 2 x 11 (+ 2 x 2 at four tiles); tight variants 38-41 and 43-44: 2 x 2 x 6;
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
     # variants 58-61 and their probe: 2 x 2 x 5;
     # the linear read probe once; the wgmma kernel: 2 dtypes x 3 token tiles x {62: last-CTA fix-up, 63: separate
@@ -34,8 +34,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
     assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 48  # + 37 and 42 at four token tiles
-    assert sum("w4a16_tight_kernel" in ln for ln in kernels) == 16
-    assert sum("w4a16_tight_flat_kernel" in ln for ln in kernels) == 8
+    assert sum("w4a16_tight_kernel" in ln for ln in kernels) == 24
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
@@ -211,8 +210,7 @@ def test_pdl_kernels_wait_before_reading_activations():
     bodies = re.split(r"\.entry\s+", ptx)[1:]
     by_kind = {}
     for b in bodies:
-        kind = next((k for k in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_tight_flat_kernel",
-                                 "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
+        kind = next((k for k in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
                                  "w4a16_lean_kernel", "w4a16_bulk_flat_kernel", "w4a16_bulk_kernel", "w4a16_kernel")
                      if k in b.split("(")[0]),
                     None)
@@ -220,14 +218,13 @@ def test_pdl_kernels_wait_before_reading_activations():
             by_kind.setdefault(kind, []).append(b)
     bulk = ("w4a16_bulk_kernel", "w4a16_bulk_flat_kernel")
     assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and all(by_kind[k] for k in bulk)
-    tight = ("w4a16_tight_kernel", "w4a16_tight_flat_kernel")
-    assert all(by_kind[k] for k in tight)
-    for kind in ("w4a16_direct_kernel", *tight, "w4a16_kernel", *bulk):
+    assert by_kind["w4a16_tight_kernel"]
+    for kind in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_kernel", *bulk):
         for b in by_kind[kind]:
             assert "griddepcontrol.wait" in b and "griddepcontrol.launch_dependents" in b, kind
             # the direct and tight kernels issue their first weight loads before the wait, and read activations
             # after it
-            if kind in ("w4a16_direct_kernel", *tight):
+            if kind in ("w4a16_direct_kernel", "w4a16_tight_kernel"):
                 assert b.index("ld.global.nc.L1::no_allocate") < b.index("griddepcontrol.wait")
             # the bulk-copy kernel requests its first chunks before the wait; activations (ld.global.nc) come after
             if kind in bulk:

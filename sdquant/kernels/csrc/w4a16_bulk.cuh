@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
       }
     }
     group_flush<NT>(acc, accg, sf);
-    if constexpr (!C::PROBE) flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, w, p.k / 16);
+    if constexpr (!C::PROBE) flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, w);
   }
   griddep_launch_dependents();
   if constexpr (C::PROBE) {

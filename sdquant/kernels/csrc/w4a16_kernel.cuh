@@ -576,10 +576,8 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // kernel below)
 // tight (w4a16_tight.cuh: the direct kernel's stream in a loop of static indices, chunks of 4 K steps, D chunks a warp
 // in flight; blocks x K-warps, D, min CTAs/SM at one tile):
-//   38: 2 x 4, 2, 2 (the M = 1-8 default)   39: 4 x 2, 2, 2   40: 4 x 1, 2, 3   43: = 38 with RAW codes
-// flat tight (w4a16_tight_flat_kernel: grid = resident slots, every warp W-th of the (block, chunk) units): warps, D, min
-// CTAs/SM:   41: 8, 2, 2      44: 4, 2, 4
-// (41 was 8 x 1 tiled and 44 = 39 with RAW codes until the flat grid: both slower than 38-39 everywhere, runs 9-10)
+//   38: 2 x 4, 2, 2 (the M = 1-8 default)   39: 4 x 2, 2, 2   40: 4 x 1, 2, 3   41: 8 x 1, 2, 2
+//   43: = 38 with RAW codes               44: = 39 with RAW codes
 // stream-K with RAW codes (scales/zeros fetched when their group starts): 45: 4 blocks, 2 ahead, 3/2 (v14's geometry;
 // at v17's 8 blocks and 2 CTAs/SM it spills)
 // flat lean (w4a16_lean_flat_kernel: grid = resident slots, every warp W-th of the flattened block x K-step space):
@@ -639,10 +637,10 @@ using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
-using V41 = TCfg<4, 1, 2, 3, 0, 1>;  // 41, 44: the tight kernel on the flat grid (4 warps a CTA; 44: a 4-chunk ring at 2 CTAs/SM)
+using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
-using V44 = TCfg<4, 1, 4, 2, 0, 1>;
+using V44 = TCfg<4, 2, 2, 2, 1>;
 using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;
 using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
 using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
@@ -671,13 +669,6 @@ using P3 = SKCfg<4, 8, 2, 1, 0, 0, 1>;  // 8 stages (8 KB a warp) in flight
 constexpr int N_VARIANTS = 64;  // 62-63: the wgmma kernel (w4a16_wgmma.cuh, its own translation units)
 constexpr int PROBE_BASE = 100;  // variant ids PROBE_BASE + 1.. = P1.. (reached through sdq_w4a16_probe only)
 
-// the flat grids' unit count: K steps a block (lean, bulk) or 4-step chunks (tight), times the blocks
-template <typename C>
-inline long long flat_units(const SdqW4A16Params& p) {
-  if constexpr (tight_flat<C>()) return tight_units(p.n, p.k);
-  else return lean_units(p.n, p.k);
-}
-
 template <typename T, typename C, int NT, int KS, bool EVICT>
 struct Kern {
   static constexpr int SMEM = [] {
@@ -699,7 +690,6 @@ struct Kern {
     else if constexpr (C::KIND == 4) return w4a16_bulk_kernel<T, C, NT>;
     else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
-    else if constexpr (tight_flat<C>()) return w4a16_tight_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 5) return w4a16_tight_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
@@ -728,10 +718,10 @@ struct Kern {
       SdqW4A16Params q = p;
       q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
-    } else if constexpr (lean_flat<C>() || bulk_flat<C>() || tight_flat<C>()) {  // flat: a 1-D grid of G CTAs, as p.splits
+    } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {  // flat lean / bulk: a 1-D grid of G CTAs, as p.splits
       SdqW4A16Params q = p;
-      q.splits = lean_flat_grid(p.splits, flat_units<C>(p), C::WARPS);
-      if ((bulk_flat<C>() || tight_flat<C>()) && p.pdl) {  // programmatic dependent launch, as the tiled kernels below
+      q.splits = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
+      if (bulk_flat<C>() && p.pdl) {  // programmatic dependent launch, as the tiled kernels below
         cudaLaunchAttribute attr = {};
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
@@ -766,8 +756,8 @@ struct Kern {
     if constexpr (C::KIND == 2) {
       const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       return g * 2 * p.m * C::WNN * 64;
-    } else if constexpr (lean_flat<C>() || bulk_flat<C>() || tight_flat<C>()) {
-      const long long g = lean_flat_grid(p.splits, flat_units<C>(p), C::WARPS);
+    } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {
+      const long long g = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
       return g * C::WARPS * 2 * p.m * 64;
     } else if constexpr (C::KIND == 3) {  // partials only when the splits do not form a cluster
       return (p.splits > 1 && p.splits > C::CL) ? static_cast<long long>(p.splits) * p.m * p.n : 0;
@@ -802,8 +792,7 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     const long long f = K::scratch(p);
     return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
   }
-  if (op == 4)
-    return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : (bulk_flat<C>() || tight_flat<C>() ? 3 : 0));
+  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : (bulk_flat<C>() ? 3 : 0));
   if (op == 5) return C::WARPS;
   return K::launch(p, stream);
 }

@@ -301,16 +301,15 @@ __host__ __device__ __forceinline__ int lean_flat_grid(int requested, long long 
   return g < 1 ? 1 : static_cast<int>(g);
 }
 
-// The output of one flat-grid segment (warp w of W, block nb, units [a, e) of the block's kbt: K steps, or the tight
-// kernel's 4-step chunks; U = N/64 * kbt): the whole block writes y;
+// The output of one flat-grid segment (warp w of W, block nb, K steps [a, e) of kbt): the whole block writes y;
 // otherwise the segment's fp32 partial goes to p.partial[(w * 2 + first/last) * m * 64], counted on p.locks[nb], and
 // the last of the block's segments to arrive sums them in warp order and resets the counter. Warp-collective.
 template <typename T, int NT>
 __device__ __forceinline__ void flat_segment_out(const SdqW4A16Params& p, const float (&acc)[NT][4][4], int nb, int a,
-                                                 int e, long long U, int W, int w, int kbt) {
+                                                 int e, long long U, int W, int w) {
   using O = Ops<T>;
   const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
-  const int m = p.m, n = p.n;
+  const int kbt = p.k / 16, m = p.m, n = p.n;
   T* out = reinterpret_cast<T*>(p.c);
   if (a == 0 && e == kbt) {  // the whole block: write y
     frag_each<NT>([&](int nt, int w4, int q) {
@@ -359,6 +358,6 @@ __global__ void __launch_bounds__(C::THREADS, lean_minb<T, C, NT>()) w4a16_lean_
     u += e - a;
     float acc[NT][4][4];
     lean_segment<T, C, NT>(p, acc, nb, a, e - a);
-    flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, blockIdx.x * C::WARPS + threadIdx.x / 32, kbt);
+    flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, blockIdx.x * C::WARPS + threadIdx.x / 32);
   }
 }

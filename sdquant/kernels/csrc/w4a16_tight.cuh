@@ -15,19 +15,19 @@
 //   index is clamped to M - 1, so those lanes multiply real values into token columns that are never stored.
 // * The group boundary is tested once a chunk (a uniform branch), not once a K step.
 // Tried and removed: an L2 prefetch of the chunk two past the ring (16 lanes, one line each, once a chunk; commit
-// 2558337): 2-11% slower than variant 38 at M = 1-8 on every shape (int4_tune run 13).
+// 2558337): 2-11% slower than variant 38 at M = 1-8 on every shape (int4_tune run 13). The loop on a flat (stream-K)
+// grid, every warp an equal share of the (block, chunk) units with the lean kernel's partial-segment fix-up (commit
+// f52f355, 12 or 8 warps/SM for the registers it needs without spilling): 10-50% slower than 38 (run 14).
 // The group arithmetic (exact (code - zero) in the MMA, fp32 scale per group), the grid (blocks x K-warps x split-K),
 // the K-warp reduction and the split-K epilogue are the direct kernel's.
 // RAW = 1: the raw magic-number codes (128 + c in bf16, 1024 + c in fp16) go into the MMA with no zero subtraction
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-// FLAT = 1 (KW = 1; WNN = warps a CTA): w4a16_tight_flat_kernel, the lean kernel's flat grid over (block, chunk) units.
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int FLAT_ = 0>
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
-  static constexpr int RAW = RAW_, FLAT = FLAT_;
-  static_assert(!FLAT || KW == 1, "the flat grid's warps are independent (no K-warps)");
+  static constexpr int RAW = RAW_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -39,15 +39,6 @@ constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
 constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
-template <typename C>
-constexpr bool tight_flat() {  // any kernel config: is it a flat tight one
-  if constexpr (C::KIND == 5) return C::FLAT != 0;
-  else return false;
-}
-// the flat grid's units: (64-feature block, chunk) pairs, block-major
-__host__ __device__ __forceinline__ long long tight_units(int n, int k) {
-  return static_cast<long long>(n / 64) * (k / (16 * TIGHT_U));
-}
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -58,18 +49,31 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
       : "l"(p), "r"(static_cast<int>(on)));
 }
 
-// One warp: acc = block nb's sums over chunks [c0, c0 + nc) (nc = 0: zeros, no memory touched). Warp-local: no barriers.
 template <typename T, typename C, int NT>
-__device__ __forceinline__ void tight_segment(const SdqW4A16Params& p, float (&acc)[NT][4][4], int nb, int c0, int nc) {
-  constexpr int D = C::D, U = TIGHT_U;
+__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const SdqW4A16Params p) {
+  constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U;
   constexpr bool RAW = C::RAW != 0;
-  const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_last;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wn = warp % WNN, kw = warp / WNN;
+  const int g8 = lane / 4, t4 = lane % 4;
   const int nblk = p.n / 64;
+  const int nb = blockIdx.x * WNN + wn;
+  const bool active = nb < nblk;
+  const int split = blockIdx.y;
+  // this warp's chunks [c0, c0 + nc): the split's chunks cut into KW contiguous ranges
+  const int chunks = p.k / (16 * U);
+  const int s0 = static_cast<int>((static_cast<long long>(chunks) * split) / p.splits);
+  const int s1 = static_cast<int>((static_cast<long long>(chunks) * (split + 1)) / p.splits);
+  const int c0 = s0 + ((s1 - s0) * kw) / KW;
+  const int nc = active ? s0 + ((s1 - s0) * (kw + 1)) / KW - c0 : 0;
   const int gc = p.group_k16 / U;  // chunks a group
   const int m = p.m;
 
-  const uint4* wsrc =
-      reinterpret_cast<const uint4*>(p.b) + (static_cast<size_t>(nb) * (p.k / 16) + static_cast<size_t>(c0) * U) * 32 + lane;
+  const uint4* wsrc = reinterpret_cast<const uint4*>(p.b) +
+                      (static_cast<size_t>(active ? nb : 0) * (p.k / 16) + static_cast<size_t>(c0) * U) * 32 + lane;
   const T* xsrc[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -92,7 +96,7 @@ __device__ __forceinline__ void tight_segment(const SdqW4A16Params& p, float (&a
     }
   };
 
-  float accg[NT][4][4];
+  float acc[NT][4][4], accg[NT][4][4];
   frag_each<NT>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
   float sf[4][2] = {};
   uint32_t zl[4][2] = {}, zh[4][2] = {};
@@ -183,55 +187,8 @@ __device__ __forceinline__ void tight_segment(const SdqW4A16Params& p, float (&a
     }
   }
   flush();
-}
-
-// The tiled grid: (n/64/WNN, splits) CTAs; warp (wn, kw) takes block blockIdx.x * WNN + wn and the kw-th of KW
-// contiguous chunk ranges of split blockIdx.y; the KW warps are summed through shared memory, the splits by
-// store_output (fp32 partials, last CTA of a tile), as in the direct kernel.
-template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const SdqW4A16Params p) {
-  constexpr int WNN = C::WNN, KW = C::KW;
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ int s_last;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wn = warp % WNN, kw = warp / WNN;
-  const int nb = blockIdx.x * WNN + wn;
-  const bool active = nb < p.n / 64;
-  const int split = blockIdx.y;
-  const int chunks = p.k / (16 * TIGHT_U);
-  const int s0 = static_cast<int>((static_cast<long long>(chunks) * split) / p.splits);
-  const int s1 = static_cast<int>((static_cast<long long>(chunks) * (split + 1)) / p.splits);
-  const int c0 = s0 + ((s1 - s0) * kw) / KW;
-  const int nc = active ? s0 + ((s1 - s0) * (kw + 1)) / KW - c0 : 0;
-  float acc[NT][4][4];
-  tight_segment<T, C, NT>(p, acc, active ? nb : 0, c0, nc);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
   store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
-}
-
-// The flat grid (FLAT = 1): G = p.splits CTAs of WNN independent warps; warp w of W = G * WNN takes the units
-// [w * U / W, (w + 1) * U / W) of the U = N/64 * K/64 (block, chunk) units, block-major -- every warp streams the same
-// bytes (+-1 chunk), where the tiled grid leaves 15% of the slots idle on the 448-block shapes (0.85 waves). A warp
-// covering a whole block writes y; its <= 2 partial segments are summed by flat_segment_out (w4a16_lean.cuh), in
-// chunk units.
-template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_flat_kernel(const SdqW4A16Params p) {
-  const int cpb = p.k / (16 * TIGHT_U);  // chunks a block
-  const long long U = tight_units(p.n, p.k);
-  const int W = static_cast<int>(min(static_cast<long long>(p.splits) * C::WARPS, U));
-  const int w = blockIdx.x * C::WARPS + threadIdx.x / 32;
-  if (w >= W) return;  // no barriers below: warps are independent
-  const int u1 = static_cast<int>(sk_begin(U, W, w + 1));  // U < 2^31
-  for (int u = static_cast<int>(sk_begin(U, W, w)); u < u1;) {
-    const int nb = u / cpb;
-    const int a = u - nb * cpb;
-    const int e = min(cpb, a + (u1 - u));
-    u += e - a;
-    float acc[NT][4][4];
-    tight_segment<T, C, NT>(p, acc, nb, a, e - a);
-    flat_segment_out<T, NT>(p, acc, nb, a, e, U, W, w, cpb);
-  }
-  griddep_launch_dependents();
 }
