@@ -24,10 +24,13 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
+// XS > 0: the CTA copies its K range of the activations (rows < M, 8 padding elements a row) to XS bytes of shared
+// memory once, when it fits, and the loop reads them there instead of through L1 (a generic pointer either way: no
+// branch in the loop).
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int XS_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
-  static constexpr int RAW = RAW_;
+  static constexpr int RAW = RAW_, XS = XS_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -38,7 +41,7 @@ struct TCfg {
 constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
-constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
+constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4 + C::XS; }  // reduce_k_warps', x
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -90,8 +93,13 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       const unsigned int* w = reinterpret_cast<const unsigned int*>(xsrc[nt] + cc * (U * 16));  // then immediates
 #pragma unroll
       for (int kk = 0; kk < U; ++kk) {
-        xx[kk][nt][0] = __ldg(w + kk * 8);
-        xx[kk][nt][1] = __ldg(w + kk * 8 + 4);
+        if constexpr (C::XS > 0) {  // generic loads: shared memory or global
+          xx[kk][nt][0] = w[kk * 8];
+          xx[kk][nt][1] = w[kk * 8 + 4];
+        } else {
+          xx[kk][nt][0] = __ldg(w + kk * 8);
+          xx[kk][nt][1] = __ldg(w + kk * 8 + 4);
+        }
       }
     }
   };
@@ -155,6 +163,23 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   if (nc > 0) load_group_sz(p, grp, nblk, nb, g8, s_next, z_next);
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();
+  if constexpr (C::XS > 0) {  // the CTA's activation range to shared memory, if it fits (every thread: a barrier)
+    const int xrange = (s1 - s0) * U * 16, xstride = xrange + 8, xrows = m < NT * 8 ? m : NT * 8;
+    if (xrows * xstride * 2 <= C::XS) {
+      T* xsm = reinterpret_cast<T*>(smem + (KW - 1) * WNN * NT * 16 * 32 * 4);
+      const int cpr = xrange / 8;
+      const T* x0 = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(s0) * U * 16;
+      for (int i = threadIdx.x; i < xrows * cpr; i += C::THREADS) {
+        const int r = i / cpr, c = i - r * cpr;
+        *reinterpret_cast<uint4*>(xsm + r * xstride + c * 8) =
+            __ldg(reinterpret_cast<const uint4*>(x0 + static_cast<size_t>(r) * p.k + c * 8));
+      }
+      __syncthreads();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        xsrc[nt] = xsm + min(nt * 8 + g8, m - 1) * xstride + (c0 - s0) * U * 16 + 2 * t4;
+    }
+  }
   if (nc > 0) {
     load_x(0, xq[0]);
     begin();
