@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 // kernel below)
 // tight (w4a16_tight.cuh: the direct kernel's stream in a loop of static indices, chunks of 4 K steps, D chunks a warp
 // in flight; blocks x K-warps, D, min CTAs/SM at one tile):
-//   38: 2 x 4, 2, 2 (the M = 1-8 default)   39: 4 x 2, 2, 2   40: 4 x 1, 2, 3   41: = 38, x in shared memory
+//   38: 2 x 4, 2, 2 (the M = 1-8 default)   39: 4 x 2, 2, 2   40: 4 x 1, 2, 3   41: 8 x 1, 2, 2
 //   43: = 38 with RAW codes               44: = 39 with RAW codes
 // stream-K with RAW codes (scales/zeros fetched when their group starts): 45: 4 blocks, 2 ahead, 3/2 (v14's geometry;
 // at v17's 8 blocks and 2 CTAs/SM it spills)
@@ -637,7 +637,7 @@ using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
-using V41 = TCfg<2, 4, 2, 2, 0, 32768>;  // = 38 with the activations in shared memory (32 KB)
+using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
 using V44 = TCfg<4, 2, 2, 2, 1>;

@@ -17,20 +17,19 @@
 // Tried and removed: an L2 prefetch of the chunk two past the ring (16 lanes, one line each, once a chunk; commit
 // 2558337): 2-11% slower than variant 38 at M = 1-8 on every shape (int4_tune run 13). The loop on a flat (stream-K)
 // grid, every warp an equal share of the (block, chunk) units with the lean kernel's partial-segment fix-up (commit
-// f52f355, 12 or 8 warps/SM for the registers it needs without spilling): 10-50% slower than 38 (run 14).
+// f52f355, 12 or 8 warps/SM for the registers it needs without spilling): 10-50% slower than 38 (run 14). The
+// CTA's activation range copied to shared memory once and read there (commit 54aaf0f): 2-7% slower at M = 1-2,
+// level at M = 4-8, where it did not fit and the loads went to global memory (run 15).
 // The group arithmetic (exact (code - zero) in the MMA, fp32 scale per group), the grid (blocks x K-warps x split-K),
 // the K-warp reduction and the split-K epilogue are the direct kernel's.
 // RAW = 1: the raw magic-number codes (128 + c in bf16, 1024 + c in fp16) go into the MMA with no zero subtraction
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-// XS > 0: the CTA copies its K range of the activations (rows < M, 8 padding elements a row) to XS bytes of shared
-// memory once, when it fits, and the loop reads them there instead of through L1 (a generic pointer either way: no
-// branch in the loop).
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int XS_ = 0>
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
-  static constexpr int RAW = RAW_, XS = XS_;
+  static constexpr int RAW = RAW_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -41,7 +40,7 @@ struct TCfg {
 constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
-constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4 + C::XS; }  // reduce_k_warps', x
+constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -93,13 +92,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       const unsigned int* w = reinterpret_cast<const unsigned int*>(xsrc[nt] + cc * (U * 16));  // then immediates
 #pragma unroll
       for (int kk = 0; kk < U; ++kk) {
-        if constexpr (C::XS > 0) {  // generic loads: shared memory or global
-          xx[kk][nt][0] = w[kk * 8];
-          xx[kk][nt][1] = w[kk * 8 + 4];
-        } else {
-          xx[kk][nt][0] = __ldg(w + kk * 8);
-          xx[kk][nt][1] = __ldg(w + kk * 8 + 4);
-        }
+        xx[kk][nt][0] = __ldg(w + kk * 8);
+        xx[kk][nt][1] = __ldg(w + kk * 8 + 4);
       }
     }
   };
@@ -163,23 +157,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   if (nc > 0) load_group_sz(p, grp, nblk, nb, g8, s_next, z_next);
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();
-  if constexpr (C::XS > 0) {  // the CTA's activation range to shared memory, if it fits (every thread: a barrier)
-    const int xrange = (s1 - s0) * U * 16, xstride = xrange + 8, xrows = m < NT * 8 ? m : NT * 8;
-    if (xrows * xstride * 2 <= C::XS) {
-      T* xsm = reinterpret_cast<T*>(smem + (KW - 1) * WNN * NT * 16 * 32 * 4);
-      const int cpr = xrange / 8;
-      const T* x0 = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(s0) * U * 16;
-      for (int i = threadIdx.x; i < xrows * cpr; i += C::THREADS) {
-        const int r = i / cpr, c = i - r * cpr;
-        *reinterpret_cast<uint4*>(xsm + r * xstride + c * 8) =
-            __ldg(reinterpret_cast<const uint4*>(x0 + static_cast<size_t>(r) * p.k + c * 8));
-      }
-      __syncthreads();
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        xsrc[nt] = xsm + min(nt * 8 + g8, m - 1) * xstride + (c0 - s0) * U * 16 + 2 * t4;
-    }
-  }
   if (nc > 0) {
     load_x(0, xq[0]);
     begin();
