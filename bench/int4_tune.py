@@ -70,7 +70,7 @@ NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2
          26: "sk 1x4i d2", 27: "sk 1x8i d2 ws", 28: "lean 4x1 r4 ws", 29: "lean 4x1 r4", 30: "lean 1x8 r4 ws",
          31: "lean 1x4 r4 ws", 32: "lean 2x2 r4 ws", 33: "lean 4x1 r8 ws", 34: "lean 4x1 r2 ws", 35: "lean 2x4 r4 ws",
          36: "lean 1x8 r2 ws", 37: "lean 1x8 r4 ws nocl", 38: "tight 2x4 d2", 39: "tight 4x2 d2", 40: "tight 4x1 d2",
-         41: "tight ws 4x1 u2 @5", 42: "lean 4x1 r4 ws nocl", 43: "tight raw 2x4 d2", 44: "tight ws 2x2 u2 @5", 45: "sk 4 d2 raw",
+         41: "tight 8x1 d2", 42: "lean 4x1 r4 ws nocl", 43: "tight raw 2x4 d2", 44: "tight raw 4x2 d2", 45: "sk 4 d2 raw",
          46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws",
          50: "bulk 2x4 c4 r6", 51: "bulk 2x4 c8 r3", 52: "bulk 4x1 c4 r6", 53: "bulk 1x8 c4 r6", 54: "bulk 2x4 c2 r12",
          55: "bulk 2x2 c2 r12", 56: "bulk 4x2 c4 r6", 57: "bulk 2x4 c4 r6 noev", 58: "bulk flat 4w c4 r6",

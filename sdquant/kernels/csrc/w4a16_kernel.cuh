@@ -637,10 +637,10 @@ using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
-using V41 = TCfg<4, 1, 2, 5, 0, 1, 2>;  // 41, 44: register-lean (WS, 2-step chunks), 20 warps/SM
+using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
 using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
-using V44 = TCfg<2, 2, 2, 5, 0, 1, 2>;  // register-lean: the scale on the weights, 2-step chunks, 20 warps/SM
+using V44 = TCfg<4, 2, 2, 2, 1>;
 using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;
 using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
 using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
@@ -798,8 +798,7 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 
 // The tight kernel's chunks need group % 64 == 0 (k % 64 == 0 then follows); otherwise its ids run the direct v10.
-template <typename C>
-inline bool tight_ok(const SdqW4A16Params& p) { return p.group_k16 % C::U == 0 && p.k % (16 * C::U) == 0; }
+inline bool tight_ok(const SdqW4A16Params& p) { return p.group_k16 % TIGHT_U == 0 && p.k % (16 * TIGHT_U) == 0; }
 
 template <typename T, int NT, int KS>
 int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t stream) {
@@ -849,13 +848,13 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 35: return run_op<T, V35, NT, 2>(op, p, stream);
     case 36: return run_op<T, V36, NT, 2>(op, p, stream);
     case 37: return run_op<T, V37, NT, 2>(op, p, stream);
-    case 38: return tight_ok<V38>(p) ? run_op<T, V38, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
-    case 39: return tight_ok<V39>(p) ? run_op<T, V39, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
-    case 40: return tight_ok<V40>(p) ? run_op<T, V40, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
-    case 41: return tight_ok<V41>(p) ? run_op<T, V41, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 38: return tight_ok(p) ? run_op<T, V38, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 39: return tight_ok(p) ? run_op<T, V39, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 40: return tight_ok(p) ? run_op<T, V40, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 41: return tight_ok(p) ? run_op<T, V41, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 42: return run_op<T, V42, NT, 2>(op, p, stream);
-    case 43: return tight_ok<V43>(p) ? run_op<T, V43, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
-    case 44: return tight_ok<V44>(p) ? run_op<T, V44, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 43: return tight_ok(p) ? run_op<T, V43, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
+    case 44: return tight_ok(p) ? run_op<T, V44, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case 45: return run_op<T, V45, NT, 2>(op, p, stream);
     case 46: return run_op<T, V46, NT, 2>(op, p, stream);
     case 47: return run_op<T, V47, NT, 2>(op, p, stream);

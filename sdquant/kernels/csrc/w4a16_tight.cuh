@@ -19,21 +19,19 @@
 // grid, every warp an equal share of the (block, chunk) units with the lean kernel's partial-segment fix-up (commit
 // f52f355, 12 or 8 warps/SM for the registers it needs without spilling): 10-50% slower than 38 (run 14). The
 // CTA's activation range copied to shared memory once and read there (commit 54aaf0f): 2-7% slower at M = 1-2,
-// level at M = 4-8, where it did not fit and the loads went to global memory (run 15).
+// level at M = 4-8, where it did not fit and the loads went to global memory (run 15). A register-lean build (the
+// group scale on the weights, 2-step chunks: 96 registers, 20 warps/SM, 2 KB a warp in flight; commit 1ab1249): level
+// on the small shapes, 13-35% slower on the large ones (run 16).
 // The group arithmetic (exact (code - zero) in the MMA, fp32 scale per group), the grid (blocks x K-warps x split-K),
 // the K-warp reduction and the split-K epilogue are the direct kernel's.
 // RAW = 1: the raw magic-number codes (128 + c in bf16, 1024 + c in fp16) go into the MMA with no zero subtraction
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-// WS = 1 (a register-lean build, for more warps an SM): each dequantized pair is multiplied by its group scale in the
-// activation dtype and the MMAs accumulate straight into acc (no fp32 group sums, no flush); U = K steps a chunk (4,
-// or 2 for a smaller ring).
-template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0, int WS_ = 0, int U_ = 4>
+template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
-  static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of U K steps in flight a warp
-  static constexpr int RAW = RAW_, WS = WS_, U = U_;
-  static_assert(!(RAW && WS), "one accumulation mode");
+  static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
+  static constexpr int RAW = RAW_;
   static constexpr int WARPS = WNN * KW;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int STAGES = 1, PRE = 1;
@@ -41,6 +39,7 @@ struct TCfg {
   static constexpr int KIND = 5;
   static_assert(D % 2 == 0, "the activation registers alternate by chunk parity");
 };
+constexpr int TIGHT_U = 4;  // K steps a chunk
 
 template <typename C, int NT>
 constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
@@ -56,7 +55,7 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
 
 template <typename T, typename C, int NT>
 __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const SdqW4A16Params p) {
-  constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = C::U;
+  constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U;
   constexpr bool RAW = C::RAW != 0;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
@@ -111,21 +110,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
 #pragma unroll
     for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
-  uint32_t s2[4][2] = {};  // WS: the scales of rows (w, h) as activation-dtype pairs
   auto begin = [&]() {  // a group starts: its scales and zeros as fetched into s_next / z_next
-    if constexpr (C::WS) {
-      const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
-      const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-        const typename Ops<T>::T2 lo = Ops<T>::pack(f.x, f.x), hi = Ops<T>::pack(f.y, f.y);
-        s2[w][0] = *reinterpret_cast<const uint32_t*>(&lo);
-        s2[w][1] = *reinterpret_cast<const uint32_t*>(&hi);
-        Ops<T>::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-        Ops<T>::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-      }
-    } else if constexpr (RAW) {
+    if constexpr (RAW) {
       constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
       const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
       const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
@@ -142,20 +128,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       group_begin<T>(s_next, z_next, sf, zl, zh);
     }
   };
-  auto step = [&](const uint4& wq1, const uint32_t (&x)[NT][2]) {  // one K step into accg (and xs; WS: acc)
-    if constexpr (C::WS) {
-      const uint32_t q[4] = {wq1.x, wq1.y, wq1.z, wq1.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        uint32_t c[4];
-        Ops<T>::codes(q[w], zl[w], zh[w], c);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = Ops<T>::mul2(c[i], s2[w][i >> 1]);
-        const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) Ops<T>::mma(acc[nt][w], af, x[nt][0], x[nt][1]);
-      }
-    } else if constexpr (RAW) {
+  auto step = [&](const uint4& wq1, const uint32_t (&x)[NT][2]) {  // one K step into accg (and xs)
+    if constexpr (RAW) {
       const uint32_t q[4] = {wq1.x, wq1.y, wq1.z, wq1.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -173,9 +147,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
       group_step<T, NT>(wq1, x, zl, zh, accg);
     }
   };
-  auto flush = [&]() {
-    if constexpr (!C::WS) group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs);
-  };
+  auto flush = [&]() { group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs); };
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
