@@ -449,3 +449,114 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 @w4a16_cuda.register_fake
 def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1):
     return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The fused decode-block op (csrc/w4a16_tight.cuh's TFused kernel, w4a16.h's SdqW4A16FusedParams). A batch-1 decode step
+# otherwise runs an add + RMSNorm kernel before qkv and gate/up and a SiLU * up kernel before down, each a few
+# microseconds of launch and latency for 8-28 KB of data; here the GEMMs absorb them:
+#   consumer (qkv, gate/up, lm_head): x = h * norm_weight (written by the producer), rms_x = h:
+#       y = rsqrt(mean(h^2) + eps) * (x @ W.T)             (the RMSNorm, its weight applied to x beforehand)
+#       silu: W's 64-row blocks alternate gate, up (interleave_gate_up): y = silu(y_gate) * y_up, half as wide
+#   producer (o, down): y = round(x @ W.T) + resid; y2 = round(y * gamma)   (the residual add and the next norm's input)
+FUSED_MAX_M = 8
+FUSED_BLOCK = 64  # the gate / up interleave of a silu consumer: 64-feature blocks (the kernel's block)
+
+
+def fused_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
+    """The config the fused op runs: ``auto_config``'s where that is a tight variant, else 38 (the M <= 8 default)."""
+    c = auto_config(m, n, k, dtype)
+    return c if c % 64 in TIGHT_VARIANTS else 38
+
+
+def fused_supported(m: int, n: int, k: int, group_size: int) -> Optional[str]:
+    """Why the fused op cannot run this shape (None: it can). ``group_size`` -1 = per channel."""
+    g = k if group_size in (-1, 0) else group_size
+    if not 1 <= m <= FUSED_MAX_M:
+        return f"M={m} (the fused kernel takes 1..{FUSED_MAX_M} rows)"
+    if n % 128:
+        return f"N={n} is not a multiple of 128"
+    if k % 64 or g % 64 or k % g:
+        return f"K={k} with group {group_size}: K and the group size must be multiples of 64"
+    return None
+
+
+def interleave_gate_up(n_half: int, block: int = FUSED_BLOCK) -> torch.Tensor:
+    """Row order of a gate/up weight [2 * n_half, K] (gate rows first) for the silu consumer: 64-row blocks alternating
+    gate, up. ``deinterleave_gate_up`` undoes it on the output."""
+    if n_half % block:
+        raise ShapeError(f"gate/up interleave: {n_half} features is not a multiple of {block}")
+    b = torch.arange(n_half).view(-1, block)
+    return torch.stack([b, b + n_half], dim=1).reshape(-1)
+
+
+def deinterleave_gate_up(y: torch.Tensor, block: int = FUSED_BLOCK):
+    """(gate, up) of an interleaved gate/up output y [..., 2 * n_half]."""
+    lead, n = y.shape[:-1], y.shape[-1]
+    v = y.reshape(*lead, n // (2 * block), 2, block)
+    return v[..., 0, :].reshape(*lead, n // 2), v[..., 1, :].reshape(*lead, n // 2)
+
+
+def fused_reference(x2, qweight, scales, zeros, rms_x, rms_eps, silu, resid, gamma):
+    """The fused op's maths in PyTorch (CPU tensors, and the tests' reference): fp32 products and the kernel's rounding
+    order."""
+    layout = {"qweight": qweight, "scales": scales, "zeros": zeros, "perm": None}
+    y = x2.float() @ int4_layout.dequantize_cuda(layout).float().t()
+    if rms_x is not None:
+        xf = rms_x.float()
+        y = y * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    if silu:
+        g, u = deinterleave_gate_up(y)
+        y = torch.nn.functional.silu(g) * u
+    out = y.to(x2.dtype)
+    if resid is not None:
+        out = (out.float() + resid.float()).to(x2.dtype)
+    out2 = (out.float() * gamma.float()).to(x2.dtype) if gamma is not None else out.new_empty((0,))
+    return out, out2
+
+
+@torch.library.custom_op("sdquant::w4a16_cuda_fused", mutates_args=())
+def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     locks: torch.Tensor, rms_x: Optional[torch.Tensor], rms_eps: float, silu: bool,
+                     resid: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
+                     config: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, y2) over the CUDA fragment layout with the fused RMSNorm / SiLU / residual ends (see above). x [..., K]
+    with at most ``FUSED_MAX_M`` rows; rms_x like x; resid [..., N_out]; gamma [N_out]; y2 is empty without gamma.
+    N_out = N / 2 with ``silu``. config: a tight variant (+ 64 * target), -1 = ``fused_config``."""
+    k, n = _check(x, qweight, scales, zeros, None)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m, n_out = x2.shape[0], (n // 2 if silu else n)
+    why = fused_supported(m, n, k, k // scales.shape[0])
+    if why is not None:
+        raise ShapeError(f"w4a16_cuda_fused: {why}")
+    r2 = None if rms_x is None else rms_x.reshape(-1, k)
+    d2 = None if resid is None else resid.reshape(-1, n_out)
+    if (r2 is not None and r2.shape[0] != m) or (d2 is not None and d2.shape[0] != m):
+        raise ShapeError(f"w4a16_cuda_fused: rms_x / resid must have the {m} rows of x")
+    if gamma is not None and gamma.numel() != n_out:
+        raise ShapeError(f"w4a16_cuda_fused: gamma has {gamma.numel()} values, the output {n_out} columns")
+    ext = extension() if x.is_cuda else None
+    if ext is None:
+        y, y2 = fused_reference(x2, qweight, scales, zeros, r2, rms_eps, silu, d2, gamma)
+    else:
+        if config < 0:
+            config = fused_config(m, n, k, x.dtype)
+        variant, target = split_config(int(config))
+        cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        r2 = cont(r2)
+        if r2 is not None and r2.data_ptr() % 16:
+            r2 = r2.clone()
+        y, y2 = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0], r2, float(rms_eps),
+                                bool(silu), cont(d2), cont(gamma))
+    return y.reshape(*lead, n_out), (y2.reshape(*lead, n_out) if gamma is not None else y2)
+
+
+@w4a16_cuda_fused.register_fake
+def _(x, qweight, scales, zeros, locks, rms_x, rms_eps, silu, resid, gamma, config=-1):
+    n_out = qweight.shape[0] * 64 // (2 if silu else 1)
+    y = x.new_empty((*x.shape[:-1], n_out))
+    return y, (x.new_empty((*x.shape[:-1], n_out)) if gamma is not None else x.new_empty((0,)))

@@ -366,6 +366,34 @@ class QuantLinear(_Prepared):
             values[attr[len(name) + 2:]] = getattr(self, attr)
         return op(**{a: values[a] for a in arg_names if a in values})
 
+    # ------------------------------------------------------------------------------- fused decode-block ends
+    def fused_why_not(self, m: int) -> Optional[str]:
+        """Why ``forward_fused`` cannot serve M = ``m`` rows (None: it can). It needs the CUDA layout, the plan's
+        "cuda" kernel at this M, 4 bits, no act-order, bias or unfolded AWQ scale, and a shape the fused tight kernel
+        takes (``int4_cuda.fused_supported``)."""
+        if "cuda" not in self._layout_keys:
+            return "no CUDA layout attached (prepare on an sm_90 GPU)"
+        if self.plan is None or self.plan.select(m)[0] != "cuda":
+            return f"the plan does not run the CUDA kernel at M={m}"
+        if self.bits != 4 or self.g_idx is not None or self.bias is not None or self.smooth is not None:
+            return "act-order, bias and unfolded AWQ scales are not fused"
+        from sdquant.kernels import int4_cuda
+        return int4_cuda.fused_supported(m, self.out_features, self.in_features, self.group_size)
+
+    def forward_fused(self, x: torch.Tensor, rms_x: Optional[torch.Tensor] = None, eps: float = 0.0,
+                      silu: bool = False, resid: Optional[torch.Tensor] = None,
+                      gamma: Optional[torch.Tensor] = None):
+        """``sdquant::w4a16_cuda_fused`` on this layer's CUDA layout: (y, y2), see ``int4_cuda``'s fused op. Check
+        ``fused_why_not`` first; ``silu`` needs the gate/up rows interleaved (``int4_cuda.interleave_gate_up``)."""
+        from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
+        lay = {attr[len("cuda") + 2:]: getattr(self, attr) for attr in self._layout_keys["cuda"]}
+        m = x.numel() // self.in_features
+        n = self.out_features
+        return torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"],
+                                                  rms_x, float(eps), bool(silu), resid, gamma,
+                                                  int4_cuda.fused_config(m, n, self.in_features, x.dtype)
+                                                  if x.is_cuda else -1)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.zeros is None}, kernel={self.kernel}")

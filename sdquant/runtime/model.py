@@ -178,10 +178,16 @@ class Attention(nn.Module):
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
     def forward(self, x, cos, sin, mask, input_pos):
+        return self.wo(self.attend(self.wqkv(x), cos, sin, mask, input_pos))
+
+    def attend(self, qkv, cos, sin, mask, input_pos):
+        """qkv [B, S, q + 2 kv] (the fused projection's output) -> the attention output [B, S, nh * hd] before wo;
+        writes the new keys and values into the cache."""
         d = self.d
-        b, s, _ = x.shape
+        b, s, _ = qkv.shape
         rep = d.n_heads // d.n_kv_heads
-        q, k, v = self.wqkv(x).split([d.q_size, d.kv_size, d.kv_size], dim=-1)
+        x = qkv
+        q, k, v = qkv.split([d.q_size, d.kv_size, d.kv_size], dim=-1)
         q = q.view(b, s, d.n_heads, d.head_dim)
         k = k.view(b, s, d.n_kv_heads, d.head_dim)
         v = v.view(b, s, d.n_kv_heads, d.head_dim)
@@ -196,23 +202,22 @@ class Attention(nn.Module):
             q = q.view(b, d.n_kv_heads, rep, d.head_dim)                                      # [B, nkv, rep, hd]
             scores = torch.matmul(q, k_all.transpose(-1, -2)).float() * d.head_dim ** -0.5    # [B, nkv, rep, T]
             p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-            return self.wo(torch.matmul(p, v_all).reshape(b, 1, d.q_size))                    # [B, 1, nh*hd]
+            return torch.matmul(p, v_all).reshape(b, 1, d.q_size)                             # [B, 1, nh*hd]
         if impl == "triton":
             q = q.view(b, d.n_kv_heads, rep, d.head_dim)
             y = torch.ops.sdquant.decode_attention(q, k_all, v_all, input_pos, self.window or 0,
                                                    d.head_dim ** -0.5, cos, sin)         # [B, nkv, rep, hd]
-            return self.wo(y.reshape(b, 1, d.q_size))
+            return y.reshape(b, 1, d.q_size)
         if impl == "sdpa_gqa":
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
                                                enable_gqa=True)                               # [B, nh, 1, hd]
-            return self.wo(y.reshape(b, 1, d.q_size))
+            return y.reshape(b, 1, d.q_size)
         # GQA without repeating K/V: the rep query heads of one KV head become rep*S query rows
         q = q.view(b, s, d.n_kv_heads, rep, d.head_dim).permute(0, 2, 3, 1, 4).reshape(b, d.n_kv_heads, rep * s,
                                                                                           d.head_dim)
         m = mask if s == 1 else mask.repeat(rep, 1)                                           # [rep*S, T]
         y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=m)                      # [B, nkv, rep*S, hd]
-        y = y.view(b, d.n_kv_heads, rep, s, d.head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, d.q_size)
-        return self.wo(y)
+        return y.view(b, d.n_kv_heads, rep, s, d.head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, d.q_size)
 
 
 class FloatEmbedding(nn.Module):
@@ -260,6 +265,41 @@ class Block(nn.Module):
         self.register_buffer("ffn_norm", ffn_norm)
         self.window = window
         attn.window = window
+        # 64: w13's gate and up rows alternate in 64-row blocks (int4_cuda.interleave_gate_up), the layout the fused
+        # decode kernel's SiLU epilogue reads; 0: gate rows, then up rows
+        self.gate_up_block = 0
+
+    def gate_up(self, y):
+        """(gate, up) halves of w13's output."""
+        if self.gate_up_block:
+            from sdquant.kernels.int4_cuda import deinterleave_gate_up
+            return deinterleave_gate_up(y, self.gate_up_block)
+        return y.chunk(2, dim=-1)
+
+    def fused_why_not(self, m: int) -> Optional[str]:
+        """Why ``forward_fused`` cannot run M = ``m`` decode rows (None: it can): all four linears must take the fused
+        INT4 kernel at this M (``QuantLinear.fused_why_not``) and w13 must be interleaved."""
+        from sdquant.kernels.linear import QuantLinear
+        if not self.gate_up_block:
+            return "w13 is not interleaved"
+        for name, lin in (("wqkv", self.attn.wqkv), ("wo", self.attn.wo), ("w13", self.w13), ("w2", self.w2)):
+            if not isinstance(lin, QuantLinear):
+                return f"{name} is not a QuantLinear"
+            why = lin.fused_why_not(m)
+            if why is not None:
+                return f"{name}: {why}"
+        return None
+
+    def forward_fused(self, x, xg, cos, sin, mask, input_pos, next_norm):
+        """A decode step of the block through the fused INT4 kernels: x is the residual stream, xg = x * attn_norm
+        (rounded). The RMSNorms' scales, the SiLU * up and both residual adds happen in the GEMMs' prologues and
+        epilogues. Returns (x', x' * next_norm): the next block's (x, xg), or the final norm's input."""
+        eps = self.d.rms_eps
+        qkv, _ = self.attn.wqkv.forward_fused(xg, rms_x=x, eps=eps)
+        h, hg = self.attn.wo.forward_fused(self.attn.attend(qkv, cos, sin, mask, input_pos), resid=x,
+                                           gamma=self.ffn_norm)
+        a, _ = self.w13.forward_fused(hg, rms_x=h, eps=eps, silu=True)
+        return self.w2.forward_fused(a, resid=h, gamma=next_norm)
 
     def forward(self, x, cos, sin, mask, input_pos):
         h, mlp_out = self.forward_deferred(x, cos, sin, mask, input_pos, None)
@@ -274,7 +314,7 @@ class Block(nn.Module):
         if pending is not None:
             x = x + pending
         h = x + self.attn(rms_norm(x, self.attn_norm, self.d.rms_eps), cos, sin, mask, input_pos)
-        g, u = self.w13(rms_norm(h, self.ffn_norm, self.d.rms_eps)).chunk(2, dim=-1)
+        g, u = self.gate_up(self.w13(rms_norm(h, self.ffn_norm, self.d.rms_eps)))
         return h, self.w2(F.silu(g) * u)
 
 
@@ -285,6 +325,25 @@ def _block_call(block: Block, x, cos, sin, mask, input_pos, pending=None):
 def _prefill_block_call(block: Block, x, cos, sin, mask, input_pos, pending=None):
     # a code object of its own: compiled with other options than _block_call, it keeps its own dynamo cache
     return block.forward_deferred(x, cos, sin, mask, input_pos, pending)
+
+
+def _fused_block_call(block: Block, x, xg, cos, sin, mask, input_pos, next_norm):
+    return block.forward_fused(x, xg, cos, sin, mask, input_pos, next_norm)
+
+
+def _interleave_w13(w13: nn.Module, inter: int) -> Optional[nn.Module]:
+    """w13 (a QuantLinear of gate rows then up rows) with its rows in the fused kernel's interleaved order, or None
+    where that does not apply (not one QuantLinear, or features not a multiple of 64)."""
+    from sdquant.kernels.int4_cuda import FUSED_BLOCK, interleave_gate_up
+    from sdquant.kernels.linear import QuantLinear
+    from sdquant.quant.qtensor import QuantizedWeight
+    if not isinstance(w13, QuantLinear) or inter % FUSED_BLOCK or w13.out_features != 2 * inter:
+        return None
+    perm = interleave_gate_up(inter).to(w13.qweight.device)
+    pick = lambda t: None if t is None else t.index_select(0, perm)  # noqa: E731
+    qw = QuantizedWeight(pick(w13.qweight), pick(w13.scales), pick(w13.zeros), w13.bits, w13.group_size,
+                         w13.in_features, w13.g_idx)
+    return QuantLinear(qw, pick(w13.bias), w13.smooth)
 
 
 class Transformer(nn.Module):
@@ -302,16 +361,24 @@ class Transformer(nn.Module):
         self.pdl = False  # compile_decode sets it
         self._block_fn = _block_call
         self._prefill_block_fn = None   # compile_decode(scope="block") may give prompts (S > 1) their own compile
+        self._fused_block_fn = _fused_block_call
+        self.fused_decode = False       # from_spec(fused=...): decode steps through Block.forward_fused where it runs
         self._decode = self.forward
 
     # ------------------------------------------------------------------------------------- construction
     @classmethod
     def from_spec(cls, spec: DecoderSpec, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
                   kernels: str = "auto", compile: Optional[str] = None,  # noqa: A002
-                  pdl: Optional[bool] = None) -> "Transformer":
+                  pdl: Optional[bool] = None, fused: Optional[bool] = None) -> "Transformer":
         """compile: None (eager) or a torch.compile mode ("reduce-overhead": fullgraph + CUDA graphs); pdl: see
-        ``compile_decode``."""
+        ``compile_decode``. fused: decode steps of at most ``int4_cuda.FUSED_MAX_M`` rows through the fused INT4
+        kernels (``Block.forward_fused``: the RMSNorms, SiLU * up and residual adds inside the GEMMs), for INT4 layers
+        on the CUDA kernel; None (default) = where the CUDA kernel is built here, True = also where the layers only
+        run the reference (the CPU tests), False = never. w13's gate and up rows are then interleaved."""
         d = spec.dims
+        if fused is None:
+            from sdquant.kernels import int4_cuda
+            fused = torch.device(device).type == "cuda" and int4_cuda.available()
         if max_seq_len > d.max_position_embeddings:
             raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the model's max_position_embeddings "
                                              f"({d.max_position_embeddings})")
@@ -319,10 +386,15 @@ class Transformer(nn.Module):
         blocks = []
         for i, L in enumerate(spec.layers):
             wqkv, w13 = fuse_linears([L.q, L.k, L.v]), fuse_linears([L.gate, L.up])
+            w13i = _interleave_w13(w13, d.intermediate_size) if fused else None
+            w13 = w13i if w13i is not None else w13
             for m in (wqkv, L.o, w13, L.down):
                 _prepare(m, device, dtype, kernels)
             attn = Attention(d, wqkv, L.o, cast(L.q_norm), cast(L.k_norm))
             blocks.append(Block(d, attn, w13, L.down, cast(L.input_norm), cast(L.post_norm), d.sliding_window[i]))
+            if w13i is not None:
+                from sdquant.kernels.int4_cuda import FUSED_BLOCK
+                blocks[-1].gate_up_block = FUSED_BLOCK
         head = spec.lm_head
         if type(head) is nn.Linear:
             head = nn.Linear(d.hidden_size, d.vocab_size, bias=head.bias is not None, device=device, dtype=dtype)
@@ -333,14 +405,15 @@ class Transformer(nn.Module):
             _prepare(head, device, dtype, kernels)
         cos, sin = spec.rope_tables(max_seq_len)
         rt = cls(d, cast(spec.embed), blocks, cast(spec.final_norm), head, cast(cos), cast(sin)).eval()
+        rt.fused_decode = bool(fused)
         return rt.compile_decode(mode=compile, pdl=pdl) if compile else rt
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_seq_len: int = 2048, device="cpu", dtype=torch.float32,
                 kernels: str = "auto", compile: Optional[str] = None,  # noqa: A002
-                pdl: Optional[bool] = None) -> "Transformer":
+                pdl: Optional[bool] = None, fused: Optional[bool] = None) -> "Transformer":
         """From a HF causal LM of a supported family; linears may be nn.Linear, QuantLinear or Fp8Linear."""
-        return cls.from_spec(decoder_spec(model), max_seq_len, device, dtype, kernels, compile, pdl)
+        return cls.from_spec(decoder_spec(model), max_seq_len, device, dtype, kernels, compile, pdl, fused)
 
     # ------------------------------------------------------------------------------------------ caches
     def setup_caches(self, max_batch: int, max_seq: int):
@@ -369,6 +442,8 @@ class Transformer(nn.Module):
         x = self.tok(idx)                                                                     # [B, S, H]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
         masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
+        if self.fused_why_not(idx.shape[0] * idx.shape[1], idx.shape[1]) is None:
+            return self._forward_fused(x, cos, sin, masks, input_pos)
         # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
         # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
         pending = torch.zeros_like(x)
@@ -380,6 +455,31 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
+
+    def fused_why_not(self, m: int, s: int = 1) -> Optional[str]:
+        """Why a step of M = ``m`` rows (``s`` new tokens a sequence) does not go through the fused blocks (None: it
+        does). Decided when the step is traced, so a compiled step keeps its choice."""
+        if not self.fused_decode:
+            return "fused decode is off"
+        if s != 1:
+            return "a prompt (more than one new token a sequence)"
+        for i, blk in enumerate(self.layers):
+            why = blk.fused_why_not(m)
+            if why is not None:
+                return f"layer {i}: {why}"
+        return None
+
+    def _forward_fused(self, x, cos, sin, masks, input_pos):
+        layers = self.layers
+        xg = x * layers[0].attn_norm                               # the first RMSNorm's weight (the rest: in the GEMMs)
+        for i, blk in enumerate(layers):
+            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            x, xg = self._fused_block_fn(blk, x, xg, cos, sin, masks[blk.window], input_pos, nxt)
+        from sdquant.kernels.linear import QuantLinear
+        head = self.lm_head
+        if isinstance(head, QuantLinear) and head.fused_why_not(x.shape[0] * x.shape[1]) is None:
+            return head.forward_fused(xg, rms_x=x, eps=self.d.rms_eps)[0].float()
+        return head(rms_norm(x, self.norm, self.d.rms_eps)).float()
 
     def set_attention(self, impl: str) -> "Transformer":
         """Choose the decode attention implementation (see ``Attention``) for every layer."""
@@ -450,6 +550,7 @@ class Transformer(nn.Module):
             self._decode = torch.compile(self.forward, **compile_kwargs(decode_opts))
         else:
             self._block_fn = torch.compile(_block_call, **compile_kwargs(decode_opts))
+            self._fused_block_fn = torch.compile(_fused_block_call, **compile_kwargs(decode_opts))
             # prompts (S > 1) without the decode-only options, in a block of their own
             self._prefill_block_fn = None if decode_opts is base else \
                 torch.compile(_prefill_block_call, **compile_kwargs(base))

@@ -81,13 +81,15 @@ def default_rope_tables(n_positions: int, head_dim: int, theta: float = 500000.0
 
 def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch.bfloat16, group_size: int = 128,
                    symmetric: bool = True, lm_head: str = "bf16", embed: str = "bf16", max_seq_len: int = 4096,
-                   kernels: str = "auto", seed: int = 0):
+                   kernels: str = "auto", seed: int = 0, fused: Optional[bool] = None):
     """A runtime Transformer of the given shape with random weights made directly on ``device``.
 
     linears: "bf16" (nn.Linear in ``dtype``), "int4" (QuantLinear, g``group_size``), "fp8" (Fp8Linear, dynamic
     per-token activations) or "fp8-static" (Fp8Linear, per-tensor weight and a static activation scale of 8 / 448:
     the RMS-normalized unit-variance inputs of this random model stay inside the e4m3 range). lm_head: "bf16" or "int4"; embed: "bf16" or "int4" (QuantEmbedding).
     Fused qkv / gate-up weights are made fused (one [N_q+2N_kv, H] and one [2I, H] weight per layer).
+    fused: as ``Transformer.from_spec``'s (None: on for INT4 linears where the CUDA kernel is built): the random
+    gate/up weight is then read as interleaved (``Block.gate_up_block``).
     """
     from sdquant.kernels.linear import Fp8Linear, QuantLinear
     from sdquant.runtime.model import Attention, Block, QuantEmbedding, Transformer, _prepare
@@ -120,7 +122,16 @@ def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch
         emb = (torch.randn(d.vocab_size, h, device=device, generator=g) * 0.02).to(dtype)
     head = linear(d.vocab_size, h, "int4" if lm_head == "int4" else "bf16")
     cos, sin = default_rope_tables(max_seq_len, d.head_dim)
-    return Transformer(d, emb, blocks, ones(h), head, cos.to(device, dtype), sin.to(device, dtype)).eval()
+    rt = Transformer(d, emb, blocks, ones(h), head, cos.to(device, dtype), sin.to(device, dtype)).eval()
+    if fused is None:
+        from sdquant.kernels import int4_cuda
+        fused = torch.device(device).type == "cuda" and int4_cuda.available()
+    if fused and linears == "int4" and i % 64 == 0:
+        from sdquant.kernels.int4_cuda import FUSED_BLOCK
+        for blk in rt.layers:
+            blk.gate_up_block = FUSED_BLOCK
+        rt.fused_decode = True
+    return rt
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -26,6 +26,18 @@ struct SdqW4A16Params {
                        // lets the next kernel launch after its main loop (1) or right after its wait (2)
 };
 
+// The fused decode-block prologue / epilogue: the tight kernel (variants 38-41 and 43-44, group % 64 == 0, m <= 8) in a
+// build of its own (w4a16_part_fused_*.cu; the plain kernels' parameter block is unchanged). Null / zero = off;
+// applied in this order:
+struct SdqW4A16FusedParams : SdqW4A16Params {
+  const void* rms_x;   // [m, k] activation dtype: output row r scaled by rsqrt(mean(rms_x[r]^2) + rms_eps) (the RMSNorm
+  float rms_eps;       //   of the input; its weight is already multiplied into a)
+  int silu;            // 1: the weight's 64-feature blocks alternate gate, up; c gets [m, n/2] = silu(gate) * up
+  const void* resid;   // [m, n_out]: c = round(round(y) + resid) (the residual add)
+  const void* gamma;   // [n_out] with c2: c2 = round(c * gamma) (the next RMSNorm's weight)
+  void* c2;            // [m, n_out] second output, activation dtype
+};
+
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each
 // 128 of the 256 features); the others one.
 static inline int sdq_wg_ntok(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
@@ -49,6 +61,9 @@ extern "C" {
 #endif
 // Returns 0 or a cudaError_t / negative code for bad parameters (-1: shape, -2: m too large).
 int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream);
+// The same with the fused prologue / epilogue (SdqW4A16FusedParams); -1 for a variant, group, m or n it cannot run
+// (splits, partial and locks as for the plain launch of the same variant).
+int sdq_w4a16_launch_fused(const SdqW4A16FusedParams* p, cudaStream_t stream);
 // Split-K factor for this shape and variant: target2 / 2 CTAs per SM (0 = the variant's default: 2.5 per SM for
 // variant 0, every resident slot for the others); reads the SM count and the occupancy calculator.
 int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16, int variant, int target2);

@@ -71,6 +71,77 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   return out;
 }
 
+// The tight kernel with the fused decode-block prologue / epilogue (w4a16.h, SdqW4A16FusedParams): one launch, m <= 8.
+// Returns (out, out2): out [m, n] or [m, n/2] with silu; out2 (c2 = out * gamma) empty unless gamma is given.
+std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                                       torch::Tensor zeros, torch::Tensor locks, int64_t variant, int64_t target2,
+                                       int64_t pdl, c10::optional<torch::Tensor> rms_x, double rms_eps, bool silu,
+                                       c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
+              "w4a16_fused: all tensors must be on a CUDA device");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16),
+              "w4a16_fused: x must be a contiguous float16/bfloat16 [M, K] matrix");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == x.scalar_type() && scales.is_contiguous() &&
+                  zeros.is_contiguous() && scales.sizes() == zeros.sizes(),
+              "w4a16_fused: scales must be float16 and zeros of x's dtype, both contiguous [G, N/64, 8, 8]");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.is_contiguous(),
+              "w4a16_fused: qweight must be int32 [N/64, K/16, 32, 4]");
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
+  TORCH_CHECK(qweight.size(1) * 16 == k && g > 0 && k % (16 * g) == 0, "w4a16_fused: x has K=", k,
+              " but the weight holds K=", qweight.size(1) * 16, " in ", g, " groups");
+  TORCH_CHECK(m >= 1 && m <= 8, "w4a16_fused: M=", m, " (the fused kernel takes 1..8 rows)");
+  TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n / 64, "w4a16_fused: locks must be N/64 int32");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_fused: x must be 16-byte aligned");
+  const int64_t n_out = silu ? n / 2 : n;
+  auto check_act = [&](const torch::Tensor& t, int64_t cols, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == x.scalar_type() && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(0) == m && t.size(1) == cols,
+                "w4a16_fused: ", name, " must be a contiguous [", m, ", ", cols, "] tensor of x's dtype");
+  };
+  if (rms_x) {
+    check_act(*rms_x, k, "rms_x");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(rms_x->data_ptr()) % 16 == 0, "w4a16_fused: rms_x must be 16-byte aligned");
+  }
+  if (resid) check_act(*resid, n_out, "resid");
+  if (gamma)
+    TORCH_CHECK(gamma->is_cuda() && gamma->scalar_type() == x.scalar_type() && gamma->is_contiguous() &&
+                    gamma->numel() == n_out,
+                "w4a16_fused: gamma must be a contiguous [", n_out, "] vector of x's dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({m, n_out}, x.options());
+  auto out2 = gamma ? at::empty({m, n_out}, x.options()) : at::empty({0}, x.options());
+  const int group_k16 = static_cast<int>(k / 16 / g);
+  SdqW4A16FusedParams p{};
+  p.a = x.data_ptr();
+  p.b = qweight.data_ptr();
+  p.s = scales.data_ptr();
+  p.zs = zeros.data_ptr();
+  p.c = out.data_ptr();
+  p.locks = locks.data_ptr<int>();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.group_k16 = group_k16;
+  p.is_bf16 = x.scalar_type() == at::kBFloat16;
+  p.variant = static_cast<int>(variant);
+  p.pdl = static_cast<int>(pdl);
+  p.splits = sdq_w4a16_auto_splits(p.m, p.n, p.k, group_k16, p.is_bf16, p.variant, static_cast<int>(target2));
+  p.rms_x = rms_x ? rms_x->data_ptr() : nullptr;
+  p.rms_eps = static_cast<float>(rms_eps);
+  p.silu = silu ? 1 : 0;
+  p.resid = resid ? resid->data_ptr() : nullptr;
+  p.gamma = gamma ? gamma->data_ptr() : nullptr;
+  p.c2 = gamma ? out2.data_ptr() : nullptr;
+  const long long scratch = p.splits > 1 ? static_cast<long long>(p.splits) * m * n : 0;
+  at::Tensor partial;
+  if (scratch > 0) partial = at::empty({scratch}, x.options().dtype(at::kFloat));
+  p.partial = scratch > 0 ? partial.data_ptr<float>() : nullptr;
+  const int rc = sdq_w4a16_launch_fused(&p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(rc == 0, "w4a16_fused: launch failed (code ", rc, ": ",
+              rc > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc)) : "variant, group or shape not supported", ")");
+  return {out, out2};
+}
+
 int64_t auto_splits(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant,
                     int64_t target2) {
   return sdq_w4a16_auto_splits(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -115,6 +186,7 @@ int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentC
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
+  mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");

@@ -909,6 +909,51 @@ int dispatch_ks(int variant, int op, const SdqW4A16Params& p, cudaStream_t strea
 }  // namespace
 }  // namespace sdq_w4a16
 
+namespace sdq_w4a16 {
+namespace {
+// The fused tight kernel (TFused<C>, one token tile): its own launch, since its parameter block is the larger
+// SdqW4A16FusedParams. The grid, splits and scratch are the plain variant's.
+template <typename T, typename C>
+int launch_tight_fused(const SdqW4A16FusedParams& p, cudaStream_t stream) {
+  using F = TFused<C>;
+  constexpr int SMEM = tight_smem<F, 1>();
+  const auto kern = w4a16_tight_kernel<T, F, 1>;
+  static int rc = -100;  // once per instantiation
+  if (rc == -100) rc = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (rc != cudaSuccess) return rc;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
+  cfg.blockDim = dim3(C::THREADS);
+  cfg.dynamicSmemBytes = SMEM;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1] = {};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, p);
+}
+
+template <typename T>
+int dispatch_fused(int variant, const SdqW4A16FusedParams& p, cudaStream_t stream) {
+  switch (variant) {
+    case 38: return launch_tight_fused<T, V38>(p, stream);
+    case 39: return launch_tight_fused<T, V39>(p, stream);
+    case 40: return launch_tight_fused<T, V40>(p, stream);
+    case 41: return launch_tight_fused<T, V41>(p, stream);
+    case 43: return launch_tight_fused<T, V43>(p, stream);
+    case 44: return launch_tight_fused<T, V44>(p, stream);
+    default: return -1;
+  }
+}
+}  // namespace
+}  // namespace sdq_w4a16
+
+#define SDQ_W4A16_PART_FUSED(T, NAME)                                                                              \
+  extern "C" int sdq_w4a16_part_fused_##NAME(int variant, const SdqW4A16FusedParams* p, cudaStream_t stream) { \
+    return sdq_w4a16::dispatch_fused<T>(variant, *p, stream);                                                     \
+  }
+
 // One translation unit per (dtype, token tiles) so that the build compiles them in parallel.
 #define SDQ_W4A16_PART(T, NT, NAME)                                                                         \
   extern "C" int sdq_w4a16_part_##NAME(int variant, int op, const SdqW4A16Params* p, cudaStream_t stream) { \

@@ -12,6 +12,8 @@ SDQ_DECL(bf16_nt4)
 SDQ_DECL(wgmma_bf16)
 SDQ_DECL(wgmma_f16)
 #undef SDQ_DECL
+extern "C" int sdq_w4a16_part_fused_bf16(int, const SdqW4A16FusedParams*, cudaStream_t);
+extern "C" int sdq_w4a16_part_fused_f16(int, const SdqW4A16FusedParams*, cudaStream_t);
 
 namespace {
 
@@ -64,6 +66,15 @@ extern "C" int sdq_w4a16_launch(const SdqW4A16Params* p, cudaStream_t stream) {
       p->k % (p->group_k16 * 16) || (p->group_k16 % 4 && p->k % 32) || (p->group_k16 % 4 == 0 && p->k % 64))
     return -1;
   return dispatch_m(0, *p, stream);
+}
+
+extern "C" int sdq_w4a16_launch_fused(const SdqW4A16FusedParams* p, cudaStream_t stream) {
+  const int v = p->variant;
+  const bool tight = v == 38 || v == 39 || v == 40 || v == 41 || v == 43 || v == 44;
+  if (!tight || p->m < 1 || p->m > 8 || p->n % 128 || p->group_k16 % 4 || p->k % 64 || p->k % (p->group_k16 * 16) ||
+      p->splits < 1 || p->evict_first || (p->gamma == nullptr) != (p->c2 == nullptr))
+    return -1;
+  return p->is_bf16 ? sdq_w4a16_part_fused_bf16(v, p, stream) : sdq_w4a16_part_fused_f16(v, p, stream);
 }
 
 extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_bf16, int variant, int target2) {

@@ -37,12 +37,30 @@ struct TCfg {
   static constexpr int STAGES = 1, PRE = 1;
   static constexpr bool DIRECT = false;
   static constexpr int KIND = 5;
+  static constexpr bool FUSED = false;  // TFused<C>: the same loop with the fused prologue / epilogue (w4a16.h)
+  using Params = SdqW4A16Params;
   static_assert(D % 2 == 0, "the activation registers alternate by chunk parity");
 };
 constexpr int TIGHT_U = 4;  // K steps a chunk
 
+// The tight kernel with the fused decode-block prologue / epilogue (a kernel of its own, so that the plain one's code
+// does not change; instantiated for one token tile, M <= 8)
+template <typename C>
+struct TFused : C {
+  static constexpr bool FUSED = true;
+  using Params = SdqW4A16FusedParams;
+};
+
+// Dynamic shared memory: reduce_k_warps' buffer, then (fused) the RMS partials and SiLU's up fragments
 template <typename C, int NT>
-constexpr int tight_smem() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }  // reduce_k_warps' buffer
+constexpr int tight_red_bytes() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
+template <typename C, int NT>
+constexpr int tight_rms_floats() { return C::WARPS * 8 * NT; }
+template <typename C, int NT>
+constexpr int tight_smem() {
+  return tight_red_bytes<C, NT>() +
+         (C::FUSED ? 4 * (tight_rms_floats<C, NT>() + (C::WNN / 2 > 0 ? C::WNN / 2 : 1) * NT * 16 * 32) : 0);
+}
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
@@ -53,8 +71,186 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
       : "l"(p), "r"(static_cast<int>(on)));
 }
 
+// ------------------------------------------------------------------ the fused decode-block prologue / epilogue
+// (w4a16.h: p.rms_x, p.silu, p.resid, p.gamma / p.c2). A decode step's RMSNorm, SiLU * up and residual adds are
+// otherwise kernels of their own between the GEMMs (64 add + RMSNorm and 32 SiLU * up kernels a Llama-3-8B token);
+// here they cost the consumer GEMM one read of its input row (the RMS) and the producer an extra read and write in
+// its store. Off (all null) the kernel runs store_output as before.
+template <typename T>
+__device__ __forceinline__ float2 pair_f(uint32_t w) {
+  if constexpr (std::is_same<T, half>::value) return __half22float2(*reinterpret_cast<const half2*>(&w));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+template <typename T>
+__device__ __forceinline__ float one_f(T v) {
+  if constexpr (std::is_same<T, half>::value) return __half2float(v);
+  else return __bfloat162float(v);
+}
+
+// Each warp's share of every row's sum of squares of p.rms_x: part[warp * ROWS + row] (a fixed order: the same bits
+// every run). Read after a barrier by rms_scale.
+template <typename T, int THREADS, int ROWS>
+__device__ __forceinline__ void rms_partials(const SdqW4A16FusedParams& p, float* part) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k8 = p.k / 8;  // 16-byte words a row
+  const uint4* src = reinterpret_cast<const uint4*>(p.rms_x);
+  for (int r = 0; r < p.m; ++r) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < k8; i += THREADS) {
+      const uint4 v = __ldg(src + static_cast<size_t>(r) * k8 + i);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = pair_f<T>(w[j]);
+        s = fmaf(f.x, f.x, s);
+        s = fmaf(f.y, f.y, s);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) part[warp * ROWS + r] = s;
+  }
+}
+
+template <int WARPS, int ROWS>
+__device__ __forceinline__ float rms_scale(const SdqW4A16FusedParams& p, const float* part, int row) {
+  if (p.rms_x == nullptr) return 1.f;
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) s += part[w * ROWS + row];
+  return rsqrtf(s / static_cast<float>(p.k) + p.rms_eps);
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+// Two adjacent outputs (row, oc), (row, oc + 1) of value v: rounded, the residual added, the second output scaled.
+template <typename T>
+__device__ __forceinline__ void fused_write2(const SdqW4A16FusedParams& p, int row, int oc, float2 v) {
+  using O = Ops<T>;
+  using T2 = typename O::T2;
+  const int nout = p.silu ? p.n / 2 : p.n;
+  const size_t at = static_cast<size_t>(row) * nout + oc;
+  T2 y = O::pack(v.x, v.y);
+  if (p.resid != nullptr) {
+    const float2 d = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
+    const float2 r = pair_f<T>(*reinterpret_cast<const uint32_t*>(reinterpret_cast<const T*>(p.resid) + at));
+    y = O::pack(d.x + r.x, d.y + r.y);
+  }
+  *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c) + at) = y;
+  if (p.c2 != nullptr) {
+    const float2 h = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
+    const float2 g = pair_f<T>(*reinterpret_cast<const uint32_t*>(reinterpret_cast<const T*>(p.gamma) + oc));
+    *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c2) + at) = O::pack(h.x * g.x, h.y * g.y);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void fused_write1(const SdqW4A16FusedParams& p, int row, int oc, float v) {
+  const int nout = p.silu ? p.n / 2 : p.n;
+  const size_t at = static_cast<size_t>(row) * nout + oc;
+  T y = Ops<T>::one(v);
+  if (p.resid != nullptr) y = Ops<T>::one(one_f<T>(y) + one_f<T>(reinterpret_cast<const T*>(p.resid)[at]));
+  reinterpret_cast<T*>(p.c)[at] = y;
+  if (p.c2 != nullptr)
+    reinterpret_cast<T*>(p.c2)[at] = Ops<T>::one(one_f<T>(y) * one_f<T>(reinterpret_cast<const T*>(p.gamma)[oc]));
+}
+
+// store_output with the fused epilogue. One split: the writers' fragments go straight out (with SiLU, the up warp of
+// each (gate, up) block pair hands its fragment to the gate warp through `xbuf`); more: fp32 partials as
+// store_output, and the last CTA of the tile sums them and writes through fused_write2.
+template <typename T, int NT, int WNN, int WARPS, int THREADS>
+__device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const float (&acc)[NT][4][4], bool writer, int wn,
+                                            int nb, int split, int& s_last, const float* part, float* xbuf) {
+  constexpr int ROWS = 8 * NT;
+  const int m = p.m, n = p.n;
+  const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  if (p.rms_x != nullptr) __syncthreads();  // every warp's rms_partials are in
+  if (p.splits == 1) {
+    if (p.silu) {
+      if (writer && (wn & 1)) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xbuf[(((wn / 2) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
+      }
+      __syncthreads();
+      if (!writer || (wn & 1)) return;
+    } else if (!writer) {
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int tok = nt * 8 + 2 * t4 + e1;
+        if (tok >= m) continue;
+        const float rs = rms_scale<WARPS, ROWS>(p, part, tok);
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int e = 2 * e2 + e1;
+            float v = acc[nt][w][e] * rs;
+            int oc = nb * 64 + 16 * w + 8 * e2 + g8;
+            if (p.silu) {
+              v = silu_mul(v, xbuf[(((wn / 2) * NT + nt) * 16 + w * 4 + e) * 32 + lane] * rs);
+              oc = (nb / 2) * 64 + 16 * w + 8 * e2 + g8;
+            }
+            fused_write1<T>(p, tok, oc, v);
+          }
+      }
+    return;
+  }
+  float* pout = p.partial + static_cast<size_t>(split) * m * n;
+  if (writer) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t4 + (e & 1);
+          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+          if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
+        }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int col0 = blockIdx.x * WNN * 64;
+  const int ncols = min(WNN * 64, n - col0);
+  auto sum2 = [&](int row, int col) {  // fixed split order: the result does not depend on arrival order
+    float2 s = make_float2(0.f, 0.f);
+    for (int q = 0; q < p.splits; ++q) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(q) * m + row) * n + col));
+      s.x += v.x;
+      s.y += v.y;
+    }
+    return s;
+  };
+  const int pairs = (p.silu ? ncols / 2 : ncols) / 2;  // output column pairs of this tile
+  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
+    const int row = i / pairs, j = 2 * (i % pairs);
+    const float rs = rms_scale<WARPS, ROWS>(p, part, row);
+    if (p.silu) {  // output j of this tile: gate column 128 * (j / 64) + j % 64, up 64 past it
+      const int gc = col0 + 128 * (j / 64) + j % 64;
+      const float2 g = sum2(row, gc), u = sum2(row, gc + 64);
+      fused_write2<T>(p, row, col0 / 2 + j,
+                      make_float2(silu_mul(g.x * rs, u.x * rs), silu_mul(g.y * rs, u.y * rs)));
+    } else {
+      const float2 v = sum2(row, col0 + j);
+      fused_write2<T>(p, row, col0 + j, make_float2(v.x * rs, v.y * rs));
+    }
+  }
+  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;
+}
+
 template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const typename C::Params p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U;
   constexpr bool RAW = C::RAW != 0;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -161,6 +357,10 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   if (nc > 0) load_group_sz(p, grp, nblk, nb, g8, s_next, z_next);
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();
+  if constexpr (C::FUSED) {
+    if (p.rms_x != nullptr)
+      rms_partials<T, C::THREADS, 8 * NT>(p, reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>()));
+  }
   if (nc > 0) {
     load_x(0, xq[0]);
     begin();
@@ -196,5 +396,11 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
-  store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
+  if constexpr (C::FUSED) {
+    float* rms = reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>());
+    store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last, rms,
+                                                  rms + tight_rms_floats<C, NT>());
+  } else {
+    store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
+  }
 }
