@@ -74,6 +74,10 @@ VARIANTS = {
                                    tuned=True),
     # the INT4 default (int4all-compiled-pdl-early) with the --int4-tuned JSON's configs: e.g. the previous
     # defaults (bench/results/int4_defaults_before_tight.json), for a same-process A/B of a table change
+    # the INT4 default without the fused decode blocks (Transformer.fused_decode: RMSNorm, SiLU * up and the residual
+    # adds inside the tight INT4 kernel at M <= 8): the same-run baseline of that fusion
+    "int4all-compiled-pdl-early-unfused": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                               pdl="all", fused=False),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -150,6 +154,53 @@ def check_compiled(rt, args, dev, batch=1) -> float:
                 worst = max(worst, float((c.float() - e.float()).norm() / e.float().norm()))
             x, pending = he, me
     return worst
+
+
+def check_fused(rt, args, dev, batches=(1, 8)) -> dict:
+    """Relative error of the fused decode blocks (Block.forward_fused, eager and as compiled) against the unfused
+    eager block on the same inputs and cache state, one block at a time (as check_compiled), at each batch size, with
+    random RMSNorm weights (the random model's are ones, which would not test their place in the fused kernels): the
+    block's output x' and the next block's input x' * next_norm."""
+    from sdquant.runtime.model import _block_call, _fused_block_call
+    out = {}
+    d = rt.d
+    g = torch.Generator(device=dev).manual_seed(1)
+    saved = [(blk.attn_norm, blk.ffn_norm) for blk in rt.layers]
+    try:
+        for blk in rt.layers:
+            blk.attn_norm = (1 + 0.3 * torch.randn(d.hidden_size, device=dev, generator=g)).to(blk.attn_norm.dtype)
+            blk.ffn_norm = (1 + 0.3 * torch.randn(d.hidden_size, device=dev, generator=g)).to(blk.ffn_norm.dtype)
+        for b in batches:
+            why = rt.fused_why_not(b)
+            if why is not None:
+                out[f"B{b}"] = f"not fused: {why}"
+                continue
+            rt.setup_caches(b, args.max_seq)
+            worst_e, worst_c = 0.0, 0.0
+            with torch.no_grad():
+                for blk in rt.layers:
+                    blk.attn.kv_cache.kv.normal_()
+                pos = torch.tensor([args.max_seq // 2], device=dev)
+                cos, sin = rt.rope_cos[pos], rt.rope_sin[pos]
+                x = torch.randn(b, 1, d.hidden_size, device=dev, dtype=rt.norm.dtype)
+                for i, blk in enumerate(rt.layers):
+                    nxt = rt.layers[i + 1].attn_norm if i + 1 < len(rt.layers) else rt.norm
+                    mask = rt.masks[blk.window][pos]
+                    xg = x * blk.attn_norm
+                    fe, fge = _fused_block_call(blk, x, xg, cos, sin, mask, pos, nxt)
+                    fc, fgc = rt._fused_block_fn(blk, x, xg, cos, sin, mask, pos, nxt)
+                    h, mlp = _block_call(blk, x, cos, sin, mask, pos, None)
+                    ref = h + mlp
+                    for a, r in ((fe, ref), (fge, ref * nxt)):
+                        worst_e = max(worst_e, float((a.float() - r.float()).norm() / r.float().norm()))
+                    for a, r in ((fc, fe), (fgc, fge)):
+                        worst_c = max(worst_c, float((a.float() - r.float()).norm() / r.float().norm()))
+                    x = ref
+            out[f"B{b}"] = {"fused_vs_unfused": worst_e, "compiled_vs_eager": worst_c}
+    finally:
+        for blk, (a, f) in zip(rt.layers, saved):
+            blk.attn_norm, blk.ffn_norm = a, f
+    return out
 
 
 def bench_prefill(rt, args, dev):
@@ -305,7 +356,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")))
+           str(spec.get("inductor")), spec.get("fused"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -317,7 +368,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     t0 = time.perf_counter()
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
-                        group_size=args.group_size)
+                        group_size=args.group_size, fused=spec.get("fused"))
     if spec.get("layouts", "one") != "one":
         from sdquant.kernels.linear import QuantLinear
         for m in rt.modules():
@@ -353,6 +404,13 @@ def _run_variant(name, spec, args, dev, dtype, dims):
             res["compiled_vs_eager_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"  {name} compiled vs eager block, worst over the layers: rel. error {res['compiled_vs_eager_rel_err']}",
               flush=True)
+        res["fused_decode"] = bool(rt.fused_decode)
+        if rt.fused_decode:
+            try:
+                res["fused_check_rel_err"] = check_fused(rt, args, dev)
+            except Exception as e:
+                res["fused_check_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  {name} fused decode blocks, worst over the layers: {res['fused_check_rel_err']}", flush=True)
     graph = spec["graph"] and dev.type == "cuda"
     from torch._dynamo.utils import counters
     graphs0 = counters["stats"]["unique_graphs"]
