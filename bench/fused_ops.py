@@ -11,6 +11,7 @@ calls, median of trials).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -59,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args(argv)
+    faulthandler.enable()
     dev = torch.device("cuda")
     from sdquant.kernels import int4_cuda as ic
     t0 = time.time()
@@ -96,20 +98,6 @@ def main(argv=None):
                             log(f"FAIL {dtype} {k}x{n} {mode} M={m} cfg={cfg} splits={splits}: {e:.3g} {e2:.3g}")
             del lay, qw
     log(f"checks: {len(res['checks'])} points, {fails} failed, worst rel. error {worst:.3g}")
-    # bad input: refused with an error, no launch
-    bad = {}
-    qw = gemm.random_int4(4096, 4096, device=dev, seed=1)
-    lay = int4_layout.repack_cuda(qw, torch.bfloat16)
-    for name, m, cfg in (("M=9", 9, -1), ("variant 10", 1, 10)):
-        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
-        try:
-            torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"], x, 1e-5,
-                                               False, None, None, cfg)
-            bad[name] = "accepted (wrong)"
-        except Exception as e:  # noqa: BLE001
-            bad[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    res["bad_input"] = bad
-    log(f"bad input: {bad}")
     if not args.no_time:
         dtype = torch.bfloat16
         for (k, n, mode) in TIME_SHAPES:
@@ -137,6 +125,21 @@ def main(argv=None):
                 log(f"  {k}x{n} {mode} M={m} cfg {cfg}: plain {tp:.2f} us, fused {tf:.2f} us ({tf / tp:.3f}x)")
             del lays, base, qw
             torch.cuda.empty_cache()
+    # bad input: refused with an error, no launch
+    bad = {}
+    qw = gemm.random_int4(4096, 4096, device=dev, seed=1)
+    lay = int4_layout.repack_cuda(qw, torch.bfloat16)
+    for name, m, cfg in (("M=9", 9, -1), ("variant 10", 1, 10)):
+        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+        log(f"bad input {name} ...")
+        try:
+            torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"], x, 1e-5,
+                                               False, None, None, cfg)
+            bad[name] = "accepted (wrong)"
+        except Exception as e:  # noqa: BLE001
+            bad[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    res["bad_input"] = bad
+    log(f"bad input: {bad}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fused_ops.json").write_text(json.dumps(res, indent=1))
