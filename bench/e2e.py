@@ -161,6 +161,7 @@ def check_fused(rt, args, dev, batches=(1, 8)) -> dict:
     eager block on the same inputs and cache state, one block at a time (as check_compiled), at each batch size, with
     random RMSNorm weights (the random model's are ones, which would not test their place in the fused kernels): the
     block's output x' and the next block's input x' * next_norm."""
+    from sdquant.kernels.int4_cuda import block_sumsq
     from sdquant.runtime.model import _block_call, _fused_block_call
     out = {}
     d = rt.d
@@ -186,9 +187,9 @@ def check_fused(rt, args, dev, batches=(1, 8)) -> dict:
                 for i, blk in enumerate(rt.layers):
                     nxt = rt.layers[i + 1].attn_norm if i + 1 < len(rt.layers) else rt.norm
                     mask = rt.masks[blk.window][pos]
-                    xg = x * blk.attn_norm
-                    fe, fge = _fused_block_call(blk, x, xg, cos, sin, mask, pos, nxt)
-                    fc, fgc = rt._fused_block_fn(blk, x, xg, cos, sin, mask, pos, nxt)
+                    xg, ss = x * blk.attn_norm, block_sumsq(x)
+                    fe, fge, _ = _fused_block_call(blk, x, xg, ss, cos, sin, mask, pos, nxt)
+                    fc, fgc, _ = rt._fused_block_fn(blk, x, xg, ss, cos, sin, mask, pos, nxt)
                     h, mlp = _block_call(blk, x, cos, sin, mask, pos, None)
                     ref = h + mlp
                     for a, r in ((fe, ref), (fge, ref * nxt)):

@@ -455,12 +455,13 @@ def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False,
 # The fused decode-block op (csrc/w4a16_tight.cuh's TFused kernel, w4a16.h's SdqW4A16FusedParams). A batch-1 decode step
 # otherwise runs an add + RMSNorm kernel before qkv and gate/up and a SiLU * up kernel before down, each a few
 # microseconds of launch and latency for 8-28 KB of data; here the GEMMs absorb them:
-#   consumer (qkv, gate/up, lm_head): x = h * norm_weight (written by the producer), rms_x = h:
-#       y = rsqrt(mean(h^2) + eps) * (x @ W.T)             (the RMSNorm, its weight applied to x beforehand)
-#       silu: W's 64-row blocks alternate gate, up (interleave_gate_up): y = silu(y_gate) * y_up, half as wide
-#   producer (o, down): y = round(x @ W.T) + resid; y2 = round(y * gamma)   (the residual add and the next norm's input)
+#   producer (o, down; resid, gamma): y = round(x @ W.T) + resid; y2 = round(y * gamma) (the next RMSNorm's input with
+#       its weight applied); ss = the sums of squares of y's 64-column blocks [..., N / 64] fp32 (its statistic, in parts)
+#   consumer (qkv, gate/up, lm_head; rms_ss = a producer's ss): y = rsqrt(sum(rms_ss) / K + eps) * (x @ W.T), x being
+#       the producer's y2; silu: W's 64-row blocks alternate gate, up (interleave_gate_up): y = silu(y_gate) * y_up
 FUSED_MAX_M = 8
-FUSED_BLOCK = 64  # the gate / up interleave of a silu consumer: 64-feature blocks (the kernel's block)
+FUSED_BLOCK = 64  # the gate / up interleave of a silu consumer, and the producer's sum-of-squares blocks
+FUSED_T_MAX = 256  # partial sums a row the consumer takes (an RMSNorm input of up to 16384 features)
 
 
 def fused_config(m: int, n: int, k: int, dtype=torch.bfloat16) -> int:
@@ -497,32 +498,40 @@ def deinterleave_gate_up(y: torch.Tensor, block: int = FUSED_BLOCK):
     return v[..., 0, :].reshape(*lead, n // 2), v[..., 1, :].reshape(*lead, n // 2)
 
 
-def fused_reference(x2, qweight, scales, zeros, rms_x, rms_eps, silu, resid, gamma):
+def block_sumsq(y: torch.Tensor, block: int = FUSED_BLOCK) -> torch.Tensor:
+    """[..., N] -> fp32 [..., N / block]: the sums of squares of y's column blocks (a producer's ``ss``; one block of
+    any width for the first layer's input)."""
+    yf = y.float()
+    return yf.pow(2).reshape(*y.shape[:-1], -1, block).sum(-1)
+
+
+def fused_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, silu, resid, gamma):
     """The fused op's maths in PyTorch (CPU tensors, and the tests' reference): fp32 products and the kernel's rounding
-    order."""
+    order. Returns (y, y2, ss) with y2 and ss empty without gamma."""
     layout = {"qweight": qweight, "scales": scales, "zeros": zeros, "perm": None}
     y = x2.float() @ int4_layout.dequantize_cuda(layout).float().t()
-    if rms_x is not None:
-        xf = rms_x.float()
-        y = y * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    if rms_ss is not None:
+        y = y * torch.rsqrt(rms_ss.float().sum(-1, keepdim=True) / x2.shape[-1] + rms_eps)
     if silu:
         g, u = deinterleave_gate_up(y)
         y = torch.nn.functional.silu(g) * u
     out = y.to(x2.dtype)
     if resid is not None:
         out = (out.float() + resid.float()).to(x2.dtype)
-    out2 = (out.float() * gamma.float()).to(x2.dtype) if gamma is not None else out.new_empty((0,))
-    return out, out2
+    if gamma is None:
+        return out, out.new_empty((0,)), out.new_empty((0,), dtype=torch.float32)
+    return out, (out.float() * gamma.float()).to(x2.dtype), block_sumsq(out)
 
 
 @torch.library.custom_op("sdquant::w4a16_cuda_fused", mutates_args=())
 def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     locks: torch.Tensor, rms_x: Optional[torch.Tensor], rms_eps: float, silu: bool,
+                     locks: torch.Tensor, rms_ss: Optional[torch.Tensor], rms_eps: float, silu: bool,
                      resid: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
-                     config: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, y2) over the CUDA fragment layout with the fused RMSNorm / SiLU / residual ends (see above). x [..., K]
-    with at most ``FUSED_MAX_M`` rows; rms_x like x; resid [..., N_out]; gamma [N_out]; y2 is empty without gamma.
-    N_out = N / 2 with ``silu``. config: a tight variant (+ 64 * target), -1 = ``fused_config``."""
+                     config: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, y2, ss) over the CUDA fragment layout with the fused RMSNorm / SiLU / residual ends (see above). x [..., K]
+    with at most ``FUSED_MAX_M`` rows; rms_ss fp32 [..., T] (T <= 256); resid [..., N_out]; gamma [N_out]; y2 and ss
+    (fp32 [..., N_out / 64]) are empty without gamma. N_out = N / 2 with ``silu``. config: a tight variant
+    (+ 64 * target), -1 = ``fused_config``."""
     k, n = _check(x, qweight, scales, zeros, None)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -530,15 +539,19 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     why = fused_supported(m, n, k, k // scales.shape[0])
     if why is not None:
         raise ShapeError(f"w4a16_cuda_fused: {why}")
-    r2 = None if rms_x is None else rms_x.reshape(-1, k)
+    if config >= 0 and config % 64 not in TIGHT_VARIANTS:
+        raise ShapeError(f"w4a16_cuda_fused: config {config} is not a tight-kernel variant {TIGHT_VARIANTS}")
+    s2 = None if rms_ss is None else rms_ss.reshape(m, -1)
     d2 = None if resid is None else resid.reshape(-1, n_out)
-    if (r2 is not None and r2.shape[0] != m) or (d2 is not None and d2.shape[0] != m):
-        raise ShapeError(f"w4a16_cuda_fused: rms_x / resid must have the {m} rows of x")
+    if s2 is not None and not 1 <= s2.shape[1] <= FUSED_T_MAX:
+        raise ShapeError(f"w4a16_cuda_fused: rms_ss has {s2.shape[1]} partial sums a row (1..{FUSED_T_MAX})")
+    if d2 is not None and d2.shape[0] != m:
+        raise ShapeError(f"w4a16_cuda_fused: resid must have the {m} rows of x")
     if gamma is not None and gamma.numel() != n_out:
         raise ShapeError(f"w4a16_cuda_fused: gamma has {gamma.numel()} values, the output {n_out} columns")
     ext = extension() if x.is_cuda else None
     if ext is None:
-        y, y2 = fused_reference(x2, qweight, scales, zeros, r2, rms_eps, silu, d2, gamma)
+        y, y2, ss = fused_reference(x2, qweight, scales, zeros, s2, rms_eps, silu, d2, gamma)
     else:
         if config < 0:
             config = fused_config(m, n, k, x.dtype)
@@ -547,16 +560,19 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x2 = x2.contiguous()
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        r2 = cont(r2)
-        if r2 is not None and r2.data_ptr() % 16:
-            r2 = r2.clone()
-        y, y2 = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0], r2, float(rms_eps),
-                                bool(silu), cont(d2), cont(gamma))
-    return y.reshape(*lead, n_out), (y2.reshape(*lead, n_out) if gamma is not None else y2)
+        y, y2, ss = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
+                                    None if s2 is None else s2.float().contiguous(), float(rms_eps), bool(silu),
+                                    cont(d2), cont(gamma))
+    if gamma is None:
+        return y.reshape(*lead, n_out), y2, ss
+    return y.reshape(*lead, n_out), y2.reshape(*lead, n_out), ss.reshape(*lead, n_out // FUSED_BLOCK)
 
 
 @w4a16_cuda_fused.register_fake
-def _(x, qweight, scales, zeros, locks, rms_x, rms_eps, silu, resid, gamma, config=-1):
+def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, silu, resid, gamma, config=-1):
     n_out = qweight.shape[0] * 64 // (2 if silu else 1)
     y = x.new_empty((*x.shape[:-1], n_out))
-    return y, (x.new_empty((*x.shape[:-1], n_out)) if gamma is not None else x.new_empty((0,)))
+    if gamma is None:
+        return y, x.new_empty((0,)), x.new_empty((0,), dtype=torch.float32)
+    return y, x.new_empty((*x.shape[:-1], n_out)), x.new_empty((*x.shape[:-1], n_out // FUSED_BLOCK),
+                                                                dtype=torch.float32)

@@ -380,19 +380,17 @@ class QuantLinear(_Prepared):
         from sdquant.kernels import int4_cuda
         return int4_cuda.fused_supported(m, self.out_features, self.in_features, self.group_size)
 
-    def forward_fused(self, x: torch.Tensor, rms_x: Optional[torch.Tensor] = None, eps: float = 0.0,
+    def forward_fused(self, x: torch.Tensor, rms_ss: Optional[torch.Tensor] = None, eps: float = 0.0,
                       silu: bool = False, resid: Optional[torch.Tensor] = None,
                       gamma: Optional[torch.Tensor] = None):
-        """``sdquant::w4a16_cuda_fused`` on this layer's CUDA layout: (y, y2), see ``int4_cuda``'s fused op. Check
+        """``sdquant::w4a16_cuda_fused`` on this layer's CUDA layout: (y, y2, ss), see ``int4_cuda``'s fused op. Check
         ``fused_why_not`` first; ``silu`` needs the gate/up rows interleaved (``int4_cuda.interleave_gate_up``)."""
         from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
         lay = {attr[len("cuda") + 2:]: getattr(self, attr) for attr in self._layout_keys["cuda"]}
         m = x.numel() // self.in_features
-        n = self.out_features
+        cfg = int4_cuda.fused_config(m, self.out_features, self.in_features, x.dtype) if x.is_cuda else -1
         return torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"],
-                                                  rms_x, float(eps), bool(silu), resid, gamma,
-                                                  int4_cuda.fused_config(m, n, self.in_features, x.dtype)
-                                                  if x.is_cuda else -1)
+                                                  rms_ss, float(eps), bool(silu), resid, gamma, cfg)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

@@ -290,15 +290,16 @@ class Block(nn.Module):
                 return f"{name}: {why}"
         return None
 
-    def forward_fused(self, x, xg, cos, sin, mask, input_pos, next_norm):
+    def forward_fused(self, x, xg, ss, cos, sin, mask, input_pos, next_norm):
         """A decode step of the block through the fused INT4 kernels: x is the residual stream, xg = x * attn_norm
-        (rounded). The RMSNorms' scales, the SiLU * up and both residual adds happen in the GEMMs' prologues and
-        epilogues. Returns (x', x' * next_norm): the next block's (x, xg), or the final norm's input."""
+        (rounded) and ss the sums of squares of x in column blocks (fp32 [..., T]). The RMSNorms' scales, the SiLU * up
+        and both residual adds happen in the GEMMs' prologues and epilogues. Returns (x', x' * next_norm, ss'): the
+        next block's (x, xg, ss), or the final norm's."""
         eps = self.d.rms_eps
-        qkv, _ = self.attn.wqkv.forward_fused(xg, rms_x=x, eps=eps)
-        h, hg = self.attn.wo.forward_fused(self.attn.attend(qkv, cos, sin, mask, input_pos), resid=x,
-                                           gamma=self.ffn_norm)
-        a, _ = self.w13.forward_fused(hg, rms_x=h, eps=eps, silu=True)
+        qkv = self.attn.wqkv.forward_fused(xg, rms_ss=ss, eps=eps)[0]
+        h, hg, hss = self.attn.wo.forward_fused(self.attn.attend(qkv, cos, sin, mask, input_pos), resid=x,
+                                                gamma=self.ffn_norm)
+        a = self.w13.forward_fused(hg, rms_ss=hss, eps=eps, silu=True)[0]
         return self.w2.forward_fused(a, resid=h, gamma=next_norm)
 
     def forward(self, x, cos, sin, mask, input_pos):
@@ -327,8 +328,8 @@ def _prefill_block_call(block: Block, x, cos, sin, mask, input_pos, pending=None
     return block.forward_deferred(x, cos, sin, mask, input_pos, pending)
 
 
-def _fused_block_call(block: Block, x, xg, cos, sin, mask, input_pos, next_norm):
-    return block.forward_fused(x, xg, cos, sin, mask, input_pos, next_norm)
+def _fused_block_call(block: Block, x, xg, ss, cos, sin, mask, input_pos, next_norm):
+    return block.forward_fused(x, xg, ss, cos, sin, mask, input_pos, next_norm)
 
 
 def _interleave_w13(w13: nn.Module, inter: int) -> Optional[nn.Module]:
@@ -470,15 +471,17 @@ class Transformer(nn.Module):
         return None
 
     def _forward_fused(self, x, cos, sin, masks, input_pos):
+        from sdquant.kernels.int4_cuda import block_sumsq
         layers = self.layers
-        xg = x * layers[0].attn_norm                               # the first RMSNorm's weight (the rest: in the GEMMs)
+        # the first RMSNorm's weight and statistic (the others': in the GEMMs' epilogues)
+        xg, ss = x * layers[0].attn_norm, block_sumsq(x, x.shape[-1])
         for i, blk in enumerate(layers):
             nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, xg = self._fused_block_fn(blk, x, xg, cos, sin, masks[blk.window], input_pos, nxt)
+            x, xg, ss = self._fused_block_fn(blk, x, xg, ss, cos, sin, masks[blk.window], input_pos, nxt)
         from sdquant.kernels.linear import QuantLinear
         head = self.lm_head
         if isinstance(head, QuantLinear) and head.fused_why_not(x.shape[0] * x.shape[1]) is None:
-            return head.forward_fused(xg, rms_x=x, eps=self.d.rms_eps)[0].float()
+            return head.forward_fused(xg, rms_ss=ss, eps=self.d.rms_eps)[0].float()
         return head(rms_norm(x, self.norm, self.d.rms_eps)).float()
 
     def set_attention(self, impl: str) -> "Transformer":

@@ -30,12 +30,14 @@ struct SdqW4A16Params {
 // build of its own (w4a16_part_fused_*.cu; the plain kernels' parameter block is unchanged). Null / zero = off;
 // applied in this order:
 struct SdqW4A16FusedParams : SdqW4A16Params {
-  const void* rms_x;   // [m, k] activation dtype: output row r scaled by rsqrt(mean(rms_x[r]^2) + rms_eps) (the RMSNorm
-  float rms_eps;       //   of the input; its weight is already multiplied into a)
-  int silu;            // 1: the weight's 64-feature blocks alternate gate, up; c gets [m, n/2] = silu(gate) * up
-  const void* resid;   // [m, n_out]: c = round(round(y) + resid) (the residual add)
-  const void* gamma;   // [n_out] with c2: c2 = round(c * gamma) (the next RMSNorm's weight)
-  void* c2;            // [m, n_out] second output, activation dtype
+  const float* rms_ss;  // [m, rms_t] fp32 partial sums of squares of the RMSNorm's input rows (a producer's ss_out):
+  int rms_t;            //   output row r scaled by rsqrt(sum(rms_ss[r]) / k + rms_eps) (the norm's weight is already
+  float rms_eps;        //   multiplied into a); rms_t <= 256
+  int silu;             // 1: the weight's 64-feature blocks alternate gate, up; c gets [m, n/2] = silu(gate) * up
+  const void* resid;    // [m, n_out]: c = round(round(y) + resid) (the residual add)
+  const void* gamma;    // [n_out] with c2: c2 = round(c * gamma) (the next RMSNorm's weight)
+  void* c2;             // [m, n_out] second output, activation dtype
+  float* ss_out;        // [m, n_out / 64] fp32 or null: the sums of squares of c's 64-column blocks (the next rms_ss)
 };
 
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each

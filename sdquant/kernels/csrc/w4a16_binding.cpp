@@ -72,10 +72,11 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
 }
 
 // The tight kernel with the fused decode-block prologue / epilogue (w4a16.h, SdqW4A16FusedParams): one launch, m <= 8.
-// Returns (out, out2): out [m, n] or [m, n/2] with silu; out2 (c2 = out * gamma) empty unless gamma is given.
+// Returns (out, out2, ss_out): out [m, n] or [m, n/2] with silu; out2 = out * gamma and ss_out [m, n_out/64] fp32 (the
+// sums of squares of out's 64-column blocks) when gamma is given, else empty.
 std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                        torch::Tensor zeros, torch::Tensor locks, int64_t variant, int64_t target2,
-                                       int64_t pdl, c10::optional<torch::Tensor> rms_x, double rms_eps, bool silu,
+                                       int64_t pdl, c10::optional<torch::Tensor> rms_ss, double rms_eps, bool silu,
                                        c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
               "w4a16_fused: all tensors must be on a CUDA device");
@@ -93,23 +94,23 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n / 64, "w4a16_fused: locks must be N/64 int32");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_fused: x must be 16-byte aligned");
   const int64_t n_out = silu ? n / 2 : n;
-  auto check_act = [&](const torch::Tensor& t, int64_t cols, const char* name) {
-    TORCH_CHECK(t.is_cuda() && t.scalar_type() == x.scalar_type() && t.is_contiguous() && t.dim() == 2 &&
-                    t.size(0) == m && t.size(1) == cols,
-                "w4a16_fused: ", name, " must be a contiguous [", m, ", ", cols, "] tensor of x's dtype");
-  };
-  if (rms_x) {
-    check_act(*rms_x, k, "rms_x");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(rms_x->data_ptr()) % 16 == 0, "w4a16_fused: rms_x must be 16-byte aligned");
-  }
-  if (resid) check_act(*resid, n_out, "resid");
+  if (rms_ss)
+    TORCH_CHECK(rms_ss->is_cuda() && rms_ss->scalar_type() == at::kFloat && rms_ss->is_contiguous() &&
+                    rms_ss->dim() == 2 && rms_ss->size(0) == m && rms_ss->size(1) >= 1 && rms_ss->size(1) <= 256,
+                "w4a16_fused: rms_ss must be a contiguous float32 [", m, ", T] tensor, 1 <= T <= 256");
+  if (resid)
+    TORCH_CHECK(resid->is_cuda() && resid->scalar_type() == x.scalar_type() && resid->is_contiguous() &&
+                    resid->dim() == 2 && resid->size(0) == m && resid->size(1) == n_out &&
+                    reinterpret_cast<uintptr_t>(resid->data_ptr()) % 4 == 0,
+                "w4a16_fused: resid must be a contiguous [", m, ", ", n_out, "] tensor of x's dtype");
   if (gamma)
     TORCH_CHECK(gamma->is_cuda() && gamma->scalar_type() == x.scalar_type() && gamma->is_contiguous() &&
-                    gamma->numel() == n_out,
+                    gamma->numel() == n_out && reinterpret_cast<uintptr_t>(gamma->data_ptr()) % 4 == 0,
                 "w4a16_fused: gamma must be a contiguous [", n_out, "] vector of x's dtype");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n_out}, x.options());
   auto out2 = gamma ? at::empty({m, n_out}, x.options()) : at::empty({0}, x.options());
+  auto ss_out = gamma ? at::empty({m, n_out / 64}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
   const int group_k16 = static_cast<int>(k / 16 / g);
   SdqW4A16FusedParams p{};
   p.a = x.data_ptr();
@@ -126,12 +127,14 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   p.variant = static_cast<int>(variant);
   p.pdl = static_cast<int>(pdl);
   p.splits = sdq_w4a16_auto_splits(p.m, p.n, p.k, group_k16, p.is_bf16, p.variant, static_cast<int>(target2));
-  p.rms_x = rms_x ? rms_x->data_ptr() : nullptr;
+  p.rms_ss = rms_ss ? rms_ss->data_ptr<float>() : nullptr;
+  p.rms_t = rms_ss ? static_cast<int>(rms_ss->size(1)) : 0;
   p.rms_eps = static_cast<float>(rms_eps);
   p.silu = silu ? 1 : 0;
   p.resid = resid ? resid->data_ptr() : nullptr;
   p.gamma = gamma ? gamma->data_ptr() : nullptr;
   p.c2 = gamma ? out2.data_ptr() : nullptr;
+  p.ss_out = gamma ? ss_out.data_ptr<float>() : nullptr;
   const long long scratch = p.splits > 1 ? static_cast<long long>(p.splits) * m * n : 0;
   at::Tensor partial;
   if (scratch > 0) partial = at::empty({scratch}, x.options().dtype(at::kFloat));
@@ -139,7 +142,7 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   const int rc = sdq_w4a16_launch_fused(&p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(rc == 0, "w4a16_fused: launch failed (code ", rc, ": ",
               rc > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc)) : "variant, group or shape not supported", ")");
-  return {out, out2};
+  return {out, out2, ss_out};
 }
 
 int64_t auto_splits(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant,

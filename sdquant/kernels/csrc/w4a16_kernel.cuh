@@ -924,7 +924,7 @@ int launch_tight_fused(const SdqW4A16FusedParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
   cfg.blockDim = dim3(C::THREADS);
-  cfg.dynamicSmemBytes = tight_rows_at<F, 1>() + (p.rms_x != nullptr ? tight_rows_bytes<F, 1>(p.m) : 0);
+  cfg.dynamicSmemBytes = tight_ss_at<F, 1>() + (p.rms_ss != nullptr ? 4 * p.m * p.rms_t : 0);
   cfg.stream = stream;
   cudaLaunchAttribute attrs[1] = {};
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

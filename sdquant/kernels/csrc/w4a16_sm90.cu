@@ -72,7 +72,8 @@ extern "C" int sdq_w4a16_launch_fused(const SdqW4A16FusedParams* p, cudaStream_t
   const int v = p->variant;
   const bool tight = v == 38 || v == 39 || v == 40 || v == 41 || v == 43 || v == 44;
   if (!tight || p->m < 1 || p->m > 8 || p->n % 128 || p->group_k16 % 4 || p->k % 64 || p->k % (p->group_k16 * 16) ||
-      p->splits < 1 || p->evict_first || (p->gamma == nullptr) != (p->c2 == nullptr))
+      p->splits < 1 || p->evict_first || (p->gamma == nullptr) != (p->c2 == nullptr) ||
+      (p->rms_ss != nullptr && (p->rms_t < 1 || p->rms_t > 256)))
     return -1;
   return p->is_bf16 ? sdq_w4a16_part_fused_bf16(v, p, stream) : sdq_w4a16_part_fused_f16(v, p, stream);
 }

@@ -54,17 +54,16 @@ struct TFused : C {
 // Dynamic shared memory: reduce_k_warps' buffer, then (fused) the RMS partials and SiLU's up fragments
 template <typename C, int NT>
 constexpr int tight_red_bytes() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
+// (fused) after reduce_k_warps' buffer: the row scales s_rs[8 NT], SiLU's up fragments, the copied partial sums of
+// squares [m, rms_t] (a launch passes tight_ss_at + 4 m rms_t bytes; tight_smem is the most)
+constexpr int FUSED_T_MAX = 256;  // partial sums a row: an RMSNorm input of up to 256 x 64 = 16384 features
 template <typename C, int NT>
-constexpr int tight_rms_floats() { return C::WARPS * 8 * NT; }
+constexpr int tight_xbuf_at() { return tight_red_bytes<C, NT>() + 4 * 8 * NT; }
 template <typename C, int NT>
-constexpr int tight_rows_at() {  // (fused) the RMS rows' cp.async words, after the partials and SiLU's fragments
-  return tight_red_bytes<C, NT>() + 4 * (tight_rms_floats<C, NT>() + (C::WNN / 2 > 0 ? C::WNN / 2 : 1) * NT * 16 * 32);
-}
+constexpr int tight_ss_at() { return tight_xbuf_at<C, NT>() + 4 * (C::WNN / 2 > 0 ? C::WNN / 2 : 1) * NT * 16 * 32; }
 template <typename C, int NT>
-constexpr int tight_rows_bytes(int m) { return m * 2 * C::THREADS * 16; }  // RMS_W = 2 words a thread and row
-template <typename C, int NT>
-constexpr int tight_smem() {  // the most a launch asks for (a fused launch passes tight_rows_at + its m's rows)
-  return C::FUSED ? tight_rows_at<C, NT>() + tight_rows_bytes<C, NT>(8 * NT) : tight_red_bytes<C, NT>();
+constexpr int tight_smem() {
+  return C::FUSED ? tight_ss_at<C, NT>() + 4 * 8 * NT * FUSED_T_MAX : tight_red_bytes<C, NT>();
 }
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
@@ -77,10 +76,14 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
 }
 
 // ------------------------------------------------------------------ the fused decode-block prologue / epilogue
-// (w4a16.h: p.rms_x, p.silu, p.resid, p.gamma / p.c2). A decode step's RMSNorm, SiLU * up and residual adds are
-// otherwise kernels of their own between the GEMMs (64 add + RMSNorm and 32 SiLU * up kernels a Llama-3-8B token);
-// here they cost the consumer GEMM one read of its input row (the RMS) and the producer an extra read and write in
-// its store. Off (all null) the kernel runs store_output as before.
+// (w4a16.h: SdqW4A16FusedParams). A decode step's RMSNorms, SiLU * up and residual adds are otherwise kernels of their
+// own between the GEMMs (64 add + RMSNorm and 32 SiLU * up kernels a Llama-3-8B token). Here:
+// * a producer (o, down: resid, gamma) writes c = round(y) + resid, c2 = c * gamma (the next RMSNorm's input with its
+//   weight applied) and ss_out, the sums of squares of c's 64-column blocks (the next RMSNorm's statistic, in parts);
+// * a consumer (qkv, gate/up, lm_head: rms_ss) scales its rows by rsqrt(sum(ss) / k + eps), so it reads 4 rms_t bytes a
+//   row instead of the row (a first version read whole rows in every CTA: 2-8 us slower at M = 8, e2e runs 40-41).
+// The partial sums are copied by cp.async right after griddep_wait and summed in the epilogue; a split-K tile's
+// residual and gamma are read before its CTAs count themselves in, so the last CTA's loop waits only on the partials.
 template <typename T>
 __device__ __forceinline__ float2 pair_f(uint32_t w) {
   if constexpr (std::is_same<T, half>::value) return __half22float2(*reinterpret_cast<const half2*>(&w));
@@ -91,108 +94,48 @@ __device__ __forceinline__ float one_f(T v) {
   if constexpr (std::is_same<T, half>::value) return __half2float(v);
   else return __bfloat162float(v);
 }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ uint32_t ldg_u32(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
-// The RMS of p.rms_x's rows, off the main loop's critical path. (A first version read the rows before the loop, one
-// row after another: +0.8 us a consumer GEMM at M = 1, several at M = 8, e2e run 40.) rms_copy, right after
-// griddep_wait, starts cp.async copies of the first RMS_W 16-byte words a thread reads of every row into shared memory
-// (no registers held through the loop); rms_reduce, after the K-warp reduction, waits for them, sums their squares and
-// those of any further words (read then), so that part[warp * ROWS + row] holds each warp's share: a fixed order, the
-// same bits every run. Each thread reads back only what it copied, so no barrier is needed between the two.
-constexpr int RMS_W = 2;
+// prologue: the consumer's partial sums of squares [m, rms_t] into shared memory
 template <int THREADS>
-__device__ __forceinline__ void rms_copy(const SdqW4A16FusedParams& p, uint4* rows) {
-  const int k8 = p.k / 8;  // 16-byte words a row
-  const uint4* src = reinterpret_cast<const uint4*>(p.rms_x);
-  for (int r = 0; r < p.m; ++r)
-#pragma unroll
-    for (int j = 0; j < RMS_W; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      if (i < k8) cp_async16<false>(rows + (r * RMS_W + j) * THREADS + threadIdx.x, src + static_cast<size_t>(r) * k8 + i, 0);
-    }
+__device__ __forceinline__ void ss_copy(const SdqW4A16FusedParams& p, float* dst) {
+  for (int i = threadIdx.x; i < p.m * p.rms_t; i += THREADS) cp_async4(dst + i, p.rms_ss + i);
   cp_async_commit();
 }
-template <typename T>
-__device__ __forceinline__ float sumsq16(const uint4& v, float s) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = pair_f<T>(w[j]);
-    s = fmaf(f.x, f.x, s);
-    s = fmaf(f.y, f.y, s);
-  }
-  return s;
-}
-template <typename T, int THREADS, int ROWS>
-__device__ __forceinline__ void rms_reduce(const SdqW4A16FusedParams& p, const uint4* rows, float* part) {
+// epilogue, after a barrier that follows every thread's cp_async_wait: s_rs[row] = rsqrt(sum / k + eps), then a barrier
+template <int WARPS>
+__device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const float* ss, float* s_rs) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k8 = p.k / 8;
-  const uint4* src = reinterpret_cast<const uint4*>(p.rms_x);
-  cp_async_wait<0>();
-  for (int r = 0; r < p.m; ++r) {
+  for (int r = warp; r < p.m; r += WARPS) {
     float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < RMS_W; ++j)
-      if (threadIdx.x + j * THREADS < k8) s = sumsq16<T>(rows[(r * RMS_W + j) * THREADS + threadIdx.x], s);
-    for (int i = threadIdx.x + RMS_W * THREADS; i < k8; i += THREADS)
-      s = sumsq16<T>(__ldg(src + static_cast<size_t>(r) * k8 + i), s);
+    for (int t = lane; t < p.rms_t; t += 32) s += ss[r * p.rms_t + t];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) part[warp * ROWS + r] = s;
+    if (lane == 0) s_rs[r] = rsqrtf(s / static_cast<float>(p.k) + p.rms_eps);
   }
-}
-
-template <int WARPS, int ROWS>
-__device__ __forceinline__ float rms_scale(const SdqW4A16FusedParams& p, const float* part, int row) {
-  if (p.rms_x == nullptr) return 1.f;
-  float s = 0.f;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) s += part[w * ROWS + row];
-  return rsqrtf(s / static_cast<float>(p.k) + p.rms_eps);
+  __syncthreads();
 }
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
-// Two adjacent outputs (row, oc), (row, oc + 1) of value v: rounded, the residual added, the second output scaled.
-template <typename T>
-__device__ __forceinline__ void fused_write2(const SdqW4A16FusedParams& p, int row, int oc, float2 v) {
-  using O = Ops<T>;
-  using T2 = typename O::T2;
-  const int nout = p.silu ? p.n / 2 : p.n;
-  const size_t at = static_cast<size_t>(row) * nout + oc;
-  T2 y = O::pack(v.x, v.y);
-  if (p.resid != nullptr) {
-    const float2 d = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
-    const float2 r = pair_f<T>(*reinterpret_cast<const uint32_t*>(reinterpret_cast<const T*>(p.resid) + at));
-    y = O::pack(d.x + r.x, d.y + r.y);
-  }
-  *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c) + at) = y;
-  if (p.c2 != nullptr) {
-    const float2 h = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
-    const float2 g = pair_f<T>(*reinterpret_cast<const uint32_t*>(reinterpret_cast<const T*>(p.gamma) + oc));
-    *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c2) + at) = O::pack(h.x * g.x, h.y * g.y);
-  }
-}
-template <typename T>
-__device__ __forceinline__ void fused_write1(const SdqW4A16FusedParams& p, int row, int oc, float v) {
-  const int nout = p.silu ? p.n / 2 : p.n;
-  const size_t at = static_cast<size_t>(row) * nout + oc;
-  T y = Ops<T>::one(v);
-  if (p.resid != nullptr) y = Ops<T>::one(one_f<T>(y) + one_f<T>(reinterpret_cast<const T*>(p.resid)[at]));
-  reinterpret_cast<T*>(p.c)[at] = y;
-  if (p.c2 != nullptr)
-    reinterpret_cast<T*>(p.c2)[at] = Ops<T>::one(one_f<T>(y) * one_f<T>(reinterpret_cast<const T*>(p.gamma)[oc]));
-}
-
 // store_output with the fused epilogue. One split: the writers' fragments go straight out (with SiLU, the up warp of
 // each (gate, up) block pair hands its fragment to the gate warp through `xbuf`); more: fp32 partials as
-// store_output, and the last CTA of the tile sums them and writes through fused_write2.
+// store_output, and the last CTA of the tile sums them, each warp a (row, 64-output-column block) unit at a time.
 template <typename T, int NT, int WNN, int WARPS, int THREADS>
-__device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const float (&acc)[NT][4][4], bool writer, int wn,
-                                            int nb, int split, int& s_last, const float* part, float* xbuf) {
-  constexpr int ROWS = 8 * NT;
+__device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const float (&acc)[NT][4][4], bool writer,
+                                            int wn, int nb, int split, int& s_last, const float* s_rs, float* xbuf) {
+  using O = Ops<T>;
+  using T2 = typename O::T2;
   const int m = p.m, n = p.n;
-  const int lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
-  if (p.rms_x != nullptr) __syncthreads();  // every warp's rms_reduce share is in
+  const int nout = p.silu ? n / 2 : n, tout = nout / 64;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
+  const T* resid = reinterpret_cast<const T*>(p.resid);
+  const T* gamma = reinterpret_cast<const T*>(p.gamma);
+  T* out = reinterpret_cast<T*>(p.c);
+  T* out2 = reinterpret_cast<T*>(p.c2);
   if (p.splits == 1) {
     if (p.silu) {
       if (writer && (wn & 1)) {
@@ -208,26 +151,39 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
     } else if (!writer) {
       return;
     }
+    const int ob = p.silu ? nb / 2 : nb;  // this warp's 64-column output block
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
         const int tok = nt * 8 + 2 * t4 + e1;
-        if (tok >= m) continue;
-        const float rs = rms_scale<WARPS, ROWS>(p, part, tok);
+        const bool live = tok < m;
+        const float rs = (p.rms_ss != nullptr && live) ? s_rs[tok] : 1.f;
+        float sq = 0.f;
 #pragma unroll
         for (int w = 0; w < 4; ++w)
 #pragma unroll
           for (int e2 = 0; e2 < 2; ++e2) {
             const int e = 2 * e2 + e1;
             float v = acc[nt][w][e] * rs;
-            int oc = nb * 64 + 16 * w + 8 * e2 + g8;
-            if (p.silu) {
-              v = silu_mul(v, xbuf[(((wn / 2) * NT + nt) * 16 + w * 4 + e) * 32 + lane] * rs);
-              oc = (nb / 2) * 64 + 16 * w + 8 * e2 + g8;
+            if (p.silu) v = silu_mul(v, xbuf[(((wn / 2) * NT + nt) * 16 + w * 4 + e) * 32 + lane] * rs);
+            const int oc = ob * 64 + 16 * w + 8 * e2 + g8;
+            const size_t at = static_cast<size_t>(tok) * nout + oc;
+            if (live) {
+              T y = O::one(v);
+              if (resid != nullptr) y = O::one(one_f<T>(y) + one_f<T>(resid[at]));
+              out[at] = y;
+              const float h = one_f<T>(y);
+              sq = fmaf(h, h, sq);
+              if (out2 != nullptr) out2[at] = O::one(h * one_f<T>(gamma[oc]));
             }
-            fused_write1<T>(p, tok, oc, v);
           }
+        if (p.ss_out != nullptr) {  // the 64 columns of this token: lanes of one t4 hold 8 each
+          sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+          sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+          sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+          if (live && g8 == 0) p.ss_out[tok * tout + ob] = sq;
+        }
       }
     return;
   }
@@ -244,14 +200,32 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
           if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
         }
   }
+  // the last CTA's units: (row, output block) pairs, a warp each in turn; lane l: output columns 2l, 2l + 1
+  const int col0 = blockIdx.x * WNN * 64;
+  const int ncols = min(WNN * 64, n - col0);
+  const int obs = p.silu ? ncols / 128 : ncols / 64;  // output blocks of this tile
+  const int units = m * obs;
+  const int oc0 = p.silu ? col0 / 2 : col0;
+  uint32_t rq0 = 0, gq0 = 0, rq1 = 0, gq1 = 0;  // the first two units' residual and gamma pairs, read early
+  auto unit_at = [&](int u, int& row, int& oc) {
+    row = u / obs;
+    oc = oc0 + 64 * (u % obs) + 2 * lane;
+  };
+  auto prefetch = [&](int u, uint32_t& rq, uint32_t& gq) {
+    if (u >= units) return;
+    int row, oc;
+    unit_at(u, row, oc);
+    if (resid != nullptr) rq = ldg_u32(resid + static_cast<size_t>(row) * nout + oc);
+    if (gamma != nullptr) gq = ldg_u32(gamma + oc);
+  };
+  prefetch(warp, rq0, gq0);
+  prefetch(warp + WARPS, rq1, gq1);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  const int col0 = blockIdx.x * WNN * 64;
-  const int ncols = min(WNN * 64, n - col0);
   auto sum2 = [&](int row, int col) {  // fixed split order: the result does not depend on arrival order
     float2 s = make_float2(0.f, 0.f);
     for (int q = 0; q < p.splits; ++q) {
@@ -261,20 +235,44 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
     }
     return s;
   };
-  const int pairs = (p.silu ? ncols / 2 : ncols) / 2;  // output column pairs of this tile
-  for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
-    const int row = i / pairs, j = 2 * (i % pairs);
-    const float rs = rms_scale<WARPS, ROWS>(p, part, row);
-    if (p.silu) {  // output j of this tile: gate column 128 * (j / 64) + j % 64, up 64 past it
-      const int gc = col0 + 128 * (j / 64) + j % 64;
-      const float2 g = sum2(row, gc), u = sum2(row, gc + 64);
-      fused_write2<T>(p, row, col0 / 2 + j,
-                      make_float2(silu_mul(g.x * rs, u.x * rs), silu_mul(g.y * rs, u.y * rs)));
+  auto emit = [&](int u, bool pre, uint32_t rq, uint32_t gq) {
+    int row, oc;
+    unit_at(u, row, oc);
+    const float rs = p.rms_ss != nullptr ? s_rs[row] : 1.f;
+    float2 v;
+    if (p.silu) {
+      const int gc = col0 + 128 * (u % obs) + 2 * lane;
+      const float2 g = sum2(row, gc), up = sum2(row, gc + 64);
+      v = make_float2(silu_mul(g.x * rs, up.x * rs), silu_mul(g.y * rs, up.y * rs));
     } else {
-      const float2 v = sum2(row, col0 + j);
-      fused_write2<T>(p, row, col0 + j, make_float2(v.x * rs, v.y * rs));
+      v = sum2(row, col0 + 64 * (u % obs) + 2 * lane);
+      v.x *= rs;
+      v.y *= rs;
     }
-  }
+    const size_t at = static_cast<size_t>(row) * nout + oc;
+    T2 y = O::pack(v.x, v.y);
+    if (resid != nullptr) {
+      if (!pre) rq = ldg_u32(resid + at);
+      const float2 d = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y)), r = pair_f<T>(rq);
+      y = O::pack(d.x + r.x, d.y + r.y);
+    }
+    *reinterpret_cast<T2*>(out + at) = y;
+    const float2 h = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
+    if (out2 != nullptr) {
+      if (!pre) gq = ldg_u32(gamma + oc);
+      const float2 g = pair_f<T>(gq);
+      *reinterpret_cast<T2*>(out2 + at) = O::pack(h.x * g.x, h.y * g.y);
+    }
+    if (p.ss_out != nullptr) {
+      float sq = h.x * h.x + h.y * h.y;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      if (lane == 0) p.ss_out[row * tout + oc / 64] = sq;
+    }
+  };
+  if (warp < units) emit(warp, true, rq0, gq0);
+  if (warp + WARPS < units) emit(warp + WARPS, true, rq1, gq1);
+  for (int u = warp + 2 * WARPS; u < units; u += WARPS) emit(u, false, 0, 0);
   if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;
 }
 
@@ -387,7 +385,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();
   if constexpr (C::FUSED) {
-    if (p.rms_x != nullptr) rms_copy<C::THREADS>(p, reinterpret_cast<uint4*>(smem + tight_rows_at<C, NT>()));
+    if (p.rms_ss != nullptr) ss_copy<C::THREADS>(p, reinterpret_cast<float*>(smem + tight_ss_at<C, NT>()));
   }
   if (nc > 0) {
     load_x(0, xq[0]);
@@ -424,12 +422,13 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue
 
   if constexpr (C::FUSED) {
+    if (p.rms_ss != nullptr) cp_async_wait<0>();  // this thread's copies; the barrier below publishes them all
     if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
-    float* rms = reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>());
-    if (p.rms_x != nullptr)
-      rms_reduce<T, C::THREADS, 8 * NT>(p, reinterpret_cast<const uint4*>(smem + tight_rows_at<C, NT>()), rms);
-    store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last, rms,
-                                                  rms + tight_rms_floats<C, NT>());
+    else if (p.rms_ss != nullptr) __syncthreads();
+    float* s_rs = reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>());
+    if (p.rms_ss != nullptr) ss_scales<C::WARPS>(p, reinterpret_cast<const float*>(smem + tight_ss_at<C, NT>()), s_rs);
+    store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last, s_rs,
+                                                  reinterpret_cast<float*>(smem + tight_xbuf_at<C, NT>()));
   } else {
     if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
     store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
