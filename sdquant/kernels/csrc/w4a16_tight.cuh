@@ -82,8 +82,7 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
 //   weight applied) and ss_out, the sums of squares of c's 64-column blocks (the next RMSNorm's statistic, in parts);
 // * a consumer (qkv, gate/up, lm_head: rms_ss) scales its rows by rsqrt(sum(ss) / k + eps), so it reads 4 rms_t bytes a
 //   row instead of the row (a first version read whole rows in every CTA: 2-8 us slower at M = 8, e2e runs 40-41).
-// The partial sums are copied by cp.async right after griddep_wait and summed in the epilogue; a split-K tile's
-// residual and gamma are read before its CTAs count themselves in, so the last CTA's loop waits only on the partials.
+// The partial sums are copied by cp.async right after griddep_wait and summed in the epilogue.
 template <typename T>
 __device__ __forceinline__ float2 pair_f(uint32_t w) {
   if constexpr (std::is_same<T, half>::value) return __half22float2(*reinterpret_cast<const half2*>(&w));
@@ -206,20 +205,10 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
   const int obs = p.silu ? ncols / 128 : ncols / 64;  // output blocks of this tile
   const int units = m * obs;
   const int oc0 = p.silu ? col0 / 2 : col0;
-  uint32_t rq0 = 0, gq0 = 0, rq1 = 0, gq1 = 0;  // the first two units' residual and gamma pairs, read early
   auto unit_at = [&](int u, int& row, int& oc) {
     row = u / obs;
     oc = oc0 + 64 * (u % obs) + 2 * lane;
   };
-  auto prefetch = [&](int u, uint32_t& rq, uint32_t& gq) {
-    if (u >= units) return;
-    int row, oc;
-    unit_at(u, row, oc);
-    if (resid != nullptr) rq = ldg_u32(resid + static_cast<size_t>(row) * nout + oc);
-    if (gamma != nullptr) gq = ldg_u32(gamma + oc);
-  };
-  prefetch(warp, rq0, gq0);
-  prefetch(warp + WARPS, rq1, gq1);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
@@ -235,9 +224,14 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
     }
     return s;
   };
-  auto emit = [&](int u, bool pre, uint32_t rq, uint32_t gq) {
+  auto emit = [&](int u) {
     int row, oc;
     unit_at(u, row, oc);
+    const size_t at = static_cast<size_t>(row) * nout + oc;
+    // the residual and gamma pairs first: their loads overlap the partials' (a prefetch before the CTA counted itself
+    // in would add a round trip: the __threadfence there waits for every load in flight)
+    const uint32_t rq = resid != nullptr ? ldg_u32(resid + at) : 0u;
+    const uint32_t gq = gamma != nullptr ? ldg_u32(gamma + oc) : 0u;
     const float rs = p.rms_ss != nullptr ? s_rs[row] : 1.f;
     float2 v;
     if (p.silu) {
@@ -249,17 +243,14 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
       v.x *= rs;
       v.y *= rs;
     }
-    const size_t at = static_cast<size_t>(row) * nout + oc;
     T2 y = O::pack(v.x, v.y);
     if (resid != nullptr) {
-      if (!pre) rq = ldg_u32(resid + at);
       const float2 d = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y)), r = pair_f<T>(rq);
       y = O::pack(d.x + r.x, d.y + r.y);
     }
     *reinterpret_cast<T2*>(out + at) = y;
     const float2 h = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
     if (out2 != nullptr) {
-      if (!pre) gq = ldg_u32(gamma + oc);
       const float2 g = pair_f<T>(gq);
       *reinterpret_cast<T2*>(out2 + at) = O::pack(h.x * g.x, h.y * g.y);
     }
@@ -270,9 +261,7 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
       if (lane == 0) p.ss_out[row * tout + oc / 64] = sq;
     }
   };
-  if (warp < units) emit(warp, true, rq0, gq0);
-  if (warp + WARPS < units) emit(warp + WARPS, true, rq1, gq1);
-  for (int u = warp + 2 * WARPS; u < units; u += WARPS) emit(u, false, 0, 0);
+  for (int u = warp; u < units; u += WARPS) emit(u);
   if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;
 }
 
