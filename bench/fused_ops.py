@@ -61,6 +61,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time every tight variant's fused build (the choice of "
+                    "int4_cuda.FUSED_SHAPE_CONFIGS)")
     args = ap.parse_args(argv)
     faulthandler.enable()
     dev = torch.device("cuda")
@@ -130,6 +132,15 @@ def main(argv=None):
                 to = gemm.time_rotating(fused_off, nrot, trials=5, target_ms=2.0, max_calls=60)
                 row = {"K": k, "N": n, "mode": mode, "M": m, "config": cfg, "plain_us": tp, "fused_us": tf,
                        "fused_off_us": to}
+                if args.sweep:
+                    row["sweep_us"] = {}
+                    for v in (38, 39, 40, 41, 43, 44):
+                        def fv(i, v=v):
+                            la = lays[i % nrot]
+                            return torch.ops.sdquant.w4a16_cuda_fused(x, la["qweight"], la["scales"], la["zeros"],
+                                                                      la["locks"], rx, 1e-5, silu, resid, gamma, v)
+                        row["sweep_us"][v] = gemm.time_rotating(fv, nrot, trials=5, target_ms=2.0, max_calls=60)
+                    log(f"    sweep: {', '.join(f'{v}: {t:.2f}' for v, t in row['sweep_us'].items())}")
                 res["times"].append(row)
                 log(f"  {k}x{n} {mode} M={m} cfg {cfg}: plain {tp:.2f} us, fused {tf:.2f} us ({tf / tp:.3f}x), "
                     f"fused build with the ends off {to:.2f} us")

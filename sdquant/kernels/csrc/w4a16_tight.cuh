@@ -118,7 +118,7 @@ __device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const fl
   __syncthreads();
 }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+__device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
 
 // store_output with the fused epilogue. One split: the writers' fragments go straight out (with SiLU, the up warp of
 // each (gate, up) block pair hands its fragment to the gate warp through `xbuf`); more: fp32 partials as
