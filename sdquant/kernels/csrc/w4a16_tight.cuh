@@ -54,13 +54,13 @@ struct TFused : C {
 // Dynamic shared memory: reduce_k_warps' buffer, then (fused) the RMS partials and SiLU's up fragments
 template <typename C, int NT>
 constexpr int tight_red_bytes() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
-// (fused) after reduce_k_warps' buffer: the row scales s_rs[8 NT], SiLU's up fragments, the copied partial sums of
+// (fused) after reduce_k_warps' buffer: the row scales s_rs[8 NT], the one-split tile's values, the copied partial sums of
 // squares [m, rms_t] (a launch passes tight_ss_at + 4 m rms_t bytes; tight_smem is the most)
 constexpr int FUSED_T_MAX = 256;  // partial sums a row: an RMSNorm input of up to 256 x 64 = 16384 features
 template <typename C, int NT>
 constexpr int tight_xbuf_at() { return tight_red_bytes<C, NT>() + 4 * 8 * NT; }
 template <typename C, int NT>
-constexpr int tight_ss_at() { return tight_xbuf_at<C, NT>() + 4 * (C::WNN / 2 > 0 ? C::WNN / 2 : 1) * NT * 16 * 32; }
+constexpr int tight_ss_at() { return tight_xbuf_at<C, NT>() + 4 * C::WNN * 8 * NT * 64; }  // xs: [WNN][8 NT][64]
 template <typename C, int NT>
 constexpr int tight_smem() {
   return C::FUSED ? tight_ss_at<C, NT>() + 4 * 8 * NT * FUSED_T_MAX : tight_red_bytes<C, NT>();
@@ -120,126 +120,87 @@ __device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const fl
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
 
-// store_output with the fused epilogue. One split: the writers' fragments go straight out (with SiLU, the up warp of
-// each (gate, up) block pair hands its fragment to the gate warp through `xbuf`); more: fp32 partials as
-// store_output, and the last CTA of the tile sums them, each warp a (row, 64-output-column block) unit at a time.
+// store_output with the fused epilogue, one compact loop for both split cases (a per-fragment writer path made ptxas
+// schedule the main loop differently: fused_ops runs 3-5). One split: the writers' fragments go to shared memory
+// (`xs`, [WNN][8 NT rows][64]); more: fp32 partials as store_output, summed by the last CTA of the tile. Then each warp
+// takes (row, 64-output-column block) units in turn, lane l output columns 2l and 2l + 1 (SiLU: the gate block and the up
+// block 64 weight columns past it).
 template <typename T, int NT, int WNN, int WARPS, int THREADS>
 __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const float (&acc)[NT][4][4], bool writer,
-                                            int wn, int nb, int split, int& s_last, const float* s_rs, float* xbuf) {
+                                            int wn, int nb, int split, int& s_last, const float* s_rs, float* xs) {
   using O = Ops<T>;
   using T2 = typename O::T2;
+  constexpr int ROWS = 8 * NT;
   const int m = p.m, n = p.n;
   const int nout = p.silu ? n / 2 : n, tout = nout / 64;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
-  const T* resid = reinterpret_cast<const T*>(p.resid);
-  const T* gamma = reinterpret_cast<const T*>(p.gamma);
-  T* out = reinterpret_cast<T*>(p.c);
-  T* out2 = reinterpret_cast<T*>(p.c2);
-  if (p.splits == 1) {
-    if (p.silu) {
-      if (writer && (wn & 1)) {
+  const bool one = p.splits == 1;
+  if (one) {
+    if (writer) {
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int w = 0; w < 4; ++w)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) xbuf[(((wn / 2) * NT + i) * 16 + w * 4 + e) * 32 + lane] = acc[i][w][e];
-      }
-      __syncthreads();
-      if (!writer || (wn & 1)) return;
-    } else if (!writer) {
-      return;
-    }
-    const int ob = p.silu ? nb / 2 : nb;  // this warp's 64-column output block
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int tok = nt * 8 + 2 * t4 + e1;
-        const bool live = tok < m;
-        const float rs = (p.rms_ss != nullptr && live) ? s_rs[tok] : 1.f;
-        float sq = 0.f;
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int w = 0; w < 4; ++w)
 #pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const int e = 2 * e2 + e1;
-            float v = acc[nt][w][e] * rs;
-            if (p.silu) v = silu_mul(v, xbuf[(((wn / 2) * NT + nt) * 16 + w * 4 + e) * 32 + lane] * rs);
-            const int oc = ob * 64 + 16 * w + 8 * e2 + g8;
-            const size_t at = static_cast<size_t>(tok) * nout + oc;
-            if (live) {
-              T y = O::one(v);
-              if (resid != nullptr) y = O::one(one_f<T>(y) + one_f<T>(resid[at]));
-              out[at] = y;
-              const float h = one_f<T>(y);
-              sq = fmaf(h, h, sq);
-              if (out2 != nullptr) out2[at] = O::one(h * one_f<T>(gamma[oc]));
-            }
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t4 + (e & 1);
+            xs[(wn * ROWS + tok) * 64 + 16 * w + 8 * (e >> 1) + g8] = acc[nt][w][e];
           }
-        if (p.ss_out != nullptr) {  // the 64 columns of this token: lanes of one t4 hold 8 each
-          sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-          if (live && g8 == 0) p.ss_out[tok * tout + ob] = sq;
-        }
-      }
-    return;
+    }
+    __syncthreads();
+  } else {
+    float* pout = p.partial + static_cast<size_t>(split) * m * n;
+    if (writer) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t4 + (e & 1);
+            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+            if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
+          }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
   }
-  float* pout = p.partial + static_cast<size_t>(split) * m * n;
-  if (writer) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * t4 + (e & 1);
-          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
-          if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
-        }
-  }
-  // the last CTA's units: (row, output block) pairs, a warp each in turn; lane l: output columns 2l, 2l + 1
   const int col0 = blockIdx.x * WNN * 64;
   const int ncols = min(WNN * 64, n - col0);
   const int obs = p.silu ? ncols / 128 : ncols / 64;  // output blocks of this tile
-  const int units = m * obs;
   const int oc0 = p.silu ? col0 / 2 : col0;
-  auto unit_at = [&](int u, int& row, int& oc) {
-    row = u / obs;
-    oc = oc0 + 64 * (u % obs) + 2 * lane;
-  };
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  auto sum2 = [&](int row, int col) {  // fixed split order: the result does not depend on arrival order
-    float2 s = make_float2(0.f, 0.f);
+  const T* resid = reinterpret_cast<const T*>(p.resid);
+  const T* gamma = reinterpret_cast<const T*>(p.gamma);
+  auto fetch = [&](int row, int wc) {  // the tile's value pair at weight columns wc, wc + 1 (relative to col0)
+    if (one) return *reinterpret_cast<const float2*>(xs + ((wc / 64) * ROWS + row) * 64 + wc % 64);
+    float2 s = make_float2(0.f, 0.f);  // fixed split order: the result does not depend on arrival order
     for (int q = 0; q < p.splits; ++q) {
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(q) * m + row) * n + col));
+      const float2 v =
+          __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(q) * m + row) * n + col0 + wc));
       s.x += v.x;
       s.y += v.y;
     }
     return s;
   };
-  auto emit = [&](int u) {
-    int row, oc;
-    unit_at(u, row, oc);
+  for (int u = warp; u < m * obs; u += WARPS) {
+    const int row = u / obs, ob = u % obs;
+    const int oc = oc0 + 64 * ob + 2 * lane;
     const size_t at = static_cast<size_t>(row) * nout + oc;
-    // the residual and gamma pairs first: their loads overlap the partials' (a prefetch before the CTA counted itself
-    // in would add a round trip: the __threadfence there waits for every load in flight)
+    // the residual and gamma pairs first: their loads overlap the values' (a prefetch before the CTA counted itself in
+    // would add a round trip: the __threadfence there waits for every load in flight)
     const uint32_t rq = resid != nullptr ? ldg_u32(resid + at) : 0u;
     const uint32_t gq = gamma != nullptr ? ldg_u32(gamma + oc) : 0u;
     const float rs = p.rms_ss != nullptr ? s_rs[row] : 1.f;
     float2 v;
     if (p.silu) {
-      const int gc = col0 + 128 * (u % obs) + 2 * lane;
-      const float2 g = sum2(row, gc), up = sum2(row, gc + 64);
+      const float2 g = fetch(row, 128 * ob + 2 * lane), up = fetch(row, 128 * ob + 64 + 2 * lane);
       v = make_float2(silu_mul(g.x * rs, up.x * rs), silu_mul(g.y * rs, up.y * rs));
     } else {
-      v = sum2(row, col0 + 64 * (u % obs) + 2 * lane);
+      v = fetch(row, 64 * ob + 2 * lane);
       v.x *= rs;
       v.y *= rs;
     }
@@ -248,11 +209,11 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
       const float2 d = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y)), r = pair_f<T>(rq);
       y = O::pack(d.x + r.x, d.y + r.y);
     }
-    *reinterpret_cast<T2*>(out + at) = y;
+    *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c) + at) = y;
     const float2 h = pair_f<T>(*reinterpret_cast<const uint32_t*>(&y));
-    if (out2 != nullptr) {
+    if (p.c2 != nullptr) {
       const float2 g = pair_f<T>(gq);
-      *reinterpret_cast<T2*>(out2 + at) = O::pack(h.x * g.x, h.y * g.y);
+      *reinterpret_cast<T2*>(reinterpret_cast<T*>(p.c2) + at) = O::pack(h.x * g.x, h.y * g.y);
     }
     if (p.ss_out != nullptr) {
       float sq = h.x * h.x + h.y * h.y;
@@ -260,9 +221,8 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
       for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
       if (lane == 0) p.ss_out[row * tout + oc / 64] = sq;
     }
-  };
-  for (int u = warp; u < units; u += WARPS) emit(u);
-  if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;
+  }
+  if (!one && threadIdx.x == 0) p.locks[blockIdx.x] = 0;
 }
 
 template <typename T, typename C, int NT>
