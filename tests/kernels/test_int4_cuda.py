@@ -25,7 +25,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # variant 0: {fp16,bf16} x 3 token tiles x 2 K steps x hint = 24; variants 1-7 at 1-2 token tiles, no hint:
     # 2 dtypes x 2 tiles x (6 variants x 2 K steps + variant 7 at 4 K steps) = 52; direct variants 8-12: 2 x 2 x 5;
     # stream-K variants 13-27 and 45 and the six stream-K read probes: 2 x 2 x 22; lean variants 28-37 and 42:
-    # 2 x 2 x 11 (+ 2 x 2 at four tiles); tight variants 38-41 and 43-44: 2 x 2 x 6;
+    # 2 x 2 x 11 (+ 2 x 2 at four tiles); tight variants 38-41 and 43-44: 2 x 2 x 6, and their fused build (TFused,
+    # w4a16_part_fused_*.cu): 2 dtypes x 6 at one token tile;
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
     # variants 58-61 and their probe: 2 x 2 x 5;
     # the linear read probe once; the wgmma kernel: 2 dtypes x 3 token tiles x {62: last-CTA fix-up, 63: separate
@@ -34,7 +35,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_direct_kernel" in ln for ln in kernels) == 20
     assert sum("w4a16_streamk_kernel" in ln for ln in kernels) == 88
     assert sum("w4a16_lean_kernel" in ln for ln in kernels) == 48  # + 37 and 42 at four token tiles
-    assert sum("w4a16_tight_kernel" in ln for ln in kernels) == 24
+    assert sum("w4a16_tight_kernel" in ln for ln in kernels) == 24 + 12
+    assert sum("TFused" in ln for ln in kernels) == 12
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
     assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
