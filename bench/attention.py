@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gemm  # noqa: E402
 
-KNOBS = ("SDQUANT_ATTN_CHUNK", "SDQUANT_ATTN_BT", "SDQUANT_ATTN_WARPS", "SDQUANT_ATTN_MERGE")
+KNOBS = ("SDQUANT_ATTN_CHUNK", "SDQUANT_ATTN_BT", "SDQUANT_ATTN_WARPS")
 
 
 def settings(chunks: str, bts: str, warps: str):
     """[(label, {env var: value})]: "rule" alone, then every (chunk, BT, warps) combination asked for."""
-    out = [("rule", {}), ("rule/merge-kernel", {"SDQUANT_ATTN_MERGE": "kernel"})]
+    out = [("rule", {})]
     for c, b, w in itertools.product(chunks.split(","), bts.split(","), warps.split(",")):
         if not c or c == "rule":
             continue

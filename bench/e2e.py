@@ -78,10 +78,6 @@ VARIANTS = {
     # adds inside the tight INT4 kernel at M <= 8): the same-run baseline of that fusion
     "int4all-compiled-pdl-early-unfused": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                                pdl="all", fused=False),
-    # the INT4 default with the decode attention's separate merge kernel (decode_attention.set_fused_merge(False)): the
-    # same-run baseline of the in-kernel merge
-    "int4all-compiled-pdl-early-mergekernel": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
-                                                   graph=True, pdl="all", attn_merge=False),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -360,7 +356,6 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     from sdquant.kernels import decode_attention, int4_cuda
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
-    decode_attention.set_fused_merge(spec.get("attn_merge", True))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
            str(spec.get("inductor")), spec.get("fused"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:

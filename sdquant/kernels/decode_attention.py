@@ -21,10 +21,8 @@ Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); prog
 [s·C, (s+1)·C), C = ``chunk_for(B·nkv, T, SMs)`` (64 slots while the grid stays within 8 programs a SM, up to 1024
 at large batch), and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
 query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
-running sum), or an empty partial when its range holds no live slot. The last program of each bh to finish (one
-atomic counter a bh) then combines the bh's partials of each query row in a fixed order (deterministic: the order
-does not depend on which program came last), so a step runs one kernel; ``set_fused_merge(False)`` runs
-``_merge_kernel`` for that instead, a second kernel with one program a (bh, query row, 32 columns). CPU tensors run a PyTorch reference of the
+running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
+partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
 same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them). ``set_pdl`` launches both with
 programmatic dependent launch (``Transformer.compile_decode`` does on Hopper).
 """
@@ -117,10 +115,9 @@ def _max(a, b):
 
 
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
-                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t, cnt_ptr, out_ptr, so_bh, so_r,
+                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-                    SPLITS_P: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
@@ -168,25 +165,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
     tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
     tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
-    if MERGE:  # the last program of this bh to finish merges its partials (no merge kernel)
-        tl.debug_barrier()  # every thread's partial stores are issued before the release below
-        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
-            offs_s = tl.arange(0, SPLITS_P)
-            s_mask = (offs_s < SPLITS) & (offs_s * CHUNK_T <= pos)  # later splits are empty: not read
-            part_s = bh * SPLITS + offs_s
-            for r in range(REP):  # fixed order, as the merge kernel
-                m_s = tl.load(ml_ptr + (part_s * 2) * REP_P + r, mask=s_mask, other=float("-inf"),
-                              cache_modifier=".cg")
-                l_s = tl.load(ml_ptr + (part_s * 2 + 1) * REP_P + r, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(acc_ptr + (part_s[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None],
-                              other=0.0, cache_modifier=".cg")
-                m = tl.reduce(m_s, 0, _max)
-                w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)
-                y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
-                tl.store(out_ptr + bh * so_bh + r * so_r + offs_d,
-                         y.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt_ptr + bh, 0)  # every program of this bh has counted in: ready for the next call
 
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
@@ -218,35 +196,6 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
 
 _KERNELS: dict = {}
 _PDL = [0]
-# The merge inside the partial kernel (the last program of each bh to finish merges; one kernel a step) or in the merge
-# kernel (two). Read at call time; set_fused_merge switches it for A/B measurements.
-_FUSED_MERGE = [True]
-_COUNTERS: dict = {}  # device -> int32 zeros, one counter a bh: each call leaves them zero again
-
-
-def set_fused_merge(enabled: bool) -> bool:
-    """Merge the partials in the partial kernel (True, the default) or in the separate merge kernel (False), from now
-    on in this process; returns the previous setting. Read at call time, so set it before a CUDA graph is captured."""
-    old = _FUSED_MERGE[0]
-    _FUSED_MERGE[0] = bool(enabled)
-    return old
-
-
-def _merge_env(v: str) -> bool:
-    """SDQUANT_ATTN_MERGE (measurements, like the other SDQUANT_ATTN_* knobs): "fused" or "kernel"."""
-    if v not in ("fused", "kernel"):
-        raise ValueError(f"SDQUANT_ATTN_MERGE={v}: must be 'fused' or 'kernel'")
-    return v == "fused"
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on ``device``, kept for later calls (the merging program resets its own). Like the INT4
-    kernel's split-K locks, one set serves one stream at a time."""
-    key = str(device)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return c
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
@@ -339,16 +288,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
-    merge_here = _FUSED_MERGE[0] if not os.environ.get("SDQUANT_ATTN_MERGE") else \
-        _merge_env(os.environ["SDQUANT_ATTN_MERGE"])
-    cnt = _counters(q.device, b * nkv) if merge_here else pos
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-                               v.stride(1), v.stride(2), cnt, out, out.stride(1), out.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl, MERGE=merge_here,
-                               SPLITS_P=triton.next_power_of_2(splits), **tile_config(chunk), **launch)
-    if merge_here:
-        return out
+                               v.stride(1), v.stride(2),
+                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
+                               **tile_config(chunk), **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
