@@ -162,3 +162,70 @@ def test_decode_attention_implementations_agree(impl):
     assert torch.equal(generate(rt, ids, 7), hf)
     with pytest.raises(ConfigError, match="attention"):
         rt.set_attention("flash")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_fused_decode_blocks_from_hf(family, monkeypatch):
+    """Transformer.from_hf(fused=True) on an INT4 model (g64): gate/up interleaved, decode steps through
+    Block.forward_fused (the fused op's reference on CPU over the real CUDA layout), the same logits and tokens as the
+    unfused blocks and as the HF model; prompts and qwen2's biased qkv (not fusable) keep the unfused blocks."""
+    from sdquant.kernels import linear
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_cuda_kernel_runs", lambda device: True)
+    torch.manual_seed(0)
+    C, M, extra = FAMILIES[family]
+    cfg = C(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, **{**extra, "head_dim": 32})
+    model = quantize_model_rtn(M(cfg).eval(), bits=4, group_size=64)
+    with torch.no_grad():
+        for mod in model.modules():  # norm weights away from 1, so their place in the fused kernels is tested
+            if type(mod).__name__.endswith("RMSNorm") and getattr(mod, "weight", None) is not None:
+                mod.weight.add_(0.3 * torch.randn_like(mod.weight))
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # before from_hf prepares the model's layers for bf16 activations
+        ref = model(torch.cat([ids, nxt], 1)).logits[:, -1]
+    kw = dict(max_seq_len=64, dtype=torch.bfloat16, kernels="cuda")
+    fused, plain = Transformer.from_hf(model, fused=True, **kw), Transformer.from_hf(model, fused=False, **kw)
+    assert fused.fused_decode and fused.fused_why_not(2) is None and "prompt" in fused.fused_why_not(2, s=7)
+    assert all(blk.gate_up_block == 64 for blk in fused.layers) and not plain.fused_decode
+    for rt in (fused, plain):
+        rt.setup_caches(2, 32)
+    with torch.no_grad():
+        for rt in (fused, plain):
+            rt(ids, torch.arange(7))
+        a, b = fused.decode_step(nxt, torch.tensor([7])), plain.decode_step(nxt, torch.tensor([7]))
+    assert float((a - b).norm() / b.norm()) < 2e-2
+    assert float((a - ref).norm() / ref.norm()) < 5e-2 and float((b - ref).norm() / ref.norm()) < 5e-2
+    # more steps, both fed the unfused model's greedy tokens (bf16 near-ties may flip a free-running argmax)
+    toks = generate(plain, ids, 4)
+    for rt in (fused, plain):
+        rt.setup_caches(2, 32)
+    with torch.no_grad():
+        for rt in (fused, plain):
+            rt(ids, torch.arange(7))
+        for i in range(7, 10):
+            a, b = (rt.decode_step(toks[:, i:i + 1], torch.tensor([i])) for rt in (fused, plain))
+            assert float((a - b).norm() / b.norm()) < 2e-2
+            assert torch.equal(b.argmax(-1), toks[:, i + 1])
+
+
+def test_fused_decode_refuses_biased_qkv(monkeypatch):
+    """qwen2's qkv bias is not fused: its blocks say why and decode unfused, still matching the HF model."""
+    from sdquant.kernels import linear
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_cuda_kernel_runs", lambda device: True)
+    torch.manual_seed(0)
+    cfg = T.Qwen2Config(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = quantize_model_rtn(T.Qwen2ForCausalLM(cfg).eval(), bits=4, group_size=64)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1]
+    rt = Transformer.from_hf(model, max_seq_len=64, dtype=torch.bfloat16, kernels="cuda", fused=True)
+    assert "wqkv" in rt.fused_why_not(1) and "bias" in rt.fused_why_not(1)
+    rt.setup_caches(1, 16)
+    with torch.no_grad():
+        rt(ids[:, :4], torch.arange(4))
+        got = rt.decode_step(ids[:, 4:], torch.tensor([4]))
+    assert float((got - ref).norm() / ref.norm()) < 5e-2
