@@ -44,6 +44,9 @@ rows a launch; ``auto_config`` runs it above M = 32 and at the M = 9-32 points w
 does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
+``sdquant::w4a16_cuda_fused`` (below, ``QuantLinear.forward_fused``, the runtime's ``Block.forward_fused``) runs the tight
+kernel (M <= 8) in a build with the decode block's RMSNorm scale, SiLU * up and residual add in its prologue and epilogue.
+
 Building: ``torch.utils.cpp_extension.load`` compiles csrc/w4a16_binding.cpp, csrc/w4a16_sm90.cu (the C
 interface) and csrc/w4a16_part_*.cu (the kernel instantiations of w4a16_kernel.cuh / w4a16_direct.cuh) with
 ``-gencode=arch=compute_90a,code=sm_90a`` (one translation unit per dtype and token-tile count, so ninja builds

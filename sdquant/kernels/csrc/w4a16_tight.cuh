@@ -1,5 +1,7 @@
 // sdquant W4A16 "tight" decode kernel (variants 38-41, 43-44): the direct kernel's stream with a loop that issues fewer
-// instructions a weight. Included by w4a16_kernel.cuh inside its namespace, after the direct kernel's helpers.
+// instructions a weight. Included by w4a16_kernel.cuh inside its namespace, after the direct kernel's helpers. A second
+// build, TFused (w4a16_part_fused_*.cu, M <= 8), adds the fused decode-block ends (RMSNorm scale, SiLU * up, residual
+// add and the next norm's input: "the fused decode-block prologue / epilogue" below).
 //
 // Why: the direct kernel (v10) is issue-bound at M = 1. With every load removed it still takes 38.7 us on
 // 8192x28672 (docs/BENCHMARKS.md, "M = 1: the compute-only probe"), and its SASS spends ~84 instructions a K step of
@@ -51,16 +53,16 @@ struct TFused : C {
   using Params = SdqW4A16FusedParams;
 };
 
-// Dynamic shared memory: reduce_k_warps' buffer, then (fused) the RMS partials and SiLU's up fragments
+// Dynamic shared memory: reduce_k_warps' buffer, then (fused) the rest below
 template <typename C, int NT>
 constexpr int tight_red_bytes() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
 // (fused) after reduce_k_warps' buffer: the row scales s_rs[8 NT], the one-split tile's values, the copied partial sums of
 // squares [m, rms_t] (a launch passes tight_ss_at + 4 m rms_t bytes; tight_smem is the most)
 constexpr int FUSED_T_MAX = 256;  // partial sums a row: an RMSNorm input of up to 256 x 64 = 16384 features
 template <typename C, int NT>
-constexpr int tight_xbuf_at() { return tight_red_bytes<C, NT>() + 4 * 8 * NT; }
+constexpr int tight_xs_at() { return tight_red_bytes<C, NT>() + 4 * 8 * NT; }
 template <typename C, int NT>
-constexpr int tight_ss_at() { return tight_xbuf_at<C, NT>() + 4 * C::WNN * 8 * NT * 64; }  // xs: [WNN][8 NT][64]
+constexpr int tight_ss_at() { return tight_xs_at<C, NT>() + 4 * C::WNN * 8 * NT * 64; }  // xs: [WNN][8 NT][64]
 template <typename C, int NT>
 constexpr int tight_smem() {
   return C::FUSED ? tight_ss_at<C, NT>() + 4 * 8 * NT * FUSED_T_MAX : tight_red_bytes<C, NT>();
@@ -377,7 +379,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
     float* s_rs = reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>());
     if (p.rms_ss != nullptr) ss_scales<C::WARPS>(p, reinterpret_cast<const float*>(smem + tight_ss_at<C, NT>()), s_rs);
     store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last, s_rs,
-                                                  reinterpret_cast<float*>(smem + tight_xbuf_at<C, NT>()));
+                                                  reinterpret_cast<float*>(smem + tight_xs_at<C, NT>()));
   } else {
     if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
     store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
