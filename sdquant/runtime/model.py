@@ -186,14 +186,13 @@ class Attention(nn.Module):
         d = self.d
         b, s, _ = qkv.shape
         rep = d.n_heads // d.n_kv_heads
-        x = qkv
         q, k, v = qkv.split([d.q_size, d.kv_size, d.kv_size], dim=-1)
         q = q.view(b, s, d.n_heads, d.head_dim)
         k = k.view(b, s, d.n_kv_heads, d.head_dim)
         v = v.view(b, s, d.n_kv_heads, d.head_dim)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
-        impl = _resolve_attention(self.impl, x, d.head_dim) if s == 1 else "sdpa"
+        impl = _resolve_attention(self.impl, qkv, d.head_dim) if s == 1 else "sdpa"
         k = apply_rope(k, cos, sin)
         if impl != "triton":  # the Triton kernel rotates q as it loads it (no kernel of its own)
             q = apply_rope(q, cos, sin)
@@ -374,12 +373,16 @@ class Transformer(nn.Module):
         """compile: None (eager) or a torch.compile mode ("reduce-overhead": fullgraph + CUDA graphs); pdl: see
         ``compile_decode``. fused: decode steps of at most ``int4_cuda.FUSED_MAX_M`` rows through the fused INT4
         kernels (``Block.forward_fused``: the RMSNorms, SiLU * up and residual adds inside the GEMMs), for INT4 layers
-        on the CUDA kernel; None (default) = where the CUDA kernel is built here, True = also where the layers only
-        run the reference (the CPU tests), False = never. w13's gate and up rows are then interleaved."""
+        on the CUDA kernel; None (default) = for an INT4 model on a GPU where that kernel is built, True = whatever the
+        device (a step is still fused only where every layer's plan runs the CUDA kernel: the CPU tests build its
+        layout on the host), False = never. w13's gate and up rows are then interleaved."""
         d = spec.dims
         if fused is None:
-            from sdquant.kernels import int4_cuda
-            fused = torch.device(device).type == "cuda" and int4_cuda.available()
+            from sdquant.kernels.linear import QuantLinear
+            fused = torch.device(device).type == "cuda" and any(isinstance(L.gate, QuantLinear) for L in spec.layers)
+            if fused:  # (only an INT4 model builds the extension here; prepare would build it anyway)
+                from sdquant.kernels import int4_cuda
+                fused = int4_cuda.available()
         if max_seq_len > d.max_position_embeddings:
             raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the model's max_position_embeddings "
                                              f"({d.max_position_embeddings})")

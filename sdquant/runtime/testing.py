@@ -124,8 +124,10 @@ def random_decoder(dims: dict, linears: str = "bf16", device="cuda", dtype=torch
     cos, sin = default_rope_tables(max_seq_len, d.head_dim)
     rt = Transformer(d, emb, blocks, ones(h), head, cos.to(device, dtype), sin.to(device, dtype)).eval()
     if fused is None:
-        from sdquant.kernels import int4_cuda
-        fused = torch.device(device).type == "cuda" and int4_cuda.available()
+        fused = torch.device(device).type == "cuda" and linears == "int4"
+        if fused:
+            from sdquant.kernels import int4_cuda
+            fused = int4_cuda.available()
     if fused and linears == "int4" and i % 64 == 0:
         from sdquant.kernels.int4_cuda import FUSED_BLOCK
         for blk in rt.layers:
