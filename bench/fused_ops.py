@@ -170,6 +170,8 @@ def main(argv=None):
         log(f"| {r['K']}×{r['N']} | {r['mode']} | {r['M']} | {r['config']} | {r['plain_us']:.2f} | "
             f"{r['fused_us']:.2f} | {r['fused_off_us']:.2f} | {r['fused_us'] / r['plain_us']:.3f} |")
     log(f"checks: {len(res['checks'])} points, {fails} failed, worst {worst:.3g}; wall {time.time() - t0:.0f} s")
+    if fails:
+        raise SystemExit(f"fused_ops: {fails} GPU checks failed")
 
 
 if __name__ == "__main__":
