@@ -10,27 +10,33 @@ namespace {
 constexpr int64_t kMaxRows = 32;        // rows per launch (4 token tiles of 8)
 constexpr int64_t kMaxRowsWgmma = 256;  // variants 62-63 (the wgmma kernel): 4 token tiles of 64
 
+// The checks both GEMM entries share (the activations and the CUDA layout); `op` names the entry in the message
+void check_layout_args(const char* op, const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                       const torch::Tensor& zeros, const torch::Tensor& locks) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(), op,
+              ": all tensors must be on a CUDA device");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op, ": x must be float16 or bfloat16");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == x.scalar_type(), op,
+              ": scales must be float16 and zeros of x's dtype");
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.sizes() == zeros.sizes(), op,
+              ": scales/zeros must be contiguous [G, N/64, 8, 8]");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.size(2) == 32 &&
+                  qweight.size(3) == 4 && qweight.is_contiguous(),
+              op, ": qweight must be int32 [N/64, K/16, 32, 4]");
+  TORCH_CHECK(locks.scalar_type() == at::kInt, op, ": locks must be int32");
+  const int64_t k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
+  TORCH_CHECK(qweight.size(1) * 16 == k, op, ": x has K=", k, " but qweight holds K=", qweight.size(1) * 16);
+  TORCH_CHECK(g > 0 && k % (16 * g) == 0, op, ": ", g, " groups do not divide K=", k);
+  TORCH_CHECK(locks.numel() >= n / 64, op, ": locks too small (need N/64 ints)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
+}
+
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
                     int64_t pdl, int64_t xs) {
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
-              "w4a16_cuda: all tensors must be on a CUDA device");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_cuda: x must be a contiguous [M, K] matrix");
-  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-              "w4a16_cuda: x must be float16 or bfloat16");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == x.scalar_type(),
-              "w4a16_cuda: scales must be float16 and zeros of x's dtype");
-  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.sizes() == zeros.sizes(),
-              "w4a16_cuda: scales/zeros must be contiguous [G, N/64, 8, 8]");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.size(2) == 32 &&
-                  qweight.size(3) == 4 && qweight.is_contiguous(),
-              "w4a16_cuda: qweight must be int32 [N/64, K/16, 32, 4]");
-  TORCH_CHECK(locks.scalar_type() == at::kInt, "w4a16_cuda: locks must be int32");
+  check_layout_args("w4a16_cuda", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
-  TORCH_CHECK(qweight.size(1) * 16 == k, "w4a16_cuda: x has K=", k, " but qweight holds K=", qweight.size(1) * 16);
-  TORCH_CHECK(g > 0 && k % (16 * g) == 0, "w4a16_cuda: ", g, " groups do not divide K=", k);
-  TORCH_CHECK(locks.numel() >= n / 64, "w4a16_cuda: locks too small (need N/64 ints)");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_cuda: x must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -78,21 +84,9 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
                                        torch::Tensor zeros, torch::Tensor locks, int64_t variant, int64_t target2,
                                        int64_t pdl, c10::optional<torch::Tensor> rms_ss, double rms_eps, bool silu,
                                        c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda() && locks.is_cuda(),
-              "w4a16_fused: all tensors must be on a CUDA device");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16),
-              "w4a16_fused: x must be a contiguous float16/bfloat16 [M, K] matrix");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == x.scalar_type() && scales.is_contiguous() &&
-                  zeros.is_contiguous() && scales.sizes() == zeros.sizes(),
-              "w4a16_fused: scales must be float16 and zeros of x's dtype, both contiguous [G, N/64, 8, 8]");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 4 && qweight.is_contiguous(),
-              "w4a16_fused: qweight must be int32 [N/64, K/16, 32, 4]");
+  check_layout_args("w4a16_fused", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
-  TORCH_CHECK(qweight.size(1) * 16 == k && g > 0 && k % (16 * g) == 0, "w4a16_fused: x has K=", k,
-              " but the weight holds K=", qweight.size(1) * 16, " in ", g, " groups");
   TORCH_CHECK(m >= 1 && m <= 8, "w4a16_fused: M=", m, " (the fused kernel takes 1..8 rows)");
-  TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n / 64, "w4a16_fused: locks must be N/64 int32");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "w4a16_fused: x must be 16-byte aligned");
   const int64_t n_out = silu ? n / 2 : n;
   if (rms_ss)
     TORCH_CHECK(rms_ss->is_cuda() && rms_ss->scalar_type() == at::kFloat && rms_ss->is_contiguous() &&
