@@ -150,12 +150,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
             tl.load(kn_base + (offs_d + HD // 2) % HD).to(tl.float32) * ks
         kn = kn.to(k_ptr.dtype.element_ty)
         vn = tl.load(vn_base + offs_d)
-        # the one program whose range holds slot pos stores them into the cache; it uses the values it holds (below),
-        # so no program reads the slot through memory in this launch
-        at_d = offs_d * 0 + pos
-        own = (at_d >= start) & (at_d < end)
-        tl.store(k_ptr + bh * sk_bh + pos * sk_t + offs_d, kn, mask=own)
-        tl.store(v_ptr + bh * sv_bh + pos * sv_t + offs_d, vn, mask=own)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.full((REP_P,), 0.0, tl.float32)
     acc = tl.full((REP_P, HD), 0.0, tl.float32)
@@ -177,6 +171,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
+    if WRITE_KV:
+        # the one program whose range holds slot pos stores the new key and value into the cache. After the loop: it
+        # attended the values it holds (above), and a store before the loop would hold the cache loads behind it (the
+        # compiler cannot tell the addresses apart), a memory round trip more (e2e run 46)
+        at_d = offs_d * 0 + pos
+        own = (at_d >= start) & (at_d < end)
+        tl.store(k_ptr + bh * sk_bh + pos * sk_t + offs_d, kn, mask=own)
+        tl.store(v_ptr + bh * sv_bh + pos * sv_t + offs_d, vn, mask=own)
     if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
