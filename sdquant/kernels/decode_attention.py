@@ -141,28 +141,29 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
         sn = tl.load(sin_ptr + offs_d).to(tl.float32)
         q = q * c[None, :] + q_h.to(tl.float32) * (sign * sn)[None, :]
     q = (q * scale).to(CDT)
-    if WRITE_KV:  # this step's key (rotated here, as q) and value, read from the qkv output
-        kn_base = kn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD
-        vn_base = vn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD
-        kc = tl.load(cos_ptr + offs_d).to(tl.float32)
-        ks = tl.load(sin_ptr + offs_d).to(tl.float32) * tl.where(offs_d < HD // 2, -1.0, 1.0)
-        kn = tl.load(kn_base + offs_d).to(tl.float32) * kc + \
-            tl.load(kn_base + (offs_d + HD // 2) % HD).to(tl.float32) * ks
-        kn = kn.to(k_ptr.dtype.element_ty)
-        vn = tl.load(vn_base + offs_d)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.full((REP_P,), 0.0, tl.float32)
     acc = tl.full((REP_P, HD), 0.0, tl.float32)
+    if WRITE_KV:  # this step's key and value, read from the qkv output (used after the loop)
+        kn_base = kn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD
+        kn_lo = tl.load(kn_base + offs_d)
+        kn_hi = tl.load(kn_base + (offs_d + HD // 2) % HD)
+        vn = tl.load(vn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD + offs_d)
+        kc = tl.load(cos_ptr + offs_d)
+        ks = tl.load(sin_ptr + offs_d)
+        # The program whose range holds slot pos ("owner") attends the tiles before the slot, then adds the new token
+        # to its online softmax from the values it holds, so no program reads the slot through memory in this launch.
+        # Nothing computed from these loads comes before the loop: the cache loads must not wait on them (e2e runs
+        # 46-47: a store, then a reduction's barriers, before the loop held the tile loads behind a round trip).
+        own_d = (offs_d * 0 + pos >= start) & (offs_d * 0 + pos < end)
+        own_r = (offs_r * 0 + pos >= start) & (offs_r * 0 + pos < end)
+        end = tl.minimum(end, pos)
     # an empty range (start >= end) runs no tile and leaves the empty partial (m = -inf, l = 0, acc = 0)
     for t0 in range(start, end, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
         k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        if WRITE_KV:  # slot pos: this step's key and value, not what the cache held before this launch
-            at = offs_t[:, None] == pos
-            k = tl.where(at, kn[None, :], k)
-            v = tl.where(at, vn[None, :], v)
         s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
@@ -172,13 +173,20 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
     if WRITE_KV:
-        # the one program whose range holds slot pos stores the new key and value into the cache. After the loop: it
-        # attended the values it holds (above), and a store before the loop would hold the cache loads behind it (the
-        # compiler cannot tell the addresses apart), a memory round trip more (e2e run 46)
-        at_d = offs_d * 0 + pos
-        own = (at_d >= start) & (at_d < end)
-        tl.store(k_ptr + bh * sk_bh + pos * sk_t + offs_d, kn, mask=own)
-        tl.store(v_ptr + bh * sv_bh + pos * sv_t + offs_d, vn, mask=own)
+        # the key rotated as q is (fp32, rounded to the cache's dtype), its score, and the owner's softmax update
+        sign = tl.where(offs_d < HD // 2, -1.0, 1.0)
+        kn = kn_lo.to(tl.float32) * kc.to(tl.float32) + kn_hi.to(tl.float32) * (sign * ks.to(tl.float32))
+        kn = kn.to(k_ptr.dtype.element_ty)
+        s_new = tl.reduce(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1, _add)          # [REP_P]
+        m_o = tl.maximum(m_i, s_new)
+        a_o = tl.exp(m_i - m_o)
+        b_o = tl.exp(s_new - m_o)
+        l_i = tl.where(own_r, l_i * a_o + b_o, l_i)
+        acc = tl.where(own_r[:, None], acc * a_o[:, None] + b_o[:, None] * vn.to(tl.float32)[None, :], acc)
+        m_i = tl.where(own_r, m_o, m_i)
+        # and stores the new key and value into the cache
+        tl.store(k_ptr + bh * sk_bh + pos * sk_t + offs_d, kn, mask=own_d)
+        tl.store(v_ptr + bh * sv_bh + pos * sv_t + offs_d, vn, mask=own_d)
     if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
