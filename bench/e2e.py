@@ -78,11 +78,6 @@ VARIANTS = {
     # adds inside the tight INT4 kernel at M <= 8): the same-run baseline of that fusion
     "int4all-compiled-pdl-early-unfused": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                                pdl="all", fused=False),
-    # the defaults with the key's RoPE and the cache writes as separate ops before sdquant::decode_attention
-    # (Attention.kv_in_attention = False): the same-run baselines of decode_attention_kv
-    "int4all-compiled-pdl-early-sepkv": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                             pdl="all", kv_in_attention=False),
-    "bf16-compiled-sepkv": dict(linears="bf16", compiled=True, graph=True, kv_in_attention=False),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -279,26 +274,6 @@ def check_attention(d, max_seq, dev, dtype) -> dict:
             s[..., pos + 1:] = float("-inf")
             ref = torch.softmax(s, -1) @ v.double()
             out[f"B{b}/pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
-        # decode_attention_kv (the runtime's default): the key's RoPE and both cache writes inside the kernel, against
-        # RoPE in fp32 + the writes + decode_attention on a copy of the cache; output and the written slot
-        from sdquant.kernels.decode_attention import rope_rows
-        nkv, hd = d["n_kv_heads"], d["head_dim"]
-        qkv = torch.randn(b, 1, (nkv * rep + 2 * nkv) * hd, device=dev, generator=g).to(dtype)
-        for pos in (0, max_seq // 2, max_seq - 1):
-            ang = pos / (500000.0 ** (torch.arange(0, hd, 2, device=dev).double() / hd))
-            cos, sin = torch.cat([ang, ang]).cos().to(dtype)[None], torch.cat([ang, ang]).sin().to(dtype)[None]
-            kv = torch.stack([k, v]).normal_(generator=g)
-            kv_ref = kv.clone()
-            p = torch.tensor([pos], device=dev)
-            y = torch.ops.sdquant.decode_attention_kv(qkv, kv, p, 0, hd ** -0.5, cos, sin)
-            kn, vn = qkv[:, 0, nkv * rep * hd:].split(nkv * hd, -1)
-            kv_ref[0, :, :, pos] = rope_rows(kn, cos, sin).view(b, nkv, hd)
-            kv_ref[1, :, :, pos] = vn.reshape(b, nkv, hd)
-            ref = torch.ops.sdquant.decode_attention(qkv[:, 0, :nkv * rep * hd].reshape(b, nkv, rep, hd), kv_ref[0],
-                                                     kv_ref[1], p, 0, hd ** -0.5, cos, sin)
-            out[f"kv/B{b}/pos{pos}"] = float((y.double() - ref.double()).norm() / ref.double().norm())
-            out[f"kv/B{b}/pos{pos}/cache_max_abs"] = float((kv.float() - kv_ref.float()).abs().max())
-            del kv, kv_ref
         del q, k, v
     return out
 
@@ -382,7 +357,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")), spec.get("fused"), spec.get("kv_in_attention", True))
+           str(spec.get("inductor")), spec.get("fused"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -395,8 +370,6 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
                         group_size=args.group_size, fused=spec.get("fused"))
-    for blk in rt.layers:
-        blk.attn.kv_in_attention = spec.get("kv_in_attention", True)
     if spec.get("layouts", "one") != "one":
         from sdquant.kernels.linear import QuantLinear
         for m in rt.modules():

@@ -114,10 +114,10 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_ptr, acc_ptr, ml_ptr, scale, T, REP,
-                    WINDOW, SPLITS, NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t, sn_b,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
+                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
@@ -144,20 +144,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.full((REP_P,), 0.0, tl.float32)
     acc = tl.full((REP_P, HD), 0.0, tl.float32)
-    if WRITE_KV:  # this step's key and value, read from the qkv output (used after the loop)
-        kn_base = kn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD
-        kn_lo = tl.load(kn_base + offs_d)
-        kn_hi = tl.load(kn_base + (offs_d + HD // 2) % HD)
-        vn = tl.load(vn_ptr + (bh // NKV) * sn_b + (bh % NKV) * HD + offs_d)
-        kc = tl.load(cos_ptr + offs_d)
-        ks = tl.load(sin_ptr + offs_d)
-        # The program whose range holds slot pos ("owner") attends the tiles before the slot, then adds the new token
-        # to its online softmax from the values it holds, so no program reads the slot through memory in this launch.
-        # Nothing computed from these loads comes before the loop: the cache loads must not wait on them (e2e runs
-        # 46-47: a store, then a reduction's barriers, before the loop held the tile loads behind a round trip).
-        own_d = (offs_d * 0 + pos >= start) & (offs_d * 0 + pos < end)
-        own_r = (offs_r * 0 + pos >= start) & (offs_r * 0 + pos < end)
-        end = tl.minimum(end, pos)
     # an empty range (start >= end) runs no tile and leaves the empty partial (m = -inf, l = 0, acc = 0)
     for t0 in range(start, end, BT):
         offs_t = t0 + tl.arange(0, BT)
@@ -172,21 +158,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, vn_p
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
         m_i = m_new
-    if WRITE_KV:
-        # the key rotated as q is (fp32, rounded to the cache's dtype), its score, and the owner's softmax update
-        sign = tl.where(offs_d < HD // 2, -1.0, 1.0)
-        kn = kn_lo.to(tl.float32) * kc.to(tl.float32) + kn_hi.to(tl.float32) * (sign * ks.to(tl.float32))
-        kn = kn.to(k_ptr.dtype.element_ty)
-        s_new = tl.reduce(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1, _add)          # [REP_P]
-        m_o = tl.maximum(m_i, s_new)
-        a_o = tl.exp(m_i - m_o)
-        b_o = tl.exp(s_new - m_o)
-        l_i = tl.where(own_r, l_i * a_o + b_o, l_i)
-        acc = tl.where(own_r[:, None], acc * a_o[:, None] + b_o[:, None] * vn.to(tl.float32)[None, :], acc)
-        m_i = tl.where(own_r, m_o, m_i)
-        # and stores the new key and value into the cache
-        tl.store(k_ptr + bh * sk_bh + pos * sk_t + offs_d, kn, mask=own_d)
-        tl.store(v_ptr + bh * sv_bh + pos * sv_t + offs_d, vn, mask=own_d)
     if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
@@ -294,19 +265,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     _check(q, k, v, input_pos, window, cos, sin)
     if triton is None or (q.device.type == "cpu" and not _interpret()):
         return reference(q, k, v, input_pos, window, scale, cos, sin)
-    return _launch(q, k, v, input_pos, window, scale, cos, sin)
-
-
-def _launch(q, k, v, input_pos, window, scale, cos, sin, kn=None, vn=None):
-    """Both kernels; kn / vn (views [B, nkv·hd] with a unit last stride and q's batch stride): this step's unrotated
-    key and value, which the partial kernel rotates, stores at slot input_pos and attends (decode_attention_kv)."""
     b, nkv, rep, hd = q.shape
     T = k.shape[2]
     q = q.contiguous() if q.stride(-1) != 1 else q
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(0) != nkv * k.stride(1) or \
             v.stride(0) != nkv * v.stride(1):
-        if kn is not None:  # the cache is written in place: a copy would lose the write
-            raise ShapeError("decode_attention_kv: the cache must have unit last stride and [B, nkv] flattenable")
         k, v = k.contiguous(), v.contiguous()
     rope = cos is not None
     if rope:
@@ -325,12 +288,10 @@ def _launch(q, k, v, input_pos, window, scale, cos, sin, kn=None, vn=None):
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
-    write_kv = kn is not None
-    partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, kn if write_kv else q,
-                               vn if write_kv else q, acc, ml, float(scale), T, rep, win, splits, nkv,
-                               q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-                               v.stride(1), v.stride(2), kn.stride(0) if write_kv else 0,
-                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, WRITE_KV=write_kv, PDL=pdl,
+    partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
+                               win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+                               v.stride(1), v.stride(2),
+                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
                                **tile_config(chunk), **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
@@ -342,61 +303,6 @@ def _launch(q, k, v, input_pos, window, scale, cos, sin, kn=None, vn=None):
 def _(q, k, v, input_pos, window, scale, cos=None, sin=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
-
-
-# ------------------------------------------------------------------------------ the op that also writes the cache
-def _split_qkv(qkv: torch.Tensor, kv: torch.Tensor):
-    """qkv [B, 1, (nh + 2 nkv) hd] (or [B, ...]) and the cache kv [2, B, nkv, T, hd] -> views q [B, nkv, rep, hd],
-    k_new / v_new [B, nkv·hd]; the shape errors name what does not fit."""
-    if kv.dim() != 5 or kv.shape[0] != 2:
-        raise ShapeError(f"decode_attention_kv: kv must be the cache [2, B, nkv, T, hd], got {list(kv.shape)}")
-    _, b, nkv, _, hd = kv.shape
-    if qkv.dim() == 3 and qkv.shape[1] == 1:
-        qkv = qkv.reshape(qkv.shape[0], qkv.shape[2])
-    if qkv.dim() != 2 or qkv.shape[0] != b:
-        raise ShapeError(f"decode_attention_kv: qkv must be [B, 1, (nh + 2 nkv) hd] with B = {b} (the cache's), "
-                         f"got {list(qkv.shape)}")
-    nq = qkv.shape[1] - 2 * nkv * hd
-    if nq <= 0 or nq % (nkv * hd):
-        raise ShapeError(f"decode_attention_kv: qkv has {qkv.shape[1]} features; with {nkv} KV heads of {hd} the "
-                         f"query part ({nq}) must be a positive multiple of {nkv * hd}")
-    if qkv.dtype != kv.dtype:
-        raise ShapeError(f"decode_attention_kv: qkv is {qkv.dtype} but the cache is {kv.dtype}")
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
-    q = qkv[:, :nq].view(b, nkv, nq // (nkv * hd), hd)
-    return q, qkv[:, nq:nq + nkv * hd], qkv[:, nq + nkv * hd:]
-
-
-def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., nkv·hd] rotated per head in fp32 (rope_q's maths), in x's dtype."""
-    hd = cos.numel()
-    return rope_q(x.reshape(*x.shape[:-1], -1, hd), cos.reshape(hd), sin.reshape(hd)).to(x.dtype).reshape(x.shape)
-
-
-@torch.library.custom_op("sdquant::decode_attention_kv", mutates_args=("kv",))
-def decode_attention_kv(qkv: torch.Tensor, kv: torch.Tensor, input_pos: torch.Tensor, window: int, scale: float,
-                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One decode step's attention straight from the fused qkv projection's output: the key is rotated (RoPE) and
-    stored with the value into the cache kv [2, B, nkv, T, hd] at slot input_pos, q is rotated as it is loaded, and
-    the result is decode_attention's ([B, nkv, rep, hd]). On the GPU the partial kernel does the key's rotation and
-    both stores (the program that owns the slot), so a decode step runs no RoPE or cache-write kernel of its own."""
-    q, kn, vn = _split_qkv(qkv, kv)
-    _check(q, kv[0], kv[1], input_pos, window, cos, sin)
-    if cos is None:
-        raise ShapeError("decode_attention_kv: cos and sin are required (the key is rotated inside)")
-    if triton is None or (q.device.type == "cpu" and not _interpret()):
-        b, nkv, _, hd = q.shape
-        new = torch.stack([rope_rows(kn, cos, sin), vn]).view(2, b, nkv, 1, hd).to(kv.dtype)
-        kv.index_copy_(3, input_pos.reshape(1).to(kv.device), new)
-        return reference(q, kv[0], kv[1], input_pos, window, scale, cos, sin)
-    return _launch(q, kv[0], kv[1], input_pos, window, scale, cos, sin, kn, vn)
-
-
-@decode_attention_kv.register_fake
-def _(qkv, kv, input_pos, window, scale, cos, sin):
-    q, _, _ = _split_qkv(qkv, kv)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)

@@ -161,9 +161,7 @@ class Attention(nn.Module):
     "sdpa_gqa" SDPA with enable_gqa=True on [B, nh, S, hd] queries.
     "triton"   ``sdquant::decode_attention`` (sdquant/kernels/decode_attention.py): flash-decoding over the
                live cache slots only (the position is read on the device, so CUDA graphs replay it), where the
-               other three read and mask all max_seq slots at every step. Without q/k norms (``kv_in_attention``)
-               a decode step calls ``sdquant::decode_attention_kv`` on the qkv output: the key's RoPE and the
-               cache writes happen inside the attention's kernel.
+               other three read and mask all max_seq slots at every step.
     """
 
     def __init__(self, d: DecoderDims, wqkv: nn.Module, wo: nn.Module, q_norm=None, k_norm=None,
@@ -176,9 +174,6 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm)
         self.kv_cache: Optional[KVCache] = None
         self.window: Optional[int] = None        # the block's sliding window (set by Block)
-        # "triton" decode without q/k norms: sdquant::decode_attention_kv rotates and stores the new key and value
-        # (False: separate RoPE and cache-write ops before sdquant::decode_attention, for A/B measurements)
-        self.kv_in_attention = True
         if impl == "triton":
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
@@ -198,11 +193,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
         impl = _resolve_attention(self.impl, qkv, d.head_dim) if s == 1 else "sdpa"
-        if impl == "triton" and self.kv_in_attention and self.q_norm is None:
-            # the key's RoPE and both cache writes inside the attention's partial kernel: no kernels of their own
-            y = torch.ops.sdquant.decode_attention_kv(qkv, self.kv_cache.kv, input_pos, self.window or 0,
-                                                      d.head_dim ** -0.5, cos, sin)            # [B, nkv, rep, hd]
-            return y.reshape(b, 1, d.q_size)
         k = apply_rope(k, cos, sin)
         if impl != "triton":  # the Triton kernel rotates q as it loads it (no kernel of its own)
             q = apply_rope(q, cos, sin)

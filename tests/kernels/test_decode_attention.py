@@ -165,17 +165,13 @@ def test_kernel_rotates_q_on_load_from_a_strided_view(interpret, dtype, tol):
 
 
 def test_runtime_triton_attention_equals_matmul(interpret):
-    """Decode steps with the matmul attention, the Triton op after separate RoPE / cache-write ops, and
-    decode_attention_kv (the default for "triton": the key's RoPE and the cache writes in its kernel)."""
     from sdquant.runtime.testing import TINY, random_decoder
     rt = random_decoder(TINY, "bf16", device="cpu", dtype=torch.float32, max_seq_len=96)
     torch.manual_seed(0)
     prompt = torch.randint(0, rt.d.vocab_size, (2, 9))
     outs = {}
-    for impl, in_attn in (("matmul", False), ("triton", False), ("triton_kv", True)):
-        rt.set_attention(impl[:6] if impl != "matmul" else impl)
-        for blk in rt.layers:
-            blk.attn.kv_in_attention = in_attn
+    for impl in ("matmul", "triton"):
+        rt.set_attention(impl)
         rt.setup_caches(2, 96)
         for blk in rt.layers:
             blk.attn.kv_cache.k.zero_()
@@ -189,7 +185,6 @@ def test_runtime_triton_attention_equals_matmul(interpret):
                 ids = logits.argmax(-1, keepdim=True)
         outs[impl] = torch.stack(steps)
     assert torch.allclose(outs["triton"], outs["matmul"], atol=1e-4, rtol=1e-4)
-    assert torch.allclose(outs["triton_kv"], outs["matmul"], atol=1e-4, rtol=1e-4)
 
 
 def test_kernels_keep_their_constexpr_parameters(monkeypatch):
@@ -197,7 +192,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
+    assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2])
@@ -210,9 +205,8 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    sigs = {partial: (["*bf16"] * 3 + ["*i64"] + ["*bf16"] * 4 + ["*fp32", "*fp32", "fp32"] + ["i32"] * 13,
-                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, WRITE_KV=True,
-                           PDL=pdl)),
+    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
+                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl)),
             merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
@@ -236,90 +230,3 @@ def test_attention_bench_dry_checks_every_setting(tmp_path):
     rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
     assert [row["pos"] for row in rows] == [0, 129, 199]
     assert all(row["rule_err"] < 1e-5 and row["c128/bt64_err"] < 1e-5 for row in rows)
-
-
-# ------------------------------------------------------------------ decode_attention_kv: the key's RoPE and the cache
-def _kv_case(b=2, nkv=2, rep=4, T=200, hd=32, pos=0, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(b, 1, (nkv * rep + 2 * nkv) * hd, generator=g).to(dtype)
-    kv = torch.randn(2, b, nkv, T, hd, generator=g).to(dtype)   # slot pos holds stale values the op must not read
-    cos, sin = _rope_rows(hd, pos, dtype)
-    return qkv, kv, cos[None], sin[None]
-
-
-def _kv_unfused(qkv, kv, pos, window, scale, cos, sin):
-    """The runtime's separate ops: RoPE on the key (fp32, rounded), both cache writes, then decode_attention."""
-    from sdquant.runtime.model import apply_rope
-    _, b, nkv, _, hd = kv.shape
-    kv = kv.clone()
-    q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv * hd, nkv * hd, nkv * hd], dim=-1)
-    k = apply_rope(k.reshape(b, 1, nkv, hd).float(), cos.float(), sin.float()).to(kv.dtype)
-    kv[0, :, :, pos] = k[:, 0]
-    kv[1, :, :, pos] = v.reshape(b, nkv, hd)
-    y = da.reference(q.reshape(b, nkv, -1, hd), kv[0], kv[1], torch.tensor([pos]), window, scale, cos, sin)
-    return y, kv
-
-
-@pytest.mark.parametrize("dtype,tol,kv_tol", [(torch.float32, 1e-5, 1e-6), (torch.bfloat16, 1e-2, 1.6e-2)])
-@pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
-def test_kv_op_matches_the_unfused_ops(interpret, dtype, tol, kv_tol, pos, window):
-    """The kernel stores the rotated key and the value at slot pos (and nowhere else) and attends them, not the
-    stale values the slot held; against RoPE + cache writes + decode_attention's reference."""
-    qkv, kv, cos, sin = _kv_case(pos=pos, dtype=dtype, seed=pos + window)
-    before = kv.clone()
-    y = torch.ops.sdquant.decode_attention_kv(qkv, kv, torch.tensor([pos]), window, 0.2, cos, sin)
-    ref, kv_ref = _kv_unfused(qkv, before, pos, window, 0.2, cos, sin)
-    assert y.shape == (2, 2, 4, 32) and y.dtype == dtype
-    assert float((y.double() - ref.double()).norm() / ref.double().norm()) < tol
-    other = torch.ones(kv.shape[3], dtype=torch.bool)
-    other[pos] = False
-    assert torch.equal(kv[:, :, :, other], before[:, :, :, other])          # only slot pos written
-    assert float((kv[:, :, :, pos].float() - kv_ref[:, :, :, pos].float()).abs().max()) <= kv_tol
-    assert not torch.equal(kv[:, :, :, pos], before[:, :, :, pos])
-
-
-def test_kv_op_multi_tile_programs(interpret, monkeypatch):
-    """The slot inside the second tile of a 128-slot program."""
-    monkeypatch.setenv("SDQUANT_ATTN_CHUNK", "128")
-    monkeypatch.setenv("SDQUANT_ATTN_BT", "32")
-    qkv, kv, cos, sin = _kv_case(pos=170, seed=3)
-    before = kv.clone()
-    y = torch.ops.sdquant.decode_attention_kv(qkv, kv, torch.tensor([170]), 0, 0.2, cos, sin)
-    ref, kv_ref = _kv_unfused(qkv, before, 170, 0, 0.2, cos, sin)
-    assert float((y - ref).norm() / ref.norm()) < 1e-5
-    torch.testing.assert_close(kv, kv_ref, rtol=0, atol=1e-6)
-
-
-def test_kv_op_opcheck_and_bad_inputs():
-    qkv, kv, cos, sin = _kv_case(T=40, pos=17)
-    torch.library.opcheck(torch.ops.sdquant.decode_attention_kv.default,
-                          (qkv, kv, torch.tensor([17]), 0, 0.3, cos, sin))
-    with pytest.raises(ShapeError, match="query part"):
-        torch.ops.sdquant.decode_attention_kv(qkv[..., :-32], kv, torch.tensor([17]), 0, 0.3, cos, sin)
-    with pytest.raises(ShapeError, match="kv must be the cache"):
-        torch.ops.sdquant.decode_attention_kv(qkv, kv[0], torch.tensor([17]), 0, 0.3, cos, sin)
-    with pytest.raises(ShapeError, match="B = 2"):
-        torch.ops.sdquant.decode_attention_kv(qkv[:1], kv, torch.tensor([17]), 0, 0.3, cos, sin)
-    with pytest.raises(ShapeError, match="cache is torch.bfloat16"):
-        torch.ops.sdquant.decode_attention_kv(qkv, kv.bfloat16(), torch.tensor([17]), 0, 0.3, cos, sin)
-
-
-def test_kv_op_compiles_in_place(interpret):
-    """Under torch.compile(fullgraph=True) the mutation of the cache buffer survives (inductor re-inplaces the op),
-    and the compiled step equals eager."""
-    from sdquant.runtime.testing import TINY, random_decoder
-    rt = random_decoder(TINY, "bf16", device="cpu", dtype=torch.float32, max_seq_len=64)
-    rt.set_attention("triton")
-    rt.setup_caches(1, 64)
-    prompt = torch.randint(0, rt.d.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        rt(prompt, torch.arange(5))
-        eager = rt.decode_step(prompt[:, -1:], torch.tensor([5]))
-        caches = [blk.attn.kv_cache.kv.clone() for blk in rt.layers]
-        for blk in rt.layers:
-            blk.attn.kv_cache.kv[:, :, :, 5] = 0
-        compiled = torch.compile(rt.decode_step, fullgraph=True)(prompt[:, -1:], torch.tensor([5]))
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-    for c, blk in zip(caches, rt.layers):
-        torch.testing.assert_close(blk.attn.kv_cache.kv, c, rtol=1e-5, atol=1e-5)
-        assert float(blk.attn.kv_cache.kv[:, :, :, 5].abs().sum()) > 0
