@@ -106,7 +106,8 @@ __device__ __forceinline__ void ss_copy(const SdqW4A16FusedParams& p, float* dst
   for (int i = threadIdx.x; i < p.m * p.rms_t; i += THREADS) cp_async4(dst + i, p.rms_ss + i);
   cp_async_commit();
 }
-// epilogue, after a barrier that follows every thread's cp_async_wait: s_rs[row] = rsqrt(sum / k + eps), then a barrier
+// epilogue, after a barrier that follows every thread's cp_async_wait: s_rs[row] = rsqrt(sum / k + eps), published by
+// the next barrier (store_fused's own: a barrier of its own here cost one more a CTA)
 template <int WARPS>
 __device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const float* ss, float* s_rs) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -117,7 +118,6 @@ __device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const fl
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) s_rs[r] = rsqrtf(s / static_cast<float>(p.k) + p.rms_eps);
   }
-  __syncthreads();
 }
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
@@ -129,7 +129,8 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(
 // block 64 weight columns past it).
 template <typename T, int NT, int WNN, int WARPS, int THREADS>
 __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const float (&acc)[NT][4][4], bool writer,
-                                            int wn, int nb, int split, int& s_last, const float* s_rs, float* xs) {
+                                            int wn, int nb, int split, int& s_last, const float* ss, float* s_rs,
+                                            float* xs) {
   using O = Ops<T>;
   using T2 = typename O::T2;
   constexpr int ROWS = 8 * NT;
@@ -137,6 +138,7 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
   const int nout = p.silu ? n / 2 : n, tout = nout / 64;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4;
   const bool one = p.splits == 1;
+  if (p.rms_ss != nullptr) ss_scales<WARPS>(p, ss, s_rs);  // published by the barrier of either path below
   if (one) {
     if (writer) {
 #pragma unroll
@@ -376,9 +378,9 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
     if (p.rms_ss != nullptr) cp_async_wait<0>();  // this thread's copies; the barrier below publishes them all
     if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
     else if (p.rms_ss != nullptr) __syncthreads();
-    float* s_rs = reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>());
-    if (p.rms_ss != nullptr) ss_scales<C::WARPS>(p, reinterpret_cast<const float*>(smem + tight_ss_at<C, NT>()), s_rs);
-    store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last, s_rs,
+    store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last,
+                                                  reinterpret_cast<const float*>(smem + tight_ss_at<C, NT>()),
+                                                  reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>()),
                                                   reinterpret_cast<float*>(smem + tight_xs_at<C, NT>()));
   } else {
     if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
