@@ -78,6 +78,12 @@ VARIANTS = {
     # adds inside the tight INT4 kernel at M <= 8): the same-run baseline of that fusion
     "int4all-compiled-pdl-early-unfused": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                                pdl="all", fused=False),
+    # ablations, not models: the decode attention (RoPE, cache write, attention kernels) replaced by q's slice of the
+    # qkv output (a copy kernel a layer), so the step without it bounds what the attention costs in wall time from below
+    # (outputs meaningless)
+    "int4all-compiled-pdl-early-noattn": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                              pdl="all", no_attention=True),
+    "bf16-compiled-noattn": dict(linears="bf16", compiled=True, graph=True, no_attention=True),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -357,7 +363,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")), spec.get("fused"))
+           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -370,6 +376,9 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
                         group_size=args.group_size, fused=spec.get("fused"))
+    if spec.get("no_attention"):
+        for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)
+            blk.attn.attend = (lambda q_size: lambda qkv, cos, sin, mask, input_pos: qkv[..., :q_size].contiguous())(rt.d.q_size)
     if spec.get("layouts", "one") != "one":
         from sdquant.kernels.linear import QuantLinear
         for m in rt.modules():
