@@ -53,18 +53,9 @@ struct TFused : C {
   using Params = SdqW4A16FusedParams;
 };
 
-// Experiment (pending 17, off unless built with -DSDQ_TIGHT_SMEM_RING=S): the weight stream through a per-warp ring of S
-// chunks in shared memory, filled by cp.async (each lane copies and later reads its own 16 bytes, so no barrier), in
-// place of the register ring of D chunks: S chunks in flight a warp without their registers.
-#ifndef SDQ_TIGHT_SMEM_RING
-#define SDQ_TIGHT_SMEM_RING 0
-#endif
-template <typename C>
-constexpr int tight_ring_bytes() { return SDQ_TIGHT_SMEM_RING * TIGHT_U * 32 * 16 * C::WARPS; }
-
-// Dynamic shared memory: (the experiment's ring,) reduce_k_warps' buffer, then (fused) the rest below
+// Dynamic shared memory: reduce_k_warps' buffer, then (fused) the rest below
 template <typename C, int NT>
-constexpr int tight_red_bytes() { return tight_ring_bytes<C>() + (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
+constexpr int tight_red_bytes() { return (C::KW - 1) * C::WNN * NT * 16 * 32 * 4; }
 // (fused) after reduce_k_warps' buffer: the row scales s_rs[8 NT], the one-split tile's values, the copied partial sums of
 // squares [m, rms_t] (a launch passes tight_ss_at + 4 m rms_t bytes; tight_smem is the most)
 constexpr int FUSED_T_MAX = 256;  // partial sums a row: an RMSNorm input of up to 256 x 64 = 16384 features
@@ -84,15 +75,6 @@ __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool o
       " @q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
       : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
       : "l"(p), "r"(static_cast<int>(on)));
-}
-
-// 16 bytes global -> shared by cp.async (L2 only) if `on`, else nothing (no branch)
-__device__ __forceinline__ void cp_async16_if(void* dst, const void* src, bool on) {
-  asm volatile(
-      "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(static_cast<int>(on))
-      : "memory");
 }
 
 // ------------------------------------------------------------------ the fused decode-block prologue / epilogue
@@ -281,12 +263,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
     xsrc[nt] = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(r) * p.k + static_cast<size_t>(c0) * U * 16 + 2 * t4;
   }
 
-#if SDQ_TIGHT_SMEM_RING
-  constexpr int S = SDQ_TIGHT_SMEM_RING;
-  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * (S * U * 32) + lane;
-#else
   uint4 wq[D][U];
-#endif
   uint32_t xq[2][U][NT][2];
   auto load_x = [&](int c, uint32_t (&xx)[U][NT][2]) {  // chunk c (clamped to the warp's last: never past its range)
     const int cc = c < nc ? c : nc - 1;
@@ -353,19 +330,10 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
   // they are in flight while it finishes); the activations are read only after griddep_wait.
-#if SDQ_TIGHT_SMEM_RING
-#pragma unroll
-  for (int j = 0; j < S; ++j) {  // one commit group a chunk
-#pragma unroll
-    for (int kk = 0; kk < U; ++kk) cp_async16_if(ring + (j * U + kk) * 32, wsrc + (j * U + kk) * 32, j < nc);
-    cp_async_commit();
-  }
-#else
 #pragma unroll
   for (int j = 0; j < D; ++j)
 #pragma unroll
     for (int kk = 0; kk < U; ++kk) ldg_stream16_if(wq[j][kk], wsrc + (j * U + kk) * 32, j < nc);
-#endif
   if (nc > 0) load_group_sz(p, grp, nblk, nb, g8, s_next, z_next);
   griddep_wait();
   if (p.pdl == 2) griddep_launch_dependents();
@@ -378,9 +346,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
     if (gc - cig < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
   }
 
-#if SDQ_TIGHT_SMEM_RING
-  int slot_c = 0;  // the ring slot of chunk c
-#endif
   for (int base = 0; base < nc; base += D) {
 #pragma unroll
     for (int j = 0; j < D; ++j) {
@@ -392,23 +357,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
           if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
         }
         load_x(c + 1, xq[(j + 1) % 2]);
-#if SDQ_TIGHT_SMEM_RING
-        // chunk c's copies are done once at most S - 1 newer groups are pending (the fused build's ss copy is one
-        // more group: then this waits a little early, never late)
-        cp_async_wait<S - 1>();
-        uint4* slot = ring + slot_c * (U * 32);
-        uint4 w4[U];
-#pragma unroll
-        for (int kk = 0; kk < U; ++kk) w4[kk] = slot[kk * 32];
-#pragma unroll
-        for (int kk = 0; kk < U; ++kk) step(w4[kk], xq[j % 2][kk]);
-        // the slot's words are in registers and used: refill it with chunk c + S
-        const uint4* nxt = wsrc + static_cast<size_t>(c + S) * U * 32;
-#pragma unroll
-        for (int kk = 0; kk < U; ++kk) cp_async16_if(slot + kk * 32, nxt + kk * 32, c + S < nc);
-        cp_async_commit();
-        slot_c = slot_c + 1 == S ? 0 : slot_c + 1;
-#else
         const uint4* nxt = wsrc + static_cast<size_t>(c + D) * U * 32;
 #pragma unroll
         for (int kk = 0; kk < U; ++kk) {
@@ -416,7 +364,6 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
           step(w, xq[j % 2][kk]);
           ldg_stream16_if(wq[j][kk], nxt + kk * 32, c + D < nc);
         }
-#endif
         if (++cig == gc) {
           cig = 0;
           ++grp;
@@ -429,14 +376,14 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
 
   if constexpr (C::FUSED) {
     if (p.rms_ss != nullptr) cp_async_wait<0>();  // this thread's copies; the barrier below publishes them all
-    if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem + tight_ring_bytes<C>(), kw, wn, lane);  // into warp kw = 0
+    if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
     else if (p.rms_ss != nullptr) __syncthreads();
     store_fused<T, NT, WNN, C::WARPS, C::THREADS>(p, acc, active && kw == 0, wn, nb, split, s_last,
                                                   reinterpret_cast<const float*>(smem + tight_ss_at<C, NT>()),
                                                   reinterpret_cast<float*>(smem + tight_red_bytes<C, NT>()),
                                                   reinterpret_cast<float*>(smem + tight_xs_at<C, NT>()));
   } else {
-    if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem + tight_ring_bytes<C>(), kw, wn, lane);  // into warp kw = 0
+    if constexpr (KW > 1) reduce_k_warps<NT, WNN, KW>(acc, smem, kw, wn, lane);  // into warp kw = 0
     store_output<T, NT, WNN, C::THREADS>(p, acc, active && kw == 0, nb, split, s_last);
   }
 }
