@@ -32,6 +32,22 @@ void check_layout_args(const char* op, const torch::Tensor& x, const torch::Tens
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
 }
 
+// The fields every entry sets from its layout: a / c point at the launch's first row of x / out, m rows of them
+void set_layout(SdqW4A16Params& p, const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                const torch::Tensor& zeros, const void* a, void* c, int64_t m) {
+  const int64_t k = x.size(1);
+  p.a = a;
+  p.b = qweight.data_ptr();
+  p.s = scales.data_ptr();
+  p.zs = zeros.data_ptr();
+  p.c = c;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(qweight.size(0) * 64);
+  p.k = static_cast<int>(k);
+  p.group_k16 = static_cast<int>(k / 16 / scales.size(0));
+  p.is_bf16 = x.scalar_type() == at::kBFloat16;
+}
+
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
                     int64_t pdl, int64_t xs) {
@@ -50,18 +66,10 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
                                                 x.scalar_type() == at::kBFloat16, static_cast<int>(variant),
                                                 static_cast<int>(target2));
     SdqW4A16Params p{};
-    p.a = static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size();
-    p.b = qweight.data_ptr();
-    p.s = scales.data_ptr();
-    p.zs = zeros.data_ptr();
-    p.c = static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size();
+    set_layout(p, x, qweight, scales, zeros, static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size(),
+               static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size(), rows);
     p.locks = locks.data_ptr<int>();
-    p.m = rows;
-    p.n = static_cast<int>(n);
-    p.k = static_cast<int>(k);
-    p.group_k16 = group_k16;
     p.splits = sp;
-    p.is_bf16 = x.scalar_type() == at::kBFloat16;
     p.evict_first = evict_first ? 1 : 0;
     p.variant = static_cast<int>(variant);
     p.pdl = static_cast<int>(pdl);
@@ -85,7 +93,7 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
                                        int64_t pdl, c10::optional<torch::Tensor> rms_ss, double rms_eps, bool silu,
                                        c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
   check_layout_args("w4a16_fused", x, qweight, scales, zeros, locks);
-  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
+  const int64_t m = x.size(0), n = qweight.size(0) * 64;
   TORCH_CHECK(m >= 1 && m <= 8, "w4a16_fused: M=", m, " (the fused kernel takes 1..8 rows)");
   const int64_t n_out = silu ? n / 2 : n;
   if (rms_ss)
@@ -105,22 +113,12 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   auto out = at::empty({m, n_out}, x.options());
   auto out2 = gamma ? at::empty({m, n_out}, x.options()) : at::empty({0}, x.options());
   auto ss_out = gamma ? at::empty({m, n_out / 64}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
-  const int group_k16 = static_cast<int>(k / 16 / g);
   SdqW4A16FusedParams p{};
-  p.a = x.data_ptr();
-  p.b = qweight.data_ptr();
-  p.s = scales.data_ptr();
-  p.zs = zeros.data_ptr();
-  p.c = out.data_ptr();
+  set_layout(p, x, qweight, scales, zeros, x.data_ptr(), out.data_ptr(), m);
   p.locks = locks.data_ptr<int>();
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.group_k16 = group_k16;
-  p.is_bf16 = x.scalar_type() == at::kBFloat16;
   p.variant = static_cast<int>(variant);
   p.pdl = static_cast<int>(pdl);
-  p.splits = sdq_w4a16_auto_splits(p.m, p.n, p.k, group_k16, p.is_bf16, p.variant, static_cast<int>(target2));
+  p.splits = sdq_w4a16_auto_splits(p.m, p.n, p.k, p.group_k16, p.is_bf16, p.variant, static_cast<int>(target2));
   p.rms_ss = rms_ss ? rms_ss->data_ptr<float>() : nullptr;
   p.rms_t = rms_ss ? static_cast<int>(rms_ss->size(1)) : 0;
   p.rms_eps = static_cast<float>(rms_eps);
@@ -156,20 +154,10 @@ torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
                          int64_t kind, int64_t ctas) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && x.dim() == 2 && x.is_contiguous(), "read_probe: bad inputs");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
   auto out = at::empty({1, 1}, x.options());
   SdqW4A16Params p{};
-  p.a = x.data_ptr();
-  p.b = qweight.data_ptr();
-  p.s = scales.data_ptr();
-  p.zs = zeros.data_ptr();
-  p.c = out.data_ptr();
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.group_k16 = static_cast<int>(k / 16 / g);
+  set_layout(p, x, qweight, scales, zeros, x.data_ptr(), out.data_ptr(), x.size(0));
   p.splits = 1;
-  p.is_bf16 = x.scalar_type() == at::kBFloat16;
   const int rc = sdq_w4a16_probe(&p, static_cast<int>(kind), static_cast<int>(ctas), at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(rc == 0, "read_probe: launch failed (code ", rc, ")");
   return out;

@@ -140,32 +140,18 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
   const bool one = p.splits == 1;
   if (p.rms_ss != nullptr) ss_scales<WARPS>(p, ss, s_rs);  // published by the barrier of either path below
   if (one) {
-    if (writer) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = nt * 8 + 2 * t4 + (e & 1);
-            xs[(wn * ROWS + tok) * 64 + 16 * w + 8 * (e >> 1) + g8] = acc[nt][w][e];
-          }
-    }
+    if (writer)
+      frag_each<NT>([&](int nt, int w, int e) {
+        xs[(wn * ROWS + nt * 8 + 2 * t4 + (e & 1)) * 64 + 16 * w + 8 * (e >> 1) + g8] = acc[nt][w][e];
+      });
     __syncthreads();
   } else {
     float* pout = p.partial + static_cast<size_t>(split) * m * n;
-    if (writer) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = nt * 8 + 2 * t4 + (e & 1);
-            const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
-            if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
-          }
-    }
+    if (writer)
+      frag_each<NT>([&](int nt, int w, int e) {
+        const int tok = nt * 8 + 2 * t4 + (e & 1);
+        if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + nb * 64 + 16 * w + 8 * (e >> 1) + g8, acc[nt][w][e]);
+      });
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
