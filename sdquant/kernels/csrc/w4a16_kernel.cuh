@@ -637,10 +637,10 @@ using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
 using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
-using V41 = TCfg<2, 2, 4, 3>;  // EXPERIMENT D=4
+using V41 = TCfg<8, 1, 2, 2>;
 using V42 = LCfg<4, 1, 4, 6, 3, 4, 1, 0>;
-using V43 = TCfg<4, 1, 4, 3>;  // EXPERIMENT D=4  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
-using V44 = TCfg<1, 4, 4, 3>;  // EXPERIMENT D=4
+using V43 = TCfg<2, 4, 2, 2, 1>;  // 43-44: the tight kernel with raw codes; were raw-code lean configs (run 6b)
+using V44 = TCfg<4, 2, 2, 2, 1>;
 using V45 = SKCfg<4, 2, 3, 2, 0, 0, 0, 3, 2, 0, 0, 1, 1>;
 using V46 = LCfg<4, 1, 4, 4, 3, 4, 0, 0, 1, 1>;
 using V47 = LCfg<8, 1, 4, 2, 1, 2, 0, 0, 1, 1>;
