@@ -476,8 +476,8 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 // activation tile by a 2-D TMA copy (a CUtensorMap with the 128-byte swizzle wgmma's descriptor expects; rows past M
 // are zero-filled by the TMA unit), the four blocks' weights and the scales / zeros by 1-D bulk copies, all completing
 // on the stage's "full" mbarrier. Every warp frees a stage with one arrival on its "empty" mbarrier once the wgmmas
-// that read it have retired; thread 0 refills it when a non-blocking test of that barrier passes (tried twice a
-// stage, predicated: no branch sits between a wgmma and the wait that retires it). No CTA-wide barrier in the loop.
+// that read it have retired (step 1 of the next stage); at the start of stage s every thread waits for the release of
+// stage s - 2 and thread 0 refills that slot (STAGES - 2 stages ahead). No CTA-wide barrier in the loop.
 // The wgmmas are wgmma_body's, in the same order: the output is bit-identical to variant 63's.
 // (Tried first: a producer warpgroup with setmaxnreg 24 / 240 -- ptxas serialized the consumers' wgmmas, C7512, as its
 // pipeline analysis keeps to the 168 registers of a 384-thread launch; and a producer warp beside two consumer
@@ -593,11 +593,19 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
-  int nxt = pre;  // (thread 0) the next stage to issue
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
     const uint32_t st = sbase + slot * L::STAGE;
     ring_wait(full0 + 8 * slot, (s / STAGES) & 1);
+    {  // refill the slot of stage s - 2 (every warp freed it during stage s - 1) with stage s - 2 + STAGES: every
+       // thread waits for that release (for s < 2 the parity names the barrier's initial, complete phase), thread 0
+       // issues. Straight-line and stage-uniform: a branch or a per-thread schedule here made ptxas serialize the
+       // wgmmas (C7513) or cost ~250 instructions a stage.
+      const int r = s + STAGES - 2;  // the stage to issue
+      ring_wait(empty0 + 8 * (r % STAGES), ((r / STAGES) + 1) & 1);
+      tma_issue_stage<NTOK>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), (st0 + r) * KS, nb0,
+                            m0, (tid == 0) & (s >= 2) & (r < nst), true, true);
+    }
     const uint64_t desc = wg_desc(st);
     {  // the stage's group (one: the group is a multiple of the stage)
       const uint32_t sz = st + L::X_BYTES + L::W_BYTES + warp * 128 + g8 * 16;
@@ -622,16 +630,6 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
       wg_wait<1>();
       // at step 1 every wgmma of the previous stage has retired: free its slot
       if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
-      if (k0 >= 2) {  // thread 0 refills the slot of stage nxt - STAGES once every warp has freed it
-        const int ns = nxt % STAGES;
-        const bool free = mbar_test_wait(empty0 + 8 * ns, ((nxt / STAGES) - 1) & 1);  // (every thread: no branch)
-        const bool go = (tid == 0) & (nxt < nst) & free;
-        // (no fence.proxy.async before the copies: ptxas then serializes every wgmma, C7513, as the fence orders the
-        // in-flight wgmmas' shared-memory reads too. The slot's generic reads were consumed before each warp's
-        // release arrival on the empty barrier, which this test acquires.)
-        tma_issue_stage<NTOK>(p, &tx, sbase + ns * L::STAGE, full0 + 8 * ns, (st0 + nxt) * KS, nb0, m0, go, true, true);
-        nxt += go ? 1 : 0;
-      }
       uint32_t(&f)[NU][4] = af[k0 & 1];
 #pragma unroll
       for (int u = 0; u < NU; ++u) {
