@@ -485,10 +485,10 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 #ifndef SDQ_WGMMA_TMA
 #define SDQ_WGMMA_TMA 0
 #endif
-template <int NTOK>
+template <int NTOK, int KS>
 struct TmaSmem {
-  using L = WgSmem<NTOK, 1, WG_KS>;
-  static constexpr int STAGES = NTOK == 128 ? 8 : 6;  // 128: 26 KB stages, one CTA a SM; 64: 18 KB, two
+  using L = WgSmem<NTOK, 1, KS>;
+  static constexpr int STAGES = NTOK == 128 ? 4 : 6;  // 128 tokens, 128 K: 50 KB stages, one CTA a SM; 64, 64 K: 18 KB, two
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
@@ -510,17 +510,17 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
 }
 // A stage's copies, each predicated on `on` (thread 0 when the slot is free): the weights and scales / zeros
 // (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w).
-template <int NTOK>
+template <int NTOK, int KS>
 __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const CUtensorMap* tx, uint32_t st,
                                                 uint32_t full, int ks0, int nb0, int m0, bool on, bool with_w,
                                                 bool with_x) {
-  using L = WgSmem<NTOK, 1, WG_KS>;
+  using L = WgSmem<NTOK, 1, KS>;
   const int q = on ? 1 : 0;
   if (with_w) {
     asm volatile(
         "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n}\n" ::
             "r"(full),
-        "r"(TmaSmem<NTOK>::TX), "r"(q)
+        "r"(TmaSmem<NTOK, KS>::TX), "r"(q)
         : "memory");
     const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * (p.k / 16) + ks0) * 512;
 #pragma unroll
@@ -528,10 +528,10 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
       asm volatile(
           "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
           " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
-              st + L::X_BYTES + w * (WG_KS * 512)),
-          "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(WG_KS * 512), "r"(full), "r"(q)
+              st + L::X_BYTES + w * (KS * 512)),
+          "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
           : "memory");
-    const int ga = ks0 / p.group_k16, gb = (ks0 + WG_KS - 1) / p.group_k16;
+    const int ga = ks0 / p.group_k16, gb = (ks0 + KS - 1) / p.group_k16;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // (group slot, scales / zeros): the four blocks' 4 x 128 contiguous bytes
       const char* src = static_cast<const char*>((j & 1) ? p.zs : p.s) +
@@ -545,24 +545,26 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
     }
   }
   if (with_x)
-    asm volatile(
-        "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-        " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
-            "r"(st),
-        "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16), "r"(m0), "r"(q), "r"(full)
-        : "memory");
+#pragma unroll
+    for (int sub = 0; sub < KS / 4; ++sub)  // 64-K sub-tiles of NTOK x 128 bytes
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
+              "r"(st + sub * NTOK * 128),
+          "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
+          : "memory");
 }
 
-template <typename T, int NTOK>
+template <typename T, int NTOK, int KS>
 __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_kernel(
     const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
   using O = Ops<T>;
-  using L = WgSmem<NTOK, 1, WG_KS>;
-  constexpr int WGS = NTOK == 128 ? 2 : 1, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8, KS = WG_KS;
-  constexpr int STAGES = TmaSmem<NTOK>::STAGES;
+  using L = WgSmem<NTOK, 1, KS>;
+  constexpr int WGS = NTOK == 128 ? 2 : 1, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
+  constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = sbase + TmaSmem<NTOK>::BAR_AT, empty0 = full0 + 8 * STAGES;
+  const uint32_t full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT, empty0 = full0 + 8 * STAGES;
   const int tid = threadIdx.x;
   const int m0 = blockIdx.x * NTOK, nb0 = blockIdx.y * WG_BLOCKS, split = blockIdx.z;
   const int nst_all = p.k / (16 * KS);
@@ -578,10 +580,10 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
     // the first stages' weights before the PDL wait (they do not depend on the previous kernel), then activations
     for (int s = 0; s < pre; ++s)
-      tma_issue_stage<NTOK>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, true, false);
+      tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, true, false);
     if (p.pdl) griddep_wait();
     for (int s = 0; s < pre; ++s)
-      tma_issue_stage<NTOK>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, false, true);
+      tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, false, true);
   }
   __syncthreads();
 
@@ -603,7 +605,7 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
        // wgmmas (C7513) or cost ~250 instructions a stage.
       const int r = s + STAGES - 2;  // the stage to issue
       ring_wait(empty0 + 8 * (r % STAGES), ((r / STAGES) + 1) & 1);
-      tma_issue_stage<NTOK>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), (st0 + r) * KS, nb0,
+      tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), (st0 + r) * KS, nb0,
                             m0, (tid == 0) & (s >= 2) & (r < nst), true, true);
     }
     const uint64_t desc = wg_desc(st);
@@ -626,7 +628,12 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
       ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
 #pragma unroll
     for (int k0 = 0; k0 < KS; ++k0) {
-      const uint32_t(&q)[NU] = qs[k0];
+      if (k0 % 4 == 0 && k0 > 0) {  // (128-K stages: the second batch of four steps' words)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+      }
+      const uint32_t(&q)[NU] = qs[k0 % 4];
       wg_wait<1>();
       // at step 1 every wgmma of the previous stage has retired: free its slot
       if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
@@ -644,7 +651,8 @@ __global__ void __launch_bounds__(NTOK == 128 ? 256 : 128, 1) w4a16_wgmma_tma_ke
       for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
       wg_fence();
 #pragma unroll
-      for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc + 2 * k0);
+      for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
+        WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
       wg_commit();
 #pragma unroll
       for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
@@ -698,11 +706,11 @@ inline int tma_x_map(const SdqW4A16Params& p, int ntok, CUtensorMap* map) {
   return r == CUDA_SUCCESS ? 0 : -4;
 }
 
-template <typename T, int NTOK>
+template <typename T, int NTOK, int KS>
 struct TmaKern {
   static constexpr int THREADS = NTOK == 128 ? 256 : 128;
-  static constexpr int SMEM = TmaSmem<NTOK>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK>;
+  static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
+  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS>;
   static int setup() {
     static const int rc =
         static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -843,8 +851,12 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // 106.5 us, 8192x28672 M = 128 124.8 -> 119.9), 1-3% slower on 4096x6144; with stream-K 1-5% slower (152 bytes of
   // spills) and for variant 62 8 bytes of spills, so neither uses them.
   // The TMA pipeline (experimental, -DSDQ_WGMMA_TMA=1) for variant 63's split-K at 64 / 128 tokens, 64-K groups
-  if constexpr (SDQ_WGMMA_TMA != 0 && (NTOK == 128 || NTOK == 64) && SEP && !SK)
-    if (p.group_k16 % 4 == 0) return op == 1 ? TmaKern<T, NTOK>::per_sm() : TmaKern<T, NTOK>::launch(p, stream);
+  // (128 tokens: 128-K stages where the group is a multiple of 128 K, as the shipped kernel's; 64 tokens: 64-K stages)
+  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 128 && SEP && !SK)
+    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
+      return op == 1 ? TmaKern<T, 128, 8>::per_sm() : TmaKern<T, 128, 8>::launch(p, stream);
+  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 64 && SEP && !SK)
+    if (p.group_k16 % 4 == 0) return op == 1 ? TmaKern<T, 64, 4>::per_sm() : TmaKern<T, 64, 4>::launch(p, stream);
   if constexpr (NTOK == 128 && SEP && !SK)
     if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
       return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
