@@ -49,7 +49,7 @@ def child(args) -> None:
     print(f"outputs agree: {torch.equal(a, b)} (max rel {((a - b).norm() / a.norm()).item():.1e})", flush=True)
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-defines", required=True, help="comma-separated nvcc defines of the second build")
     ap.add_argument("--config", type=int, default=63)
@@ -59,7 +59,25 @@ def main(argv=None) -> None:
     ap.add_argument("--kernel-regex", default="w4a16_wgmma")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def ncu_command(args, ncu: str, python: str) -> list:
+    """ncu over this script's child with the same point and builds (clocks not locked; the sections read here)."""
+    return [ncu, "--clock-control", "none", "--kernel-name", f"regex:{args.kernel_regex}",
+            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "SchedulerStats",
+            "--section", "WarpStateStats", "--section", "LaunchStats", python, str(Path(__file__).resolve()),
+            "--child", f"--new-defines={args.new_defines}", "--config", str(args.config), "--k", str(args.k),
+            "--n", str(args.n), "--m", str(args.m)]
+
+
+def key_lines(txt: str, width: int = 200) -> list:
+    """The report's lines worth printing: kernel headers, times, occupancy, issue and stall figures."""
+    return [ln.rstrip()[:width] for ln in txt.splitlines() if any(k in ln for k in KEEP)]
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     if args.child:
         child(args)
         return
@@ -68,12 +86,7 @@ def main(argv=None) -> None:
     here = Path(int4_cuda.__file__).parent / "csrc"
     ab_build.build("sdq_ab_new", here, [])  # built here, outside ncu; the child loads them from the cache
     ab_build.build("sdq_ab_newdefs", here, args.new_defines.split(","))
-    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{args.kernel_regex}",
-           "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "SchedulerStats",
-           "--section", "WarpStateStats", "--section", "LaunchStats", sys.executable, str(Path(__file__).resolve()),
-           "--child", f"--new-defines={args.new_defines}", "--config", str(args.config), "--k", str(args.k),
-           "--n", str(args.n), "--m", str(args.m)]
+    cmd = ncu_command(args, shutil.which("ncu") or "/usr/local/cuda/bin/ncu", sys.executable)
     t = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     txt = r.stdout + "\n" + r.stderr
@@ -81,9 +94,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab_ncu.txt").write_text(txt)
     print(f"ncu rc={r.returncode} in {time.time() - t:.0f} s; report in ab_ncu.txt", flush=True)
-    for ln in txt.splitlines():
-        if any(k in ln for k in KEEP):
-            print(ln.rstrip()[:200])
+    print("\n".join(key_lines(txt)))
 
 
 if __name__ == "__main__":
