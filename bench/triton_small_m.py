@@ -78,6 +78,12 @@ GEMV_CONFIGS = {
     "gv512k64zs3": _gv(512, 64, 4, 4.0, stages=3),
     "gv512k128zw4": _gv(512, 128, 4, 4.0),
     "gv256k64zw8": _gv(256, 64, 2, 8.0),
+    # 2026-12-02: more programs and narrower tiles for the K >> N shapes, where the GEMV is below 75% of the CUDA op
+    "gv128k64w16": _gv(128, 64, 1, 16.0),
+    "gv256k128w8": _gv(256, 128, 2, 8.0),
+    "gv256k64w12": _gv(256, 64, 2, 12.0),
+    "gv512k64w6": _gv(512, 64, 4, 6.0),
+    "gv512k128w6": _gv(512, 128, 4, 6.0),
 }
 FULL_CHECK = {"tc128", "gv512k32", "gv512k64z"}
 # (K, N, group, symmetric, act_order, dtype name, Ms, forced splits)
