@@ -178,18 +178,28 @@ _GV512K64Z3 = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 64, "num_warps": 4, 
 _GV512K128Z = {"kernel": "gemv", "BLOCK_N": 512, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "waves": 3.0}
 _GV256K64Z = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 6.0}
 _GV256K64Z8 = {"kernel": "gemv", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1, "waves": 8.0}
+# 128-feature tiles, one warp, 16 waves of programs (2026-12-02, bench/results/triton_small_m_h200_kn{,2}.json)
+_GV128K64W16 = {"kernel": "gemv", "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1, "waves": 16.0}
 # H200 run of 2026-12-01 (commit eefb295, bench/results/triton_small_m_h200.json): the GEMV is 1.4-3.1x the old
 # kernel at M = 1 and 1.1-2.3x at M = 2; the tensor-core kernel only 0.9-1.7x at M = 4-16 (geo-mean 0.91x time).
 # M = 1-2 from the run of 2026-12-01 20:47 UTC (commit d3493c1, bench/results/triton_small_m_h200_zfold.json): the
 # folded zero point made the GEMV 5-11% faster (geo-mean time / best at M = 1: gv512k64 1.113, gv512k64zw4 1.042)
-SMALL_M_PLAN: dict = {1: _GV512K64Z, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _TC64}
+# M = 1 from the runs of 2026-12-02 06:22 / 06:25 UTC (commits e8a8f5e / 03c5e70, bench/results/triton_small_m_h200_kn.json
+# and _kn2.json): 128-feature tiles in one warp at 16 waves were the best geo-mean over the eight Llama shapes (1.04 /
+# 1.04 of the best per point, against 1.11 / 1.14 for the previous default) and 6-20% faster than the previous plan on
+# the four widest ones
+SMALL_M_PLAN: dict = {1: _GV128K64W16, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _TC64}
 # per (K, N, bucket): the measured winner where it beats the bucket default by > 2%; None = the old kernel where
 # it was the fastest in that run
 # M = 1 overrides from both GEMV runs of 20:47 and 20:52 UTC (the second: bench/results/triton_small_m_h200_zfold2.json;
 # 2 warps and 8 waves of programs were 3-5% faster on the three largest shapes, where ncu had the loads' latency
 # as the top stall)
+# (2026-12-02: the three _GV256K64Z8 entries at M = 1 moved to the bucket default _GV128K64W16, same process: 8192x28672
+# 50.9 -> 46.3 us, 28672x8192 53.7 -> 49.0, 4096x28672 27.7 -> 26.0; the lm_head 4096x128256 takes it too, 92.4 us
+# against 102-116 for the other configs of that run (the previous default's own launch, split 2, was not timed there);
+# 8192x10240 keeps the previous default's launch (split 32, the same as _GV512K64Z3's): 22.0 against 22.2)
 SHAPE_PLAN: dict = {
-    (8192, 28672, 1): _GV256K64Z8, (4096, 28672, 1): _GV256K64Z8, (28672, 8192, 1): _GV256K64Z8,
+    (8192, 10240, 1): _GV512K64Z3,
     (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z, (4096, 6144, 1): _GV512K128Z,
     (8192, 10240, 2): _GV256K64Z,
     (4096, 4096, 4): None, (4096, 4096, 8): None, (4096, 4096, 16): None,
