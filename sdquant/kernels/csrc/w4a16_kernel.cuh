@@ -333,36 +333,6 @@ __device__ __forceinline__ void reduce_k_warps(float (&acc)[NT][4][4], void* sme
   }
 }
 
-// Split-K: the writer warps' fragments (token rows below p.m) into split `split`'s fp32 partial ([splits, m, n]), then
-// the CTA counts itself in on its tile's lock. True in the CTA that arrives last, whose threads then see every split's
-// partial (that CTA sums them and resets the lock). P: SdqW4A16Params or SdqW4A16FusedParams.
-template <int NT, typename P>
-__device__ __forceinline__ bool split_count_in(const P& p, const float (&acc)[NT][4][4], bool writer, int nb, int split,
-                                               int& s_last) {
-  const int m = p.m, n = p.n;
-  const int g8 = (threadIdx.x % 32) / 4, t4 = threadIdx.x % 4;
-  float* part = p.partial + static_cast<size_t>(split) * m * n;
-  if (writer) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * t4 + (e & 1);
-          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
-          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
-        }
-  }
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
-  __syncthreads();
-  if (!s_last) return false;
-  __threadfence();
-  return true;
-}
-
 template <typename T, int NT, int WNN, int THREADS>
 __device__ __forceinline__ void store_output(const SdqW4A16Params& p, const float (&acc)[NT][4][4], bool writer,
                                              int nb, int split, int& s_last) {
@@ -386,7 +356,25 @@ __device__ __forceinline__ void store_output(const SdqW4A16Params& p, const floa
     }
     return;
   }
-  if (!split_count_in<NT>(p, acc, writer, nb, split, s_last)) return;
+  float* part = p.partial + static_cast<size_t>(split) * m * n;
+  if (writer) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t4 + (e & 1);
+          const int col = nb * 64 + 16 * w + 8 * (e >> 1) + g8;
+          if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
+        }
+  }
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
   const int col0 = blockIdx.x * WNN * 64;
   const int ncols = min(WNN * 64, n - col0);
   const int pairs = ncols / 2;

@@ -145,8 +145,19 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
         xs[(wn * ROWS + nt * 8 + 2 * t4 + (e & 1)) * 64 + 16 * w + 8 * (e >> 1) + g8] = acc[nt][w][e];
       });
     __syncthreads();
-  } else if (!split_count_in<NT>(p, acc, writer, nb, split, s_last)) {
-    return;
+  } else {
+    float* pout = p.partial + static_cast<size_t>(split) * m * n;
+    if (writer)
+      frag_each<NT>([&](int nt, int w, int e) {
+        const int tok = nt * 8 + 2 * t4 + (e & 1);
+        if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + nb * 64 + 16 * w + 8 * (e >> 1) + g8, acc[nt][w][e]);
+      });
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
   }
   const int col0 = blockIdx.x * WNN * 64;
   const int ncols = min(WNN * 64, n - col0);
