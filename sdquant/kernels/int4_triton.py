@@ -193,10 +193,11 @@ SMALL_M_PLAN: dict = {1: _GV128K64W16, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _T
 # M = 1 overrides from both GEMV runs of 20:47 and 20:52 UTC (the second: bench/results/triton_small_m_h200_zfold2.json;
 # 2 warps and 8 waves of programs were 3-5% faster on the three largest shapes, where ncu had the loads' latency
 # as the top stall)
-# (2026-12-02: the three entries at M = 1 of 256-feature tiles in 2 warps at 8 waves moved to the bucket default _GV128K64W16, same process: 8192x28672
-# 50.9 -> 46.3 us, 28672x8192 53.7 -> 49.0, 4096x28672 27.7 -> 26.0; the lm_head 4096x128256 takes it too, 92.4 us
-# against 102-116 for the other configs of that run (the previous default's own launch, split 2, was not timed there);
-# 8192x10240 keeps the previous default's launch (split 32, the same as _GV512K64Z3's): 22.0 against 22.2)
+# (2026-12-02: the three M = 1 entries of 256-feature tiles in 2 warps at 8 waves moved to the bucket default
+# _GV128K64W16, same process: 8192x28672 50.9 -> 46.3 us, 28672x8192 53.7 -> 49.0, 4096x28672 27.7 -> 26.0; the lm_head
+# 4096x128256 takes it too, 92.4 us against 102-116 for the other configs of that run (the previous default's own
+# launch, split 2, was not timed there); 8192x10240 keeps the previous default's launch (split 32, the same as
+# _GV512K64Z3's): 22.0 against 22.2)
 SHAPE_PLAN: dict = {
     (8192, 10240, 1): _GV512K64Z3,
     (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z, (4096, 6144, 1): _GV512K128Z,
