@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
+import provenance  # noqa: E402
 
 from sdquant.kernels import int4_cuda, int4_layout  # noqa: E402
 
@@ -102,6 +103,7 @@ def main(argv=None):
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ab_build.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                               "commit": os.environ.get("SDQUANT_COMMIT"),
+                                                              "src_digest": provenance.source_digest(),
                                                               "old": args.old, "new_defines": args.new_defines,
                                                               "rows": rows}, indent=1))
     names = list(exts)

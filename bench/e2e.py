@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from sdquant.runtime.model import CUDAGraphStep  # noqa: E402
 from sdquant.runtime.testing import LLAMA3_8B, TINY, random_decoder, weight_bytes  # noqa: E402
 
@@ -531,6 +533,7 @@ def main(argv=None):
                 print(f"int4_cuda build: {e}", flush=True)
         threading.Thread(target=_build, daemon=True).start()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": args.commit,
+            "src_digest": provenance.source_digest(),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "torch": torch.__version__, "dims": dims, "args": {k: v for k, v in vars(args).items()}}
     results, t_start = [], time.perf_counter()

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm  # noqa: E402
+import provenance  # noqa: E402
 from sdquant.kernels import int4_layout  # noqa: E402
 
 CHECK_SHAPES = [  # (K, N, mode): both split paths for each mode (the wide N run one split, the narrow ones several)
@@ -71,7 +72,8 @@ def main(argv=None):
     assert ic.available(), ic._STATE.get("reason")
     log(f"extension built in {time.time() - t0:.0f} s")
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "commit": os.environ.get("SDQUANT_COMMIT", "?"), "checks": [], "times": []}
+           "commit": os.environ.get("SDQUANT_COMMIT", "?"), "src_digest": provenance.source_digest(), "checks": [],
+           "times": []}
     g = torch.Generator(device=dev).manual_seed(0)
     bound = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
     worst, fails = 0.0, 0

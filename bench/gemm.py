@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sdquant.kernels import int4_layout  # noqa: E402
 from sdquant.quant.qtensor import QuantizedWeight  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 28672), (28672, 8192)]
 # timing order: the shapes with INT4 targets first, so a run cut short still holds them
 RUN_ORDER = [(8192, 28672), (4096, 28672), (14336, 4096), (4096, 4096), (8192, 10240), (28672, 8192), (4096, 6144)]
@@ -109,6 +112,7 @@ def save_rows(out_dir, name: str, rows, **meta) -> Path:
     """{"meta": {date, commit, device, **meta}, "rows": rows} as out_dir/name.json, written to a temporary file and
     renamed (the probes' shared record format)."""
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+            "src_digest": provenance.source_digest(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **meta}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

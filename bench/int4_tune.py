@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gemm  # noqa: E402
+import provenance  # noqa: E402
 from sdquant.kernels import int4_layout  # noqa: E402
 
 T0 = time.time()
@@ -593,7 +594,7 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.ms.split(",")]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "commit": os.environ.get("SDQUANT_COMMIT", "?"),
+            "commit": os.environ.get("SDQUANT_COMMIT", "?"), "src_digest": provenance.source_digest(),
             "dtype": a.dtype, "group_size": gemm.GS, "configs": {c: cfg_name(c) for c in configs}, "dry": a.dry}
     from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
     if a.dry:

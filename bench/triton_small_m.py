@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import provenance  # noqa: E402
 
 T0 = time.time()
 LOG: list = []
@@ -457,7 +458,8 @@ def main(argv=None):
             sys.exit(f"error: --configs: unknown {unknown}; known: {sorted(configs)}")
         configs = {c: configs[c] for c in a.configs.split(",")}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": os.environ.get("SDQUANT_COMMIT", "unknown"), "dtype": "bfloat16",
+            "triton": triton.__version__, "commit": os.environ.get("SDQUANT_COMMIT", "unknown"),
+            "src_digest": provenance.source_digest(), "dtype": "bfloat16",
             "group_size": GS, "configs": configs, "dry": a.dry, "python": sys.version.split()[0]}
     if a.dry:
         dev, copy_bw = torch.device("cpu"), 4.3
