@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import provenance  # noqa: E402
 from sdquant.runtime.model import CUDAGraphStep  # noqa: E402
 from sdquant.runtime.testing import LLAMA3_8B, TINY, random_decoder, weight_bytes  # noqa: E402
