@@ -26,15 +26,21 @@ KEEP = ("w4a16", "Duration", "Registers Per", "Achieved Occupancy", "DRAM Throug
         "Block Limit", "agree")
 
 
+def builds(new_defines: str) -> dict:
+    """ab_build.py's two builds of this tree's extension: as is ("new") and with the defines ("new+defs")."""
+    import ab_build
+    from sdquant.kernels import int4_cuda
+    here = Path(int4_cuda.__file__).parent / "csrc"
+    return {"new": ab_build.build("sdq_ab_new", here, []),
+            "new+defs": ab_build.build("sdq_ab_newdefs", here, new_defines.split(","))}
+
+
 def child(args) -> None:
     import torch
 
-    import ab_build
     import gemm
-    from sdquant.kernels import int4_cuda, int4_layout
-    here = Path(int4_cuda.__file__).parent / "csrc"
-    exts = {"new": ab_build.build("sdq_ab_new", here, []),
-            "new+defs": ab_build.build("sdq_ab_newdefs", here, args.new_defines.split(","))}
+    from sdquant.kernels import int4_layout
+    exts = builds(args.new_defines)
     dev = torch.device("cuda")
     qw = gemm.random_int4(args.n, args.k, device=dev, seed=args.k + args.n)
     lay = int4_layout.repack_cuda(qw, torch.bfloat16)
@@ -81,11 +87,7 @@ def main(argv=None) -> None:
     if args.child:
         child(args)
         return
-    import ab_build
-    from sdquant.kernels import int4_cuda
-    here = Path(int4_cuda.__file__).parent / "csrc"
-    ab_build.build("sdq_ab_new", here, [])  # built here, outside ncu; the child loads them from the cache
-    ab_build.build("sdq_ab_newdefs", here, args.new_defines.split(","))
+    builds(args.new_defines)  # built here, outside ncu; the child loads them from the cache
     cmd = ncu_command(args, shutil.which("ncu") or "/usr/local/cuda/bin/ncu", sys.executable)
     t = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
