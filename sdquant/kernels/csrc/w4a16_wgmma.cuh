@@ -40,6 +40,8 @@
 #include "w4a16_kernel.cuh"
 #include "w4a16_wgmma_mma.cuh"
 
+#include <cudaTypedefs.h>  // CUtensorMap, PFN_cuTensorMapEncodeTiled (the TMA pipeline; header only)
+
 #include <algorithm>
 
 namespace sdq_w4a16 {
@@ -467,12 +469,332 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
+// ------------------------------------------------------------------ TMA pipeline (experimental, -DSDQ_WGMMA_TMA=1)
+// Variant 63's split-K (groups a multiple of the stage) at the 64- and 128-token tiles runs this kernel instead of
+// wgmma_body (docs/BENCHMARKS.md, pending 8: at M >= 128 the CTA-wide barrier of wgmma_body's pipeline is the largest
+// stall, and every thread issues ~9 cp.async a stage). Warp-specialized: one thread of a producer warpgroup issues a
+// stage with 9 copies -- the activation tile by a 2-D TMA copy (a CUtensorMap with the 128-byte swizzle wgmma's
+// descriptor expects; rows past M are zero-filled by the TMA unit), the four blocks' weights and the scales / zeros by
+// 1-D bulk copies -- all completing on the stage's "full" mbarrier, and refills a slot once every consumer warp has
+// arrived on its "empty" mbarrier (the wgmmas that read it retired). No CTA-wide barrier in the loop. The wgmmas are
+// wgmma_body's, in the same order: the output is bit-identical to variant 63's.
+// History: the first form issued the copies from inside the consumers (commit 8a6be7a, 1.12x slower geo-mean): a
+// producer warpgroup under setmaxnreg had been dropped because ptxas serialized the wgmmas (C7512). The cause was the
+// deadlock __trap() in ring_wait: with it, ptxas allocates under the launch bound's cap (see ws_wait).
+#ifndef SDQ_WGMMA_TMA
+#define SDQ_WGMMA_TMA 0
+#endif
+template <int NTOK, int KS>
+struct TmaSmem {
+  using L = WgSmem<NTOK, 1, KS>;
+  static constexpr int STAGES = NTOK == 128 ? 4 : 6;  // 128 tokens, 128 K: 50 KB stages, one CTA a SM; 64, 64 K: 18 KB, two
+  static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
+  static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
+  static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
+};
+__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(static_cast<int>(on))
+      : "memory");
+}
+// A stage's copies, each predicated on `on` (thread 0 when the slot is free): the weights and scales / zeros
+// (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w).
+template <int NTOK, int KS>
+__device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const CUtensorMap* tx, uint32_t st,
+                                                uint32_t full, int ks0, int nb0, int m0, bool on, bool with_w,
+                                                bool with_x) {
+  using L = WgSmem<NTOK, 1, KS>;
+  const int q = on ? 1 : 0;
+  if (with_w) {
+    asm volatile(
+        "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n}\n" ::
+            "r"(full),
+        "r"(TmaSmem<NTOK, KS>::TX), "r"(q)
+        : "memory");
+    const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * (p.k / 16) + ks0) * 512;
+#pragma unroll
+    for (int w = 0; w < WG_BLOCKS; ++w)
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
+              st + L::X_BYTES + w * (KS * 512)),
+          "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
+          : "memory");
+    const int ga = ks0 / p.group_k16, gb = (ks0 + KS - 1) / p.group_k16;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // (group slot, scales / zeros): the four blocks' 4 x 128 contiguous bytes
+      const char* src = static_cast<const char*>((j & 1) ? p.zs : p.s) +
+                        (static_cast<size_t>((j >> 1) ? gb : ga) * (p.n / 64) + nb0) * 128;
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
+              st + L::X_BYTES + L::W_BYTES + j * 512),
+          "l"(src), "r"(512), "r"(full), "r"(q)
+          : "memory");
+    }
+  }
+  if (with_x)
+#pragma unroll
+    for (int sub = 0; sub < KS / 4; ++sub)  // 64-K sub-tiles of NTOK x 128 bytes
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
+              "r"(st + sub * NTOK * 128),
+          "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
+          : "memory");
+}
+
+// Warp-specialized: one producer warpgroup (the last) whose thread 0 issues every stage's copies, and WGS consumer
+// warpgroups that only wait on a stage's "full" barrier, compute, and free it. The producer gives its registers to the
+// consumers (setmaxnreg): 384 threads at 128 tokens (24 / 240), 2 CTAs of 256 at 64 tokens (24 / 232).
+template <int NTOK>
+struct WsRegs {
+  static constexpr int WGS = NTOK == 128 ? 2 : 1;
+  static constexpr int THREADS = 128 * (WGS + 1), MINB = NTOK == 128 ? 1 : 2;
+  static constexpr int PROD = 24, CONS = NTOK == 128 ? 240 : 232;
+  static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
+};
+// ring_wait without its deadlock trap: a __trap() reachable after setmaxnreg makes ptxas 13.0 allocate the whole kernel
+// under the launch bound's cap (168 / 128 registers here): it then spills and serializes the wgmmas (C7512)
+__device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t phase) {
+  while (!mbar_try_wait(bar, phase)) {
+  }
+}
+template <typename T, int NTOK, int KS>
+__device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
+                                            int nst, int m0, int nb0, int split);
+template <typename T, int NTOK, int KS>
+__global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a16_wgmma_tma_kernel(
+    const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
+  using O = Ops<T>;
+  using L = WgSmem<NTOK, 1, KS>;
+  constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
+  constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
+  extern __shared__ uint8_t wg_smem_raw[];
+  const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT, empty0 = full0 + 8 * STAGES;
+  const int tid = threadIdx.x;
+  const int m0 = blockIdx.x * NTOK, nb0 = blockIdx.y * WG_BLOCKS, split = blockIdx.z;
+  const int nst_all = p.k / (16 * KS);
+  const int st0 = static_cast<int>(static_cast<long long>(nst_all) * split / p.splits);
+  const int nst = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits) - st0;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);            // the issuer's expect_tx arrival
+      mbar_init(empty0 + 8 * s, 4 * WGS);     // one arrival a consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform warpgroup index
+  if (role == WGS) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
+    if (tid == 128 * WGS) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
+      const int pre = nst < STAGES ? nst : STAGES;
+      // the first stages' weights before the PDL wait (they do not depend on the previous kernel), then activations
+      for (int s = 0; s < pre; ++s)
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, true,
+                                  false);
+      if (p.pdl) griddep_wait();
+      for (int s = 0; s < pre; ++s)
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, false,
+                                  true);
+      for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
+        const int slot = r % STAGES;
+        ws_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
+                                  true, true);
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::CONS));
+    ws_consumer<T, NTOK, KS>(p, sbase, full0, empty0, nst, m0, nb0, split);
+  }
+}
+template <typename T, int NTOK, int KS>
+__device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
+                                            int nst, int m0, int nb0, int split) {
+  using O = Ops<T>;
+  using L = WgSmem<NTOK, 1, KS>;
+  constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
+  constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
+  const int tid = threadIdx.x;
+
+  const int wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  float acc[NU][ND];
+#pragma unroll
+  for (int u = 0; u < NU; ++u)
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
+  uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
+  uint32_t af[2][NU][4];
+  for (int s = 0; s < nst; ++s) {
+    const int slot = s % STAGES;
+    const uint32_t st = sbase + slot * L::STAGE;
+    ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
+    const uint64_t desc = wg_desc(st);
+    {  // the stage's group (one: the group is a multiple of the stage)
+      const uint32_t sz = st + L::X_BYTES + L::W_BYTES + warp * 128 + g8 * 16;
+      uint32_t sw[NU], zw[NU];
+      ld_shared_words<NU>(sz + 4 * NU * wg, sw);
+      ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        sp[u][0] = wg_scale_pair<T>(sw[u], 0);
+        sp[u][1] = wg_scale_pair<T>(sw[u], 1);
+        O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
+        O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
+      }
+    }
+    uint32_t qs[4][NU];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+#pragma unroll
+    for (int k0 = 0; k0 < KS; ++k0) {
+      if (k0 % 4 == 0 && k0 > 0) {  // (128-K stages: the second batch of four steps' words)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+      }
+      const uint32_t(&q)[NU] = qs[k0 % 4];
+      wg_wait<1>();
+      // at step 1 every wgmma of the previous stage has retired: free its slot
+      if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
+      uint32_t(&f)[NU][4] = af[k0 & 1];
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        uint32_t c[4];
+        O::codes(q[u], zl[u], zh[u], c);
+        f[u][0] = O::mul2(c[0], sp[u][0]);
+        f[u][1] = O::mul2(c[2], sp[u][1]);
+        f[u][2] = O::mul2(c[1], sp[u][0]);
+        f[u][3] = O::mul2(c[3], sp[u][1]);
+      }
+#pragma unroll
+      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+      wg_fence();
+#pragma unroll
+      for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
+        WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
+      wg_commit();
+#pragma unroll
+      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+  if (p.pdl) griddep_launch_dependents();
+
+  // y (one split) or split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
+  const bool one = p.splits == 1;
+  T* y = static_cast<T*>(p.c);
+#pragma unroll
+  for (int j = 0; j < NU; ++j)
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * c + 2 * t4 + e;
+          if (row < p.m) {
+            const size_t at = static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h;
+            const float v = acc[j][4 * c + 2 * h + e];
+            if (one) y[at] = O::one(v);
+            else __stcg(p.partial + static_cast<size_t>(split) * p.m * p.n + at, v);
+          }
+        }
+}
+
+// The activation tensor map of a launch: [m, k] row-major, boxes of 64 K x NTOK rows, 128-byte swizzle, rows past m
+// read as zeros. cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
+inline int tma_x_map(const SdqW4A16Params& p, int ntok, CUtensorMap* map) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return -3;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(p.m)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.k) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(ntok)}, estr[2] = {1, 1};
+  const CUresult r = encode(map, p.is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                            const_cast<void*>(p.a), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -4;
+}
+
+template <typename T, int NTOK, int KS>
+struct TmaKern {
+  static constexpr int THREADS = WsRegs<NTOK>::THREADS;
+  static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
+  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS>;
+  static int setup() {
+    static const int rc =
+        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    return rc;
+  }
+  static int per_sm() {
+    static const int n = [] {
+      if (setup()) return 0;
+      int r = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, THREADS, SMEM);
+      return r;
+    }();
+    return n;
+  }
+  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
+    if (const int rc = setup()) return rc;
+    CUtensorMap map;
+    if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p.pdl ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, kernel, p, map);
+    if (p.splits > 1) {
+      if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+      const int sms = sm_count_now();
+      const long long n4 = static_cast<long long>(p.m) * p.n / 4;
+      cfg.gridDim = dim3(static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms)));
+      cfg.blockDim = dim3(256);
+      cfg.dynamicSmemBytes = 0;
+      cudaLaunchKernelEx(&cfg, wg_reduce_kernel<T>, p);
+    }
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK>
 struct WgKern {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
+  static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   static int setup() {
@@ -484,7 +806,7 @@ struct WgKern {
     static const int n = [] {
       if (setup()) return 0;
       int r = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, 128 * WGS, SMEM);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, THREADS, SMEM);
       return r;
     }();
     return n;
@@ -494,7 +816,7 @@ struct WgKern {
     const dim3 grid = SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(128 * WGS);
+    cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = SMEM;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
@@ -563,6 +885,13 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // (same process against 64-K stages): 0-5% faster on 5 of 7 shapes at M = 96-256 (28672x8192 M = 96 112.5 ->
   // 106.5 us, 8192x28672 M = 128 124.8 -> 119.9), 1-3% slower on 4096x6144; with stream-K 1-5% slower (152 bytes of
   // spills) and for variant 62 8 bytes of spills, so neither uses them.
+  // The TMA pipeline (experimental, -DSDQ_WGMMA_TMA=1) for variant 63's split-K at 64 / 128 tokens, 64-K groups
+  // (128 tokens: 128-K stages where the group is a multiple of 128 K, as the shipped kernel's; 64 tokens: 64-K stages)
+  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 128 && SEP && !SK)
+    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
+      return op == 1 ? TmaKern<T, 128, 8>::per_sm() : TmaKern<T, 128, 8>::launch(p, stream);
+  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 64 && SEP && !SK)
+    if (p.group_k16 % 4 == 0) return op == 1 ? TmaKern<T, 64, 4>::per_sm() : TmaKern<T, 64, 4>::launch(p, stream);
   if constexpr (NTOK == 128 && SEP && !SK)
     if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
       return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
