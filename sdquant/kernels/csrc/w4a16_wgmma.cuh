@@ -484,10 +484,19 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 #ifndef SDQ_WGMMA_TMA
 #define SDQ_WGMMA_TMA 0
 #endif
+#ifndef SDQ_WS64
+#define SDQ_WS64 0  // 64 tokens: 0 one consumer warpgroup, 2 CTAs a SM; 1 two (128 features each), 1 CTA a SM
+#endif
+#ifndef SDQ_WS64_STAGES
+#define SDQ_WS64_STAGES 6
+#endif
+#ifndef SDQ_WS_NOSK
+#define SDQ_WS_NOSK 0  // 1: no stream-K at 128 tokens (the warp-specialized split-K instead)
+#endif
 template <int NTOK, int KS>
 struct TmaSmem {
   using L = WgSmem<NTOK, 1, KS>;
-  static constexpr int STAGES = NTOK == 128 ? 4 : 6;  // 128 tokens, 128 K: 50 KB stages, one CTA a SM; 64, 64 K: 18 KB, two
+  static constexpr int STAGES = NTOK == 128 ? 4 : SDQ_WS64_STAGES;  // 128 tokens, 128 K: 50 KB stages; 64, 64 K: 18 KB
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
@@ -559,9 +568,9 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
 // consumers (setmaxnreg): 384 threads at 128 tokens (24 / 240), 2 CTAs of 256 at 64 tokens (24 / 232).
 template <int NTOK>
 struct WsRegs {
-  static constexpr int WGS = NTOK == 128 ? 2 : 1;
-  static constexpr int THREADS = 128 * (WGS + 1), MINB = NTOK == 128 ? 1 : 2;
-  static constexpr int PROD = 24, CONS = NTOK == 128 ? 240 : 232;
+  static constexpr int WGS = NTOK == 128 || SDQ_WS64 > 0 ? 2 : 1;
+  static constexpr int THREADS = 128 * (WGS + 1), MINB = WGS == 2 ? 1 : 2;
+  static constexpr int PROD = 24, CONS = MINB == 1 ? 240 : 232;
   static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
 };
 // ring_wait without its deadlock trap: a __trap() reachable after setmaxnreg makes ptxas 13.0 allocate the whole kernel
@@ -854,6 +863,7 @@ bool wg_stream_k(const SdqW4A16Params& p) {
   } else {
     const int mode = sdq_w4a16_wg_stream_k();
     if (mode != 0) return mode == 2;
+    if (SDQ_WGMMA_TMA != 0 && SDQ_WS_NOSK != 0) return false;
     if (p.m <= NTOK) return false;
     const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm();
     const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
