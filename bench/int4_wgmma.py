@@ -53,8 +53,8 @@ def log(*a):
 
 
 def label(config: int, mode: str) -> str:
-    """A timed kernel: config 62 / 63 with the automatic split-K / stream-K choice ("62") or with stream-K of the
-    128-token tile forced off or on (int4_cuda.set_wgmma_stream_k: "62-off", "62-on")."""
+    """A timed kernel: config 62 / 63 with the automatic schedule of the 128-token tile ("62") or with one forced
+    (int4_cuda.set_wgmma_schedule: "62-split", "62-stream", "63-ws")."""
     return str(config) if mode == "auto" else f"{config}-{mode}"
 
 
@@ -63,21 +63,21 @@ def parse_label(lab: str) -> tuple:
     return int(c), mode or "auto"
 
 
-class stream_k_set:
-    """Run a block with int4_cuda.set_wgmma_stream_k(mode) in force (launches and the split / grid choice read it)."""
+class schedule_set:
+    """Run a block with int4_cuda.set_wgmma_schedule(mode) in force (launches and the split / grid choice read it)."""
 
     def __init__(self, mode: str):
         self.mode = mode
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = int4_cuda.set_wgmma_stream_k(self.mode) if self.mode != "auto" else None
+        self.old = int4_cuda.set_wgmma_schedule(self.mode) if self.mode != "auto" else None
         return self
 
     def __exit__(self, *exc):
         if self.old is not None:
             from sdquant.kernels import int4_cuda
-            int4_cuda.set_wgmma_stream_k(self.old)
+            int4_cuda.set_wgmma_schedule(self.old)
         return False
 
 
@@ -93,7 +93,7 @@ def child_check(configs, modes=("auto",)) -> None:
     dev = torch.device("cuda")
     occ, rows = {}, []
     for mode in modes:
-        with stream_k_set(mode):
+        with schedule_set(mode):
             for c in configs:
                 occ[label(c, mode)] = [int4_cuda.occupancy(m, 128, c) for m in (16, 32, 64, 128)]
             got = int4_tune.check_configs(dev, configs, CHECK_CASES,
@@ -188,7 +188,7 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
             row = {"K": k, "N": n, "M": m}
             for name, (call, nrot) in provs.items():
                 try:
-                    with stream_k_set(mode_of.get(name, "auto")):
+                    with schedule_set(mode_of.get(name, "auto")):
                         err = gemm.rel_err(call(0), ref)
                         us = timer(call, nrot)
                 except Exception as ex:  # noqa: BLE001 - reported in the row
@@ -268,8 +268,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
-    ap.add_argument("--stream-k", default="auto", help="stream-K modes of the 128-token tile to check and time, "
-                                                       "each config in each (auto,off,on: int4_cuda.set_wgmma_stream_k)")
+    ap.add_argument("--schedule", default="auto", help="schedules of the 128-token tile to check and time, each config "
+                                                        "in each (auto,split,stream,ws: int4_cuda.set_wgmma_schedule)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
@@ -286,7 +286,7 @@ def main(argv=None):
     from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
     t_start = time.time()
     configs = [int(c) for c in args.configs.split(",")]
-    modes = args.stream_k.split(",")
+    modes = args.schedule.split(",")
     labels = [label(c, mode) for mode in modes for c in configs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -261,22 +261,24 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
-WGMMA_STREAM_K = {"auto": 0, "off": 1, "on": 2}
+WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3}
 
 
-def set_wgmma_stream_k(mode: str) -> str:
-    """Stream-K for the wgmma kernel's (variants 62-63) 128-token tile, for launches and split / grid queries from
-    now on in this process: "auto" (the default: at M > 128 where split-K would leave more than a tenth of the
-    resident slots idle over its waves, csrc/w4a16_wgmma.cuh ``wg_stream_k``), "off" (always split-K) or "on". For
-    A/B runs (bench/int4_wgmma.py --stream-k). Read at launch time, so set it before a CUDA graph is captured. Returns
-    the previous mode ("auto" where the extension is not built)."""
-    if mode not in WGMMA_STREAM_K:
-        raise ValueError(f"mode: {mode!r} is not one of {sorted(WGMMA_STREAM_K)}")
+def set_wgmma_schedule(mode: str) -> str:
+    """How variant 62-63's 128-token tile (M = 65-256) runs, for launches and split / grid queries from now on in this
+    process: "auto" (the default: csrc/w4a16_wgmma.cuh ``wg_ws`` picks the warp-specialized split-K for variant 63 where it
+    was measured faster, else ``wg_stream_k`` picks stream-K at M > 128 where split-K would leave more than a tenth of
+    the resident slots idle over its waves, else split-K), "split" (split-K, the single-warpgroup-role pipeline),
+    "stream" (stream-K) or "ws" (variant 63's warp-specialized split-K: a producer warpgroup issues TMA copies; groups a
+    multiple of 128 and K of 128, else split-K). For A/B runs (bench/int4_wgmma.py --schedule). Read at launch time, so
+    set it before a CUDA graph is captured. Returns the previous mode ("auto" where the extension is not built)."""
+    if mode not in WGMMA_SCHEDULES:
+        raise ValueError(f"mode: {mode!r} is not one of {sorted(WGMMA_SCHEDULES)}")
     ext = extension()
     if ext is None:
         return "auto"
-    old = int(ext.set_wg_stream_k(WGMMA_STREAM_K[mode]))
-    return {v: k for k, v in WGMMA_STREAM_K.items()}[old]
+    old = int(ext.set_wg_schedule(WGMMA_SCHEDULES[mode]))
+    return {v: k for k, v in WGMMA_SCHEDULES.items()}[old]
 
 
 def m_bucket(m: int) -> int:

@@ -44,6 +44,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes, + stream-K at the 128-token tile (62 and 63 alike): 2 x 2,
     # + 63's 128-K stages at the 128-token tile: 2 x 2
     assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4 + 4
+    # 63's warp-specialized split-K at the 128-token tile (a producer warpgroup under setmaxnreg): 2 dtypes
+    assert sum("w4a16_wgmma_tma_kernel" in ln for ln in kernels) == 2
     assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2
     # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
     # wgmmas are in flight, or too few registers for the pipeline)
@@ -95,6 +97,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.sdquant.w4a16_cuda,
                           (x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], None),
                           {"splits": 2, "evict_first": False, "config": 3 + 64 * 4})
+
+
+def test_wgmma_schedule_modes_are_checked():
+    with pytest.raises(ValueError, match="mode: 'on' is not one of"):
+        int4_cuda.set_wgmma_schedule("on")
 
 
 def test_config_encoding_and_defaults():
@@ -287,9 +294,9 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
         assert row["bf16"] > 0 and row["v62"] > 0 and row["v63"] > 0 and row["v62_err"] < 1e-2
     assert "| K×N | M | bf16 |" in r.stdout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import int4_wgmma  # the labels of configs under a forced stream-K mode (--stream-k)
-    assert [int4_wgmma.label(63, m) for m in ("auto", "on")] == ["63", "63-on"]
-    assert [int4_wgmma.parse_label(v) for v in ("62", "63-off")] == [(62, "auto"), (63, "off")]
+    import int4_wgmma  # the labels of configs under a forced schedule (--schedule)
+    assert [int4_wgmma.label(63, m) for m in ("auto", "ws")] == ["63", "63-ws"]
+    assert [int4_wgmma.parse_label(v) for v in ("62", "63-stream")] == [(62, "auto"), (63, "stream")]
     r = _run_bench("x_smem.py", "--dry", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "x_smem.json").read_text())["rows"]

@@ -81,11 +81,11 @@ int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cudaStream_t st
 int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 // Runs a tiny kernel that copies through cp.async with an L2::evict_first cache policy; 0 = it worked.
 int sdq_probe_evict_first(cudaStream_t stream);
-// Stream-K for the wgmma kernel's 128-token tile, for the launches and split/grid queries from now on in this process:
-// 0 where the split-K grid would leave slots idle (at M > 128; w4a16_wgmma.cuh), 1 never, 2 always. Returns the
-// previous setting.
-int sdq_w4a16_set_wg_stream_k(int mode);
-int sdq_w4a16_wg_stream_k(void);
+// The schedule of the wgmma kernel's 128-token tile, for the launches and split/grid queries from now on in this
+// process: 0 automatic (w4a16_wgmma.cuh: wg_ws, then wg_stream_k), 1 split-K, 2 stream-K, 3 variant 63's
+// warp-specialized split-K. Returns the previous setting.
+int sdq_w4a16_set_wg_schedule(int mode);
+int sdq_w4a16_wg_schedule(void);
 #ifdef __cplusplus
 }
 #endif

@@ -163,7 +163,7 @@ torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   return out;
 }
 
-int64_t set_wg_stream_k(int64_t mode) { return sdq_w4a16_set_wg_stream_k(static_cast<int>(mode)); }
+int64_t set_wg_schedule(int64_t mode) { return sdq_w4a16_set_wg_schedule(static_cast<int>(mode)); }
 
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
@@ -175,7 +175,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
-  mod.def("set_wg_stream_k", &set_wg_stream_k,
-          "stream-K of the wgmma kernel's 128-token tile from now on (0 auto, 1 never, 2 always); returns the old");
+  mod.def("set_wg_schedule", &set_wg_schedule,
+          "the wgmma kernel's 128-token tile from now on (0 auto, 1 split-K, 2 stream-K, 3 warp-specialized split-K); "
+          "returns the old");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

@@ -199,14 +199,14 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 }
 
 namespace {
-int g_wg_stream_k = 0;
+int g_wg_schedule = 0;
 }
-extern "C" int sdq_w4a16_set_wg_stream_k(int mode) {
-  const int old = g_wg_stream_k;
-  g_wg_stream_k = mode >= 0 && mode <= 2 ? mode : 0;
+extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
+  const int old = g_wg_schedule;
+  g_wg_schedule = mode >= 0 && mode <= 3 ? mode : 0;
   return old;
 }
-extern "C" int sdq_w4a16_wg_stream_k(void) { return g_wg_stream_k; }
+extern "C" int sdq_w4a16_wg_schedule(void) { return g_wg_schedule; }
 
 extern "C" int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant) {
   SdqW4A16Params q{};

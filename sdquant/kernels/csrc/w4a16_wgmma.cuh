@@ -469,10 +469,11 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
   }
 }
 
-// ------------------------------------------------------------------ TMA pipeline (experimental, -DSDQ_WGMMA_TMA=1)
-// Variant 63's split-K (groups a multiple of the stage) at the 64- and 128-token tiles runs this kernel instead of
-// wgmma_body (docs/BENCHMARKS.md, pending 8: at M >= 128 the CTA-wide barrier of wgmma_body's pipeline is the largest
-// stall, and every thread issues ~9 cp.async a stage). Warp-specialized: one thread of a producer warpgroup issues a
+// ------------------------------------------------------------------ the warp-specialized TMA pipeline (128 tokens)
+// Variant 63's split-K at the 128-token tile (128-K stages; groups a multiple of 128 K) runs this kernel instead of
+// wgmma_body where wg_ws says (docs/BENCHMARKS.md "INT4 wgmma kernel, warp-specialized": 8192x28672 M = 128 126 -> 98
+// us). Why: wgmma_body's pipeline has a CTA-wide barrier a stage (its largest stall, ncu run 20) and every thread
+// issues ~9 cp.async a stage. Warp-specialized: one thread of a producer warpgroup issues a
 // stage with 9 copies -- the activation tile by a 2-D TMA copy (a CUtensorMap with the 128-byte swizzle wgmma's
 // descriptor expects; rows past M are zero-filled by the TMA unit), the four blocks' weights and the scales / zeros by
 // 1-D bulk copies -- all completing on the stage's "full" mbarrier, and refills a slot once every consumer warp has
@@ -480,23 +481,14 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 // wgmma_body's, in the same order: the output is bit-identical to variant 63's.
 // History: the first form issued the copies from inside the consumers (commit 8a6be7a, 1.12x slower geo-mean): a
 // producer warpgroup under setmaxnreg had been dropped because ptxas serialized the wgmmas (C7512). The cause was the
-// deadlock __trap() in ring_wait: with it, ptxas allocates under the launch bound's cap (see ws_wait).
-#ifndef SDQ_WGMMA_TMA
-#define SDQ_WGMMA_TMA 0
-#endif
-#ifndef SDQ_WS64
-#define SDQ_WS64 0  // 64 tokens: 0 one consumer warpgroup, 2 CTAs a SM; 1 two (128 features each), 1 CTA a SM
-#endif
-#ifndef SDQ_WS64_STAGES
-#define SDQ_WS64_STAGES 6
-#endif
-#ifndef SDQ_WS_NOSK
-#define SDQ_WS_NOSK 0  // 1: no stream-K at 128 tokens (the warp-specialized split-K instead)
-#endif
+// deadlock __trap() in ring_wait: with it, ptxas allocates under the launch bound's cap (see ws_wait). At 64 tokens
+// the same pipeline was slower than wgmma_body (one consumer warpgroup, 2 CTAs a SM: 8192x28672 M = 64 75.6 -> 82.1
+// us; two of 128 features, 1 CTA a SM: 98.5), so it serves the 128-token tile only.
 template <int NTOK, int KS>
 struct TmaSmem {
   using L = WgSmem<NTOK, 1, KS>;
-  static constexpr int STAGES = NTOK == 128 ? 4 : SDQ_WS64_STAGES;  // 128 tokens, 128 K: 50 KB stages; 64, 64 K: 18 KB
+  static_assert(NTOK == 128 && KS == 8, "the 128-token tile, 128-K stages");
+  static constexpr int STAGES = 4;                    // 50 KB stages, one CTA a SM
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
@@ -563,14 +555,14 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
           : "memory");
 }
 
-// Warp-specialized: one producer warpgroup (the last) whose thread 0 issues every stage's copies, and WGS consumer
-// warpgroups that only wait on a stage's "full" barrier, compute, and free it. The producer gives its registers to the
-// consumers (setmaxnreg): 384 threads at 128 tokens (24 / 240), 2 CTAs of 256 at 64 tokens (24 / 232).
+// One producer warpgroup (the last) whose thread 0 issues every stage's copies, and two consumer warpgroups (128
+// features each) that only wait on a stage's "full" barrier, compute, and free it. The producer gives its registers to
+// the consumers (setmaxnreg 24 / 240; 384 threads, one CTA a SM).
 template <int NTOK>
 struct WsRegs {
-  static constexpr int WGS = NTOK == 128 || SDQ_WS64 > 0 ? 2 : 1;
-  static constexpr int THREADS = 128 * (WGS + 1), MINB = WGS == 2 ? 1 : 2;
-  static constexpr int PROD = 24, CONS = MINB == 1 ? 240 : 232;
+  static constexpr int WGS = 2;
+  static constexpr int THREADS = 128 * (WGS + 1), MINB = 1;
+  static constexpr int PROD = 24, CONS = 240;
   static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
 };
 // ring_wait without its deadlock trap: a __trap() reachable after setmaxnreg makes ptxas 13.0 allocate the whole kernel
@@ -853,7 +845,7 @@ constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_
 
 // Stream-K at the 128-token tile (M = 129-256: two token tiles) where split-K leaves more than a tenth of the resident
 // slots idle over its waves (e.g. 8192x10240: 80 tiles on 132 slots; 8192x28672: 224 tiles = 1.7 waves), else
-// split-K; int4_cuda.set_wgmma_stream_k forces either. Run 15 (bench/int4_wgmma.py): stream-K at M = 256 8192x10240
+// split-K; int4_cuda.set_wgmma_schedule forces either. Run 15 (bench/int4_wgmma.py): stream-K at M = 256 8192x10240
 // 122.6 -> 89.1 us, 8192x28672 245.4 -> 224.8; at M = 65-128, where the same rule would pick it on the N = 28672
 // shapes, it won 2% on 8192x28672 and lost 5% on 4096x28672, and it lost 1-50% where split-K fills the slots.
 template <typename T, int NTOK, bool SEP>
@@ -861,15 +853,39 @@ bool wg_stream_k(const SdqW4A16Params& p) {
   if constexpr (NTOK != 128) {
     return false;
   } else {
-    const int mode = sdq_w4a16_wg_stream_k();
+    const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 2;
-    if (SDQ_WGMMA_TMA != 0 && SDQ_WS_NOSK != 0) return false;
     if (p.m <= NTOK) return false;
     const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm();
     const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
     const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
     const int waves = (ctas + slots - 1) / slots;
     return 10 * ctas < 9 * waves * slots;
+  }
+}
+
+// The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile, where the group is a multiple of 128 K
+// and K of 128 (int4_cuda.set_wgmma_schedule forces it on or off). The rule, from bench/ab_build.py runs 4-5 (same
+// process, against wgmma_body):
+// * one token tile (M = 65-128): where K x N >= 2^25. It was 3-25% faster there (8192x28672 M = 128 125.0 -> 94.9 us,
+//   28672x8192 119.6 -> 95.2, 14336x4096 35.6 -> 34.6) and 7-10% slower on 4096x4096 and 4096x6144;
+// * two (M = 129-256): unless its split-K grid would fill less than 70% of the slots over its waves; there stream-K
+//   is better (8192x10240 M = 256: 80 tiles on 132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat
+//   stream-K (8192x28672 M = 256 234.3 -> 202.7, 4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
+template <typename T, int NTOK, bool SEP>
+bool wg_ws(const SdqW4A16Params& p) {
+  if constexpr (NTOK != 128 || !SEP) {
+    return false;
+  } else {
+    if (p.group_k16 % 8 || p.k % 128) return false;
+    const int mode = sdq_w4a16_wg_schedule();
+    if (mode != 0) return mode == 3;
+    if (p.m <= NTOK) return static_cast<long long>(p.k) * p.n >= (1LL << 25);
+    const int sms = sm_count_now(), slots = sms * TmaKern<T, NTOK, 8>::per_sm();
+    const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
+    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
+    const int waves = (ctas + slots - 1) / slots;
+    return 10 * ctas >= 7 * waves * slots;
   }
 }
 
@@ -895,13 +911,6 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // (same process against 64-K stages): 0-5% faster on 5 of 7 shapes at M = 96-256 (28672x8192 M = 96 112.5 ->
   // 106.5 us, 8192x28672 M = 128 124.8 -> 119.9), 1-3% slower on 4096x6144; with stream-K 1-5% slower (152 bytes of
   // spills) and for variant 62 8 bytes of spills, so neither uses them.
-  // The TMA pipeline (experimental, -DSDQ_WGMMA_TMA=1) for variant 63's split-K at 64 / 128 tokens, 64-K groups
-  // (128 tokens: 128-K stages where the group is a multiple of 128 K, as the shipped kernel's; 64 tokens: 64-K stages)
-  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 128 && SEP && !SK)
-    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return op == 1 ? TmaKern<T, 128, 8>::per_sm() : TmaKern<T, 128, 8>::launch(p, stream);
-  if constexpr (SDQ_WGMMA_TMA != 0 && NTOK == 64 && SEP && !SK)
-    if (p.group_k16 % 4 == 0) return op == 1 ? TmaKern<T, 64, 4>::per_sm() : TmaKern<T, 64, 4>::launch(p, stream);
   if constexpr (NTOK == 128 && SEP && !SK)
     if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
       return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
@@ -912,11 +921,16 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 template <typename T, int NTOK, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);  // (stream-K: the same CTAs per SM)
-  const bool sk = wg_stream_k<T, NTOK, SEP>(p);
+  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);  // (stream-K, TmaKern: the same CTAs per SM)
+  const bool ws = wg_ws<T, NTOK, SEP>(p);
+  const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
-  if constexpr (NTOK == 128)
+  if constexpr (NTOK == 128 && SEP) {
+    if (ws) return op == 3 ? (p.splits > 1 ? p.splits * p.m * p.n : 0) : TmaKern<T, NTOK, 8>::launch(p, stream);
     if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
+  } else if constexpr (NTOK == 128) {
+    if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
+  }
   return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
 }
 template <typename T, bool SEP>
