@@ -484,11 +484,36 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 // deadlock __trap() in ring_wait: with it, ptxas allocates under the launch bound's cap (see ws_wait). At 64 tokens
 // the same pipeline was slower than wgmma_body (one consumer warpgroup, 2 CTAs a SM: 8192x28672 M = 64 75.6 -> 82.1
 // us; two of 128 features, 1 CTA a SM: 98.5), so it serves the 128-token tile only.
+// One producer warpgroup (the last) whose thread 0 issues every stage's copies, and two consumer warpgroups (128
+// features each) that only wait on a stage's "full" barrier, compute, and free it. The producer gives its registers to
+// the consumers (setmaxnreg 24 / 240; 384 threads, one CTA a SM).
+// Experimental (-DSDQ_WS_SMALL=1): the same pipeline at the 16-64-token tiles too, with SDQ_WS_WGS_SMALL consumer
+// warpgroups, SDQ_WS_MINB_SMALL CTAs a SM and up to SDQ_WS_STAGES_SMALL 64-K stages.
+#ifndef SDQ_WS_SMALL
+#define SDQ_WS_SMALL 0
+#endif
+#ifndef SDQ_WS_WGS_SMALL
+#define SDQ_WS_WGS_SMALL 1
+#endif
+#ifndef SDQ_WS_MINB_SMALL
+#define SDQ_WS_MINB_SMALL 2
+#endif
+#ifndef SDQ_WS_STAGES_SMALL
+#define SDQ_WS_STAGES_SMALL 8
+#endif
+template <int NTOK>
+struct WsRegs {
+  static constexpr int WGS = NTOK == 128 ? 2 : SDQ_WS_WGS_SMALL;
+  static constexpr int THREADS = 128 * (WGS + 1), MINB = NTOK == 128 ? 1 : SDQ_WS_MINB_SMALL;
+  static constexpr int PROD = 24, CONS = MINB == 1 ? 240 : MINB == 2 ? 232 : 144;
+  static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
+};
 template <int NTOK, int KS>
 struct TmaSmem {
   using L = WgSmem<NTOK, 1, KS>;
-  static_assert(NTOK == 128 && KS == 8, "the 128-token tile, 128-K stages");
-  static constexpr int STAGES = 4;                    // 50 KB stages, one CTA a SM
+  static constexpr int FIT = (225 * 1024 / WsRegs<NTOK>::MINB - 1024 - 256) / L::STAGE;
+  static constexpr int STAGES = NTOK == 128 ? 4 : (SDQ_WS_STAGES_SMALL < FIT ? SDQ_WS_STAGES_SMALL : FIT);
+  static_assert(STAGES >= 3 && (NTOK != 128 || KS == 8), "128 tokens: four 128-K stages of 50 KB, one CTA a SM");
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
@@ -555,16 +580,6 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
           : "memory");
 }
 
-// One producer warpgroup (the last) whose thread 0 issues every stage's copies, and two consumer warpgroups (128
-// features each) that only wait on a stage's "full" barrier, compute, and free it. The producer gives its registers to
-// the consumers (setmaxnreg 24 / 240; 384 threads, one CTA a SM).
-template <int NTOK>
-struct WsRegs {
-  static constexpr int WGS = 2;
-  static constexpr int THREADS = 128 * (WGS + 1), MINB = 1;
-  static constexpr int PROD = 24, CONS = 240;
-  static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
-};
 // ring_wait without its deadlock trap: a __trap() reachable after setmaxnreg makes ptxas 13.0 allocate the whole kernel
 // under the launch bound's cap (168 / 128 registers here): it then spills and serializes the wgmmas (C7512)
 __device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t phase) {
@@ -874,8 +889,12 @@ bool wg_stream_k(const SdqW4A16Params& p) {
 //   stream-K (8192x28672 M = 256 234.3 -> 202.7, 4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
 template <typename T, int NTOK, bool SEP>
 bool wg_ws(const SdqW4A16Params& p) {
-  if constexpr (NTOK != 128 || !SEP) {
+  if constexpr (!SEP) {
     return false;
+  } else if constexpr (NTOK != 128) {
+    if (!SDQ_WS_SMALL || p.group_k16 % 4) return false;
+    const int mode = sdq_w4a16_wg_schedule();
+    return mode == 0 || mode == 3;
   } else {
     if (p.group_k16 % 8 || p.k % 128) return false;
     const int mode = sdq_w4a16_wg_schedule();
@@ -921,16 +940,18 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 template <typename T, int NTOK, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
-  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);  // (stream-K, TmaKern: the same CTAs per SM)
-  const bool ws = wg_ws<T, NTOK, SEP>(p);
+  constexpr bool WS = SEP && (NTOK == 128 || SDQ_WS_SMALL);  // (only these instantiate TmaKern)
+  constexpr int WKS = NTOK == 128 ? 8 : 4;
+  const bool ws = WS && wg_ws<T, NTOK, SEP>(p);
+  if constexpr (WS)
+    if (op == 1 && ws) return TmaKern<T, NTOK, WKS>::per_sm();
+  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
-  if constexpr (NTOK == 128 && SEP) {
-    if (ws) return op == 3 ? (p.splits > 1 ? p.splits * p.m * p.n : 0) : TmaKern<T, NTOK, 8>::launch(p, stream);
+  if constexpr (WS)
+    if (ws) return op == 3 ? (p.splits > 1 ? p.splits * p.m * p.n : 0) : TmaKern<T, NTOK, WKS>::launch(p, stream);
+  if constexpr (NTOK == 128)
     if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
-  } else if constexpr (NTOK == 128) {
-    if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
-  }
   return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
 }
 template <typename T, bool SEP>
