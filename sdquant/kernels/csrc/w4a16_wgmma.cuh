@@ -505,8 +505,13 @@ template <int NTOK>
 struct WsRegs {
   static constexpr int WGS = NTOK == 128 ? 2 : SDQ_WS_WGS_SMALL;
   static constexpr int THREADS = 128 * (WGS + 1), MINB = NTOK == 128 ? 1 : SDQ_WS_MINB_SMALL;
-  static constexpr int PROD = 24, CONS = MINB == 1 ? 240 : MINB == 2 ? 232 : 144;
-  static_assert(MINB * (128 * PROD + 128 * WGS * CONS) <= 65536, "the register file");
+  // setmaxnreg moves registers within the CTA's launch allocation (the launch bound's cap, a multiple of 8, a thread):
+  // the consumers' increase must fit in what the producer gives back, or setmaxnreg.inc waits forever (a first
+  // 3-CTA form that asked for 144 with an 80 cap hung on the GPU, ab_build run 6)
+  static constexpr int CAP = (65536 / (MINB * THREADS)) / 8 * 8;
+  static constexpr int PROD = 24, CONS = (((WGS + 1) * CAP - PROD) / WGS / 8 * 8) > 240 ? 240
+                                         : ((WGS + 1) * CAP - PROD) / WGS / 8 * 8;
+  static_assert(PROD + WGS * CONS <= (WGS + 1) * CAP, "the consumers' registers come from the producer's");
 };
 template <int NTOK, int KS>
 struct TmaSmem {
