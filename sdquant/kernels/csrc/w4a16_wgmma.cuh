@@ -889,9 +889,10 @@ bool wg_stream_k(const SdqW4A16Params& p) {
 // process, against wgmma_body):
 // * one token tile (M = 65-128): where K x N >= 2^25. It was 3-25% faster there (8192x28672 M = 128 125.0 -> 94.9 us,
 //   28672x8192 119.6 -> 95.2, 14336x4096 35.6 -> 34.6) and 7-10% slower on 4096x4096 and 4096x6144;
-// * two (M = 129-256): unless its split-K grid would fill less than 70% of the slots over its waves; there stream-K
-//   is better (8192x10240 M = 256: 80 tiles on 132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat
-//   stream-K (8192x28672 M = 256 234.3 -> 202.7, 4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
+// * two (M = 129-256): where K x N > 2^24 (4096x4096: 3% slower at M = 192, level at 256), unless its split-K grid
+//   would fill less than 70% of the slots over its waves; there stream-K is better (8192x10240 M = 256: 80 tiles on
+//   132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat stream-K (8192x28672 M = 256 234.3 -> 202.7,
+//   4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
 template <typename T, int NTOK, bool SEP>
 bool wg_ws(const SdqW4A16Params& p) {
   if constexpr (!SEP) {
@@ -904,7 +905,9 @@ bool wg_ws(const SdqW4A16Params& p) {
     if (p.group_k16 % 8 || p.k % 128) return false;
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 3;
-    if (p.m <= NTOK) return static_cast<long long>(p.k) * p.n >= (1LL << 25);
+    const long long kn = static_cast<long long>(p.k) * p.n;
+    if (p.m <= NTOK) return kn >= (1LL << 25);
+    if (kn <= (1LL << 24)) return false;
     const int sms = sm_count_now(), slots = sms * TmaKern<T, NTOK, 8>::per_sm();
     const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
     const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
