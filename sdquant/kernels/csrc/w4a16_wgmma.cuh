@@ -633,7 +633,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
                                   true);
       for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
         const int slot = r % STAGES;
-        ws_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
+        ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);  // (the trap: a hung consumer ends the kernel)
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
                                   true, true);
       }
