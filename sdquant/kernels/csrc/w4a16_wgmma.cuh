@@ -633,7 +633,9 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
                                   true);
       for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
         const int slot = r % STAGES;
-        ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);  // (the trap: a hung consumer ends the kernel)
+        // (ring_wait's trap here, in the producer, leaves the consumers' allocation alone: a consumer that never frees
+        // its slot ends the kernel with an error instead of hanging it)
+        ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
                                   true, true);
       }
