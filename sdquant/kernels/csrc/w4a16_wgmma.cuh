@@ -176,6 +176,75 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   }
 }
 
+// The scales of group slot gsel (0: the stage's first group, 1: its last) of the stage at st as activation-dtype pairs,
+// and the zero pairs of the magic-number conversion; warpgroup wg owns row tiles NU * wg .. NU * wg + NU - 1
+template <typename T, int NU, typename L>
+__device__ __forceinline__ void wg_load_group(uint32_t st, int gsel, int wg, int warp, int g8, uint32_t (&sp)[NU][2],
+                                              uint32_t (&zl)[NU][2], uint32_t (&zh)[NU][2]) {
+  const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
+  uint32_t sw[NU], zw[NU];
+  ld_shared_words<NU>(sz + 4 * NU * wg, sw);
+  ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    sp[u][0] = wg_scale_pair<T>(sw[u], 0);
+    sp[u][1] = wg_scale_pair<T>(sw[u], 1);
+    Ops<T>::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
+    Ops<T>::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
+  }
+}
+
+// The KS K steps of the stage at st into acc. A stage's weight words are read from shared memory four K steps at a time,
+// ahead of their dequantization. Step t is dequantized into af[t & 1] while the wgmmas of step t - 1 run; the wait<1>
+// before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the wait that
+// retires it (ptxas then serializes them, C7513), so the hooks are straight-line: before(k0) ahead of a step's wait
+// (wgmma_body's per-step group reload), after(k0) right after it (the warp-specialized consumer's slot release).
+template <typename T, int NTOK, int KS, int NU, typename L, typename Before, typename After>
+__device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int lane, float (&acc)[NU][NTOK / 2],
+                                             uint32_t (&af)[2][NU][4], const uint32_t (&sp)[NU][2],
+                                             const uint32_t (&zl)[NU][2], const uint32_t (&zh)[NU][2], Before&& before,
+                                             After&& after) {
+  using O = Ops<T>;
+  const uint64_t desc = wg_desc(st);
+  // four K steps of weight words in one go: one load a step, issued where ptxas put it (after the previous step's
+  // wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15); at KS = 8 in two batches of four (registers)
+  uint32_t qs[4][NU];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+#pragma unroll
+  for (int k0 = 0; k0 < KS; ++k0) {
+    if (k0 % 4 == 0 && k0 > 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+    }
+    before(k0);
+    const uint32_t(&q)[NU] = qs[k0 % 4];
+    wg_wait<1>();
+    after(k0);
+    uint32_t(&f)[NU][4] = af[k0 & 1];
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      uint32_t c[4];
+      O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
+      f[u][0] = O::mul2(c[0], sp[u][0]);
+      f[u][1] = O::mul2(c[2], sp[u][1]);
+      f[u][2] = O::mul2(c[1], sp[u][0]);
+      f[u][3] = O::mul2(c[3], sp[u][1]);
+    }
+#pragma unroll
+    for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+    wg_fence();
+#pragma unroll
+    for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
+      WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
+    wg_commit();
+#pragma unroll
+    for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+  }
+}
+
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
@@ -203,26 +272,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   };
 
-  // The scales of group slot gsel (0: the stage's first group, 1: its last) as activation-dtype pairs and the
-  // zero pairs of the magic-number conversion
-  uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
-  const auto load_group = [&](uint32_t st, int gsel) {
-    const uint32_t sz = st + L::X_BYTES + L::W_BYTES + gsel * 1024 + warp * 128 + g8 * 16;
-    uint32_t sw[NU], zw[NU];
-    ld_shared_words<NU>(sz + 4 * NU * wg, sw);
-    ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
-#pragma unroll
-    for (int u = 0; u < NU; ++u) {
-      sp[u][0] = wg_scale_pair<T>(sw[u], 0);
-      sp[u][1] = wg_scale_pair<T>(sw[u], 1);
-      O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
-      O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
-    }
-  };
-  // A fragments of two K steps: step t is dequantized into af[t & 1] while the wgmmas of step t - 1 run; the
-  // wait<1> before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the
-  // wait that retires it (ptxas then serializes them, C7513), hence ONE_GROUP (the group known per stage) and
-  // otherwise a branch-free group reload every K step.
+  uint32_t sp[NU][2], zl[NU][2], zh[NU][2];  // the current group (wg_load_group)
+  const auto load_group = [&](uint32_t st, int gsel) { wg_load_group<T, NU, L>(st, gsel, wg, warp, g8, sp, zl, zh); };
   uint32_t af[2][NU][4];
 
   // The main loop: stages [st0, st1) (16 KS K each) of the tile at tokens m0, blocks nb0, added into acc; every
@@ -254,46 +305,14 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         cp_async_commit();
       }
       const uint32_t st = sbase + (s % STAGES) * L::STAGE;
-      const uint64_t desc = wg_desc(st);
       const int ks0 = (st0 + s) * KS;
       if constexpr (ONE_GROUP) load_group(st, 0);
-      // four K steps of weight words in one go: one load a step, issued where ptxas put it (after the previous
-      // step's wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15)
-      // (at KS = 8 in two batches of four, at steps 0 and 4: registers)
-      uint32_t qs[4][NU];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-#pragma unroll
-      for (int k0 = 0; k0 < KS; ++k0) {
-        if (k0 % 4 == 0 && k0 > 0) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-        }
-        if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-        const uint32_t(&q)[NU] = qs[k0 % 4];
-        wg_wait<1>();
-        uint32_t(&f)[NU][4] = af[k0 & 1];
-#pragma unroll
-        for (int u = 0; u < NU; ++u) {
-          uint32_t c[4];
-          O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-          f[u][0] = O::mul2(c[0], sp[u][0]);
-          f[u][1] = O::mul2(c[2], sp[u][1]);
-          f[u][2] = O::mul2(c[1], sp[u][0]);
-          f[u][3] = O::mul2(c[3], sp[u][1]);
-        }
-#pragma unroll
-        for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-        wg_fence();
-#pragma unroll
-        for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
-          WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
-        wg_commit();
-#pragma unroll
-        for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-      }
+      wg_stage_mma<T, NTOK, KS, NU, L>(
+          st, wg, warp, lane, acc, af, sp, zl, zh,
+          [&](int k0) {
+            if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
+          },
+          [](int) {});
     }
     wg_wait<0>();
 #pragma unroll
@@ -648,7 +667,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
 template <typename T, int NTOK, int KS>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split) {
-  using O = Ops<T>;
+  using O = Ops<T>;  // (the epilogue)
   using L = WgSmem<NTOK, 1, KS>;
   constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
@@ -666,55 +685,11 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     const int slot = s % STAGES;
     const uint32_t st = sbase + slot * L::STAGE;
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
-    const uint64_t desc = wg_desc(st);
-    {  // the stage's group (one: the group is a multiple of the stage)
-      const uint32_t sz = st + L::X_BYTES + L::W_BYTES + warp * 128 + g8 * 16;
-      uint32_t sw[NU], zw[NU];
-      ld_shared_words<NU>(sz + 4 * NU * wg, sw);
-      ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        sp[u][0] = wg_scale_pair<T>(sw[u], 0);
-        sp[u][1] = wg_scale_pair<T>(sw[u], 1);
-        O::zero_pairs(zw[u], 0, zl[u][0], zh[u][0]);
-        O::zero_pairs(zw[u], 1, zl[u][1], zh[u][1]);
-      }
-    }
-    uint32_t qs[4][NU];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-#pragma unroll
-    for (int k0 = 0; k0 < KS; ++k0) {
-      if (k0 % 4 == 0 && k0 > 0) {  // (128-K stages: the second batch of four steps' words)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-      }
-      const uint32_t(&q)[NU] = qs[k0 % 4];
-      wg_wait<1>();
+    wg_load_group<T, NU, L>(st, 0, wg, warp, g8, sp, zl, zh);  // (one group a stage: the group is a multiple of it)
+    wg_stage_mma<T, NTOK, KS, NU, L>(st, wg, warp, lane, acc, af, sp, zl, zh, [](int) {}, [&](int k0) {
       // at step 1 every wgmma of the previous stage has retired: free its slot
       if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
-      uint32_t(&f)[NU][4] = af[k0 & 1];
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        uint32_t c[4];
-        O::codes(q[u], zl[u], zh[u], c);
-        f[u][0] = O::mul2(c[0], sp[u][0]);
-        f[u][1] = O::mul2(c[2], sp[u][1]);
-        f[u][2] = O::mul2(c[1], sp[u][0]);
-        f[u][3] = O::mul2(c[3], sp[u][1]);
-      }
-#pragma unroll
-      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-      wg_fence();
-#pragma unroll
-      for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
-        WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
-      wg_commit();
-#pragma unroll
-      for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-    }
+    });
   }
   wg_wait<0>();
 #pragma unroll
