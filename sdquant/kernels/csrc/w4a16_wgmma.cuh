@@ -542,15 +542,6 @@ struct TmaSmem {
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
 };
-__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
@@ -739,55 +730,70 @@ inline int tma_x_map(const SdqW4A16Params& p, int ntok, CUtensorMap* map) {
   return r == CUDA_SUCCESS ? 0 : -4;
 }
 
-template <typename T, int NTOK, int KS>
-struct TmaKern {
-  static constexpr int THREADS = WsRegs<NTOK>::THREADS;
-  static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS>;
+// Host side shared by the wgmma kernels' launchers (D: kernel, THREADS, SMEM): the dynamic shared-memory opt-in and the
+// resident CTAs per SM, each queried once per kernel
+template <typename D>
+struct WgHost {
   static int setup() {
     static const int rc =
-        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        static_cast<int>(cudaFuncSetAttribute(D::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, D::SMEM));
     return rc;
   }
-  static int per_sm() {
+  static int per_sm() {  // (the schedule choice asks at every launch of the 128-token tile)
     static const int n = [] {
       if (setup()) return 0;
       int r = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, THREADS, SMEM);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, D::kernel, D::THREADS, D::SMEM);
       return r;
     }();
     return n;
   }
-  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
-    if (const int rc = setup()) return rc;
-    CUtensorMap map;
-    if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
+  // a launch config, with programmatic dependent launch when p.pdl (attr outlives the launch)
+  static cudaLaunchConfig_t config(dim3 grid, const SdqW4A16Params& p, cudaStream_t stream, cudaLaunchAttribute* attr) {
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = SMEM;
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(D::THREADS);
+    cfg.dynamicSmemBytes = D::SMEM;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.pdl ? 1 : 0;
+    return cfg;
+  }
+};
+// Variant 63's second launch: the [splits, m, n] partials summed by wg_reduce_kernel (cfg: the main launch's, for its
+// stream and dependent-launch attribute)
+template <typename T>
+int wg_launch_reduce(cudaLaunchConfig_t cfg, const SdqW4A16Params& p) {
+  if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  const long long n4 = static_cast<long long>(p.m) * p.n / 4;
+  cfg.gridDim = dim3(static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sm_count_now())));
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = 0;
+  cudaLaunchKernelEx(&cfg, wg_reduce_kernel<T>, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, int NTOK, int KS>
+struct TmaKern : WgHost<TmaKern<T, NTOK, KS>> {
+  static constexpr int THREADS = WsRegs<NTOK>::THREADS;
+  static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
+  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS>;
+  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
+    if (const int rc = TmaKern::setup()) return rc;
+    CUtensorMap map;
+    if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg =
+        TmaKern::config(dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
     cudaLaunchKernelEx(&cfg, kernel, p, map);
-    if (p.splits > 1) {
-      if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
-      const int sms = sm_count_now();
-      const long long n4 = static_cast<long long>(p.m) * p.n / 4;
-      cfg.gridDim = dim3(static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms)));
-      cfg.blockDim = dim3(256);
-      cfg.dynamicSmemBytes = 0;
-      cudaLaunchKernelEx(&cfg, wg_reduce_kernel<T>, p);
-    }
-    return static_cast<int>(cudaGetLastError());
+    return p.splits > 1 ? wg_launch_reduce<T>(cfg, p) : static_cast<int>(cudaGetLastError());
   }
 };
 
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK>
-struct WgKern {
+struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK>> {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
@@ -795,44 +801,13 @@ struct WgKern {
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
-  static int setup() {
-    static const int rc =
-        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
-    return rc;
-  }
-  static int per_sm() {  // queried once (the stream-K choice asks at every launch of the 128-token tile)
-    static const int n = [] {
-      if (setup()) return 0;
-      int r = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, THREADS, SMEM);
-      return r;
-    }();
-    return n;
-  }
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
-    if (const int rc = setup()) return rc;
-    const dim3 grid = SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = SMEM;
-    cfg.stream = stream;
+    if (const int rc = WgKern::setup()) return rc;
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p.pdl ? 1 : 0;
+    const cudaLaunchConfig_t cfg = WgKern::config(
+        SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
     cudaLaunchKernelEx(&cfg, kernel, p);
-    if (SEPARATE && !SK && p.splits > 1) {
-      if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
-      const int sms = sm_count_now();
-      const long long n4 = static_cast<long long>(p.m) * p.n / 4;
-      const int blocks = static_cast<int>(std::min<long long>((n4 + 255) / 256, 4LL * sms));
-      cfg.gridDim = dim3(blocks);
-      cfg.blockDim = dim3(256);
-      cfg.dynamicSmemBytes = 0;
-      cudaLaunchKernelEx(&cfg, wg_reduce_kernel<T>, p);
-    }
+    if (SEPARATE && !SK && p.splits > 1) return wg_launch_reduce<T>(cfg, p);
     return static_cast<int>(cudaGetLastError());
   }
 };
