@@ -31,8 +31,9 @@
                  shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
                  flat grid of 46-49, every warp one contiguous byte range of the fragments; 62-63 the wgmma kernel
                  of csrc/w4a16_wgmma.cuh, the fragments as the register A operand of warpgroup MMAs, 256 features x
-                 16-64 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
-                 second kernel (63)); 1-61: M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS,
+                 16-128 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
+                 second kernel (63; at the 128-token tile, where ``wg_ws`` picks it, a warp-specialized form whose
+                 producer warpgroup issues TMA copies; ``set_wgmma_schedule``); 1-61: M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS,
                  instantiated up to M = 32);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
