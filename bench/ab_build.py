@@ -6,7 +6,8 @@ config is timed interleaved (A, B, C, A, B, C) at M = 1-8 (--ms) on the Llama sh
 Used to tell a code change from a machine difference. "max_rel_vs_old" compares every build's output with the first
 build's (old, or new with --old none), and "identical_each" says for each build whether its output is bit-identical
 to that first build's; --new-defines may be given several times (one build each); --dtypes times bf16 and/or fp16
-activations (each with its own layout).
+activations (each with its own layout). ab_build.json is rewritten after every point ("complete" false until the
+end); a point that runs past --point-timeout (a hung kernel) ends the process with a traceback, keeping the rest.
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
     python bench/ab_build.py --old none --new-defines=-DSDQ_DIRECT_XS_HOIST=1 --new-defines=-DSDQ_DIRECT_PROBE_COMPUTE=1 \
@@ -15,6 +16,8 @@ activations (each with its own layout).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import functools
 import itertools
 import json
@@ -46,6 +49,19 @@ def build(name: str, csrc: Path, defines) -> object:
     return ext
 
 
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """Ends the process (exit code 1, every thread's traceback on stderr) if the block runs longer than `seconds`: a
+    hung kernel blocks the CUDA call with the GIL held, so only faulthandler's C-level timer can still act. 0 = off."""
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        if seconds > 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="a directory holding sdquant/kernels/csrc, or 'none' (no old build: "
@@ -58,6 +74,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16", help="activation dtypes, comma-separated (bfloat16, float16)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--point-timeout", type=float, default=180.0,
+                    help="end the run if one (shape, M, config) point takes longer than this (a hung kernel); the "
+                         "points done so far are in ab_build.json (0 = no limit)")
     args = ap.parse_args(argv)
     here = Path(int4_cuda.__file__).parent / "csrc"
     exts = {} if args.old == "none" else {"old": build("sdq_ab_old", Path(args.old) / "sdquant/kernels/csrc", [])}
@@ -67,45 +86,56 @@ def main(argv=None):
     base = next(iter(exts))  # outputs are compared with this build's
     dev = torch.device("cuda")
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(complete: bool) -> None:  # after every point, so that a run ended by the watchdog keeps what it measured
+        tmp = out / "ab_build.json.tmp"
+        tmp.write_text(json.dumps(
+            {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+             "src_digest": provenance.source_digest(), "old": args.old, "new_defines": args.new_defines,
+             "complete": complete, "rows": rows}, indent=1))
+        os.replace(tmp, out / "ab_build.json")
+
+    def point(x, lays, c) -> dict:  # every build on one (shape, M, config): outputs compared, times interleaved
+        calls, outs = {}, {}
+        for name, ext in exts.items():
+            def call(i, ext=ext, extra=(0,)):
+                L = lays[i]
+                return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64, c // 64, 0,
+                                 *extra)
+            try:
+                outs[name] = call(0)
+            except TypeError:  # a build from before the binding's x-in-shared-memory argument
+                call = functools.partial(call, extra=())
+                outs[name] = call(0)
+            calls[name] = call
+        ref = outs[base].float()
+        got = {"identical": all(torch.equal(outs[base], o) for o in outs.values()),
+               "identical_each": {name: torch.equal(outs[base], o) for name, o in outs.items() if name != base},
+               "max_rel_vs_old": max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())}
+        ts = {name: [] for name in exts}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                ts[name].append(gemm.time_rotating(call, len(lays)))
+        return {**got, **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
+
     for (k, n), dt in itertools.product(gemm.RUN_ORDER, [getattr(torch, d) for d in args.dtypes.split(",")]):
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         lays = [int4_layout.repack_cuda(qw, dt) for _ in range(gemm.n_copies(n * k // 2))]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device=dev, dtype=dt)
             for c in [int(v) for v in args.configs.split(",")]:
-                calls, outs = {}, {}
-                for name, ext in exts.items():
-                    def call(i, ext=ext, extra=(0,)):
-                        L = lays[i]
-                        return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64,
-                                         c // 64, 0, *extra)
-                    try:
-                        outs[name] = call(0)
-                    except TypeError:  # a build from before the binding's x-in-shared-memory argument
-                        call = functools.partial(call, extra=())
-                        outs[name] = call(0)
-                    calls[name] = call
-                same = all(torch.equal(outs[base], o) for o in outs.values())
-                same_each = {name: torch.equal(outs[base], o) for name, o in outs.items() if name != base}
-                ref = outs[base].float()
-                rel = max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())
-                ts = {name: [] for name in exts}
-                for _ in range(args.rounds):
-                    for name, call in calls.items():
-                        ts[name].append(gemm.time_rotating(call, len(lays)))
-                row = {"K": k, "N": n, "M": m, "dtype": str(dt).removeprefix("torch."), "config": c, "identical": same,
-                       "identical_each": same_each, "max_rel_vs_old": rel,
-                       **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
+                print(f"# {k}x{n} M={m} v{c}", flush=True)  # (the last such line names a point that hung)
+                with watchdog(args.point_timeout):
+                    row = {"K": k, "N": n, "M": m, "dtype": str(dt).removeprefix("torch."), "config": c,
+                           **point(x, lays, c)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                save(False)
         del lays
         torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "ab_build.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                                              "commit": os.environ.get("SDQUANT_COMMIT"),
-                                                              "src_digest": provenance.source_digest(),
-                                                              "old": args.old, "new_defines": args.new_defines,
-                                                              "rows": rows}, indent=1))
+    save(True)
     names = list(exts)
     print("\n| K×N | dtype | M | config | " + " | ".join(names) + " | identical to " + base + " |")
     print("|---|---|---|---|" + "---|" * len(names) + "---|")
