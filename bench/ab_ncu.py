@@ -1,7 +1,7 @@
 """ncu beside an A/B: this tree's CUDA W4A16 extension built twice (as is, and with --new-defines), one call of each
 profiled at one shape, so that two kernel variants' stall reasons can be read side by side (H200, one device call).
 
-    python bench/ab_ncu.py --new-defines=-DSDQ_WGMMA_TMA=1 --config 63 --k 8192 --n 28672 --m 128 --out $OUT
+    python bench/ab_ncu.py --new-defines=-DSDQ_WS_SMALL=1 --config 63 --k 8192 --n 28672 --m 64 --out $OUT
 
 The builds are ab_build.py's (cached under $SDQUANT_CACHE_DIR); the child that ncu runs loads them again from the cache,
 calls each twice on the same random layout and activations (the first call warms up), and checks that their outputs
