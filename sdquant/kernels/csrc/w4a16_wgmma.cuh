@@ -817,6 +817,15 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK>> {
 
 constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_wgmma.py run 14)
 
+// How fully the automatic split-K grid of the ntok-token tile covers `slots` resident CTAs over its waves: true if
+// its CTAs fill at least num / den of the waves' slots
+inline bool wg_split_fills(const SdqW4A16Params& p, int ntok, int slots, int sms, int num, int den) {
+  const int tiles = (p.m + ntok - 1) / ntok * (p.n / 256);
+  const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
+  const int waves = (ctas + slots - 1) / slots;
+  return den * ctas >= num * waves * slots;
+}
+
 
 // Stream-K at the 128-token tile (M = 129-256: two token tiles) where split-K leaves more than a tenth of the resident
 // slots idle over its waves (e.g. 8192x10240: 80 tiles on 132 slots; 8192x28672: 224 tiles = 1.7 waves), else
@@ -831,11 +840,8 @@ bool wg_stream_k(const SdqW4A16Params& p) {
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 2;
     if (p.m <= NTOK) return false;
-    const int sms = sm_count_now(), slots = sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm();
-    const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
-    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
-    const int waves = (ctas + slots - 1) / slots;
-    return 10 * ctas < 9 * waves * slots;
+    const int sms = sm_count_now();
+    return !wg_split_fills(p, NTOK, sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms, 9, 10);
   }
 }
 
@@ -863,11 +869,8 @@ bool wg_ws(const SdqW4A16Params& p) {
     const long long kn = static_cast<long long>(p.k) * p.n;
     if (p.m <= NTOK) return kn >= (1LL << 25);
     if (kn <= (1LL << 24)) return false;
-    const int sms = sm_count_now(), slots = sms * TmaKern<T, NTOK, 8>::per_sm();
-    const int tiles = (p.m + NTOK - 1) / NTOK * (p.n / 256);
-    const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
-    const int waves = (ctas + slots - 1) / slots;
-    return 10 * ctas >= 7 * waves * slots;
+    const int sms = sm_count_now();
+    return wg_split_fills(p, NTOK, sms * TmaKern<T, NTOK, 8>::per_sm(), sms, 7, 10);
   }
 }
 
