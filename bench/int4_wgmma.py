@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
 import int4_tune  # noqa: E402
+import provenance  # noqa: E402
 
 from sdquant.kernels import int4_layout  # noqa: E402
 
@@ -291,7 +292,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-              "configs": labels}
+              "src_digest": provenance.source_digest(), "configs": labels}
     if args.dry:
         dev = torch.device("cpu")
         rows = int4_tune.check_configs(dev, configs, DRY_CASES)

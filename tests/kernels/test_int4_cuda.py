@@ -289,6 +289,7 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads((tmp_path / "int4_wgmma.json").read_text())
     assert d["passing"] == ["62", "63"] and d["checks"] and all(c["pass"] for c in d["checks"])
+    assert len(d["src_digest"]) == 12  # which sources ran (bench/provenance.py)
     assert {c["config"] for c in d["checks"]} == {62, 63} and {c["M"] for c in d["checks"]} >= {1, 17, 40}
     for row in d["rows"]:
         assert row["bf16"] > 0 and row["v62"] > 0 and row["v63"] > 0 and row["v62_err"] < 1e-2
@@ -331,6 +332,45 @@ def test_int4_wgmma_update_table_writes_only_the_buckets_the_op_routes_to_wgmma(
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def _run_host_rule(tmp_path, calls) -> list:
+    """Compile and run printf("%d\\n", call) for each C call against csrc/w4a16.h (host code, no GPU)."""
+    import subprocess
+    src = tmp_path / "rule.cu"
+    body = "\n".join(f'  printf("%d\\n", {c});' for c in calls)
+    src.write_text(f'#include <cstdio>\n#include "w4a16.h"\nint main() {{\n{body}\n  return 0;\n}}\n')
+    exe = tmp_path / "rule"
+    r = subprocess.run([int4_cuda.nvcc_path(), "-std=c++17", "-I", str(int4_cuda.CSRC), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()]
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_warp_specialized_rule_picks_the_measured_winner(tmp_path):
+    """sdq_wg_ws_auto (w4a16.h): variant 63's warp-specialized split-K at the 128-token tile where it was measured
+    faster (bench/ab_build.py runs 4-5, same process, us: warp-specialized vs the single-role kernel / stream-K), on
+    the H200's 132 slots (one CTA a SM). Cases: (m, n, k, group_k16) -> 1 = warp-specialized."""
+    cases = [
+        ((128, 28672, 8192, 8), 1),   # 97.8 vs 126.3
+        ((128, 8192, 28672, 8), 1),   # 96.6 vs 119.9
+        ((128, 28672, 4096, 8), 1),   # 53.0 vs 64.1
+        ((128, 4096, 14336, 8), 1),   # 34.4 vs 36.0
+        ((128, 10240, 8192, 8), 1),   # 44.6 vs 48.1
+        ((128, 4096, 4096, 8), 0),    # 21.4 vs 19.5
+        ((128, 6144, 4096, 8), 0),    # 24.8 vs 23.2
+        ((256, 10240, 8192, 8), 0),   # 94.7 vs stream-K 86.0 (80 tiles on 132 slots)
+        ((256, 28672, 8192, 8), 1),   # 202.7 vs stream-K 234.3
+        ((256, 6144, 4096, 8), 1),    # 34.9 vs stream-K 38.1
+        ((192, 8192, 28672, 8), 1),   # 163.2 vs 214.6
+        ((192, 4096, 14336, 8), 1),   # 50.2 vs 56.4
+        ((192, 4096, 4096, 8), 0),    # 25.0 vs 24.1
+        ((128, 28672, 8192, 4), 0),   # group 64: a stage would span two groups
+        ((128, 28672, 8128, 8), 0),   # K not a multiple of 128
+    ]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_ws_auto({m}, {n}, {k}, {g}, 132, 132)" for (m, n, k, g), _ in cases])
+    assert got == [want for _, want in cases]
+
+
 def test_wgmma_split_rule(tmp_path):
     """csrc/w4a16.h's split-K rule of the wgmma kernel (host code, compiled and run here): fill the resident slots,
     at least 8 stages of 64 K a split, at most two CTAs per SM where splits would be short and 3+ remain
@@ -345,13 +385,5 @@ def test_wgmma_split_rule(tmp_path):
         ((112, 264, 8192, 0), 2),       # an explicit CTA target (no two-per-SM cap)
         ((4, 132, 512, 264), 1),        # K too short for two 8-stage splits
     ]
-    src = tmp_path / "split_rule.cu"
-    body = "\n".join(f"  printf(\"%d\\n\", sdq_wg_splits({t}, {c}, {k}, {two}));" for (t, c, k, two), _ in cases)
-    src.write_text(f'#include <cstdio>\n#include "w4a16.h"\nint main() {{\n{body}\n  return 0;\n}}\n')
-    exe = tmp_path / "split_rule"
-    import subprocess
-    r = subprocess.run([int4_cuda.nvcc_path(), "-std=c++17", "-I", str(int4_cuda.CSRC), str(src), "-o", str(exe)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_splits({t}, {c}, {k}, {two})" for (t, c, k, two), _ in cases])
     assert got == [want for _, want in cases]

@@ -57,6 +57,30 @@ static inline int sdq_wg_splits(int tiles, int ctas, int k, int two_per_sm) {
   if (splits > k / 64 / 8) splits = k / 64 / 8;
   return splits < 1 ? 1 : splits;
 }
+// Whether that automatic split-K grid of the ntok-token tile fills at least num / den of `slots` resident CTAs over its
+// waves (sms: the SM count)
+static inline int sdq_wg_split_fills(int m, int n, int k, int ntok, int slots, int sms, int num, int den) {
+  const int tiles = (m + ntok - 1) / ntok * (n / 256);
+  const int ctas = tiles * sdq_wg_splits(tiles, slots, k, 2 * sms);
+  const int waves = (ctas + slots - 1) / slots;
+  return den * ctas >= num * waves * slots;
+}
+// The automatic choice of variant 63's warp-specialized split-K at the 128-token tile (w4a16_wgmma.cuh wg_ws; slots:
+// its resident CTAs, one a SM). Groups a multiple of 128 and K of 128 only. From bench/ab_build.py runs 4-5 (same
+// process, against the single-role kernel):
+// * one token tile (M = 65-128): where K x N >= 2^25. It was 3-25% faster there (8192x28672 M = 128 125.0 -> 94.9 us,
+//   28672x8192 119.6 -> 95.2, 14336x4096 35.6 -> 34.6) and 7-10% slower on 4096x4096 and 4096x6144;
+// * two (M = 129-256): where K x N > 2^24 (4096x4096: 3% slower at M = 192, level at 256), unless its split-K grid
+//   would fill less than 70% of the slots over its waves; there stream-K is better (8192x10240 M = 256: 80 tiles on
+//   132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat stream-K (8192x28672 M = 256 234.3 -> 202.7,
+//   4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
+static inline int sdq_wg_ws_auto(int m, int n, int k, int group_k16, int slots, int sms) {
+  if (group_k16 % 8 || k % 128) return 0;
+  const long long kn = (long long)k * n;
+  if (m <= 128) return kn >= (1LL << 25);
+  if (kn <= (1LL << 24)) return 0;
+  return sdq_wg_split_fills(m, n, k, 128, slots, sms, 7, 10);
+}
 
 #ifdef __cplusplus
 extern "C" {

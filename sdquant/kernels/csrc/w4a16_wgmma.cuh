@@ -817,15 +817,6 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK>> {
 
 constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_wgmma.py run 14)
 
-// How fully the automatic split-K grid of the ntok-token tile covers `slots` resident CTAs over its waves: true if
-// its CTAs fill at least num / den of the waves' slots
-inline bool wg_split_fills(const SdqW4A16Params& p, int ntok, int slots, int sms, int num, int den) {
-  const int tiles = (p.m + ntok - 1) / ntok * (p.n / 256);
-  const int ctas = tiles * sdq_wg_splits(tiles, slots, p.k, 2 * sms);
-  const int waves = (ctas + slots - 1) / slots;
-  return den * ctas >= num * waves * slots;
-}
-
 
 // Stream-K at the 128-token tile (M = 129-256: two token tiles) where split-K leaves more than a tenth of the resident
 // slots idle over its waves (e.g. 8192x10240: 80 tiles on 132 slots; 8192x28672: 224 tiles = 1.7 waves), else
@@ -841,19 +832,13 @@ bool wg_stream_k(const SdqW4A16Params& p) {
     if (mode != 0) return mode == 2;
     if (p.m <= NTOK) return false;
     const int sms = sm_count_now();
-    return !wg_split_fills(p, NTOK, sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms, 9, 10);
+    return !sdq_wg_split_fills(p.m, p.n, p.k, NTOK, sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(),
+                               sms, 9, 10);
   }
 }
 
-// The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile, where the group is a multiple of 128 K
-// and K of 128 (int4_cuda.set_wgmma_schedule forces it on or off). The rule, from bench/ab_build.py runs 4-5 (same
-// process, against wgmma_body):
-// * one token tile (M = 65-128): where K x N >= 2^25. It was 3-25% faster there (8192x28672 M = 128 125.0 -> 94.9 us,
-//   28672x8192 119.6 -> 95.2, 14336x4096 35.6 -> 34.6) and 7-10% slower on 4096x4096 and 4096x6144;
-// * two (M = 129-256): where K x N > 2^24 (4096x4096: 3% slower at M = 192, level at 256), unless its split-K grid
-//   would fill less than 70% of the slots over its waves; there stream-K is better (8192x10240 M = 256: 80 tiles on
-//   132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat stream-K (8192x28672 M = 256 234.3 -> 202.7,
-//   4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
+// The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile where sdq_wg_ws_auto (w4a16.h) says, or as
+// int4_cuda.set_wgmma_schedule forces it; at 16-64 tokens only in the experimental -DSDQ_WS_SMALL=1 build.
 template <typename T, int NTOK, bool SEP>
 bool wg_ws(const SdqW4A16Params& p) {
   if constexpr (!SEP) {
@@ -866,11 +851,8 @@ bool wg_ws(const SdqW4A16Params& p) {
     if (p.group_k16 % 8 || p.k % 128) return false;
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 3;
-    const long long kn = static_cast<long long>(p.k) * p.n;
-    if (p.m <= NTOK) return kn >= (1LL << 25);
-    if (kn <= (1LL << 24)) return false;
     const int sms = sm_count_now();
-    return wg_split_fills(p, NTOK, sms * TmaKern<T, NTOK, 8>::per_sm(), sms, 7, 10);
+    return sdq_wg_ws_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, 8>::per_sm(), sms) != 0;
   }
 }
 
