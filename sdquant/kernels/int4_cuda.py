@@ -32,9 +32,9 @@
                  flat grid of 46-49, every warp one contiguous byte range of the fragments; 62-63 the wgmma kernel
                  of csrc/w4a16_wgmma.cuh, the fragments as the register A operand of warpgroup MMAs, 256 features x
                  16-128 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
-                 second kernel (63; at the 128-token tile, where ``wg_ws`` picks it, a warp-specialized form whose
-                 producer warpgroup issues TMA copies; ``set_wgmma_schedule``); 1-61: M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS,
-                 instantiated up to M = 32);
+                 second kernel (63; at the 128-token tile, where csrc/w4a16.h ``sdq_wg_ws_auto`` picks it, a
+                 warp-specialized form whose producer warpgroup issues TMA copies; ``set_wgmma_schedule``); 1-61:
+                 M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
@@ -267,9 +267,9 @@ WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3}
 
 def set_wgmma_schedule(mode: str) -> str:
     """How variant 62-63's 128-token tile (M = 65-256) runs, for launches and split / grid queries from now on in this
-    process: "auto" (the default: csrc/w4a16_wgmma.cuh ``wg_ws`` picks the warp-specialized split-K for variant 63 where it
-    was measured faster, else ``wg_stream_k`` picks stream-K at M > 128 where split-K would leave more than a tenth of
-    the resident slots idle over its waves, else split-K), "split" (split-K, the single-warpgroup-role pipeline),
+    process: "auto" (the default: csrc/w4a16.h ``sdq_wg_ws_auto`` picks the warp-specialized split-K for variant 63
+    where it was measured faster, else ``wg_stream_k`` picks stream-K at M > 128 where split-K would leave more than a
+    tenth of the resident slots idle over its waves, else split-K), "split" (split-K, the single-warpgroup-role pipeline),
     "stream" (stream-K) or "ws" (variant 63's warp-specialized split-K: a producer warpgroup issues TMA copies; groups a
     multiple of 128 and K of 128, else split-K). For A/B runs (bench/int4_wgmma.py --schedule). Read at launch time, so
     set it before a CUDA graph is captured. Returns the previous mode ("auto" where the extension is not built)."""
