@@ -1,5 +1,5 @@
-"""bench/ab_build.py's watchdog: a point that hangs (a kernel that never finishes blocks the CUDA call with the GIL held)
-ends the process instead of the device call's whole time limit; a point that finishes disarms it."""
+"""bench/ab_build.py's watchdog: a point that hangs (a kernel that never finishes blocks the CUDA call with the GIL
+held) ends the process instead of the device call's whole time limit; a point that finishes disarms it."""
 import subprocess
 import sys
 import time
@@ -18,7 +18,8 @@ def _run(body: str) -> tuple:
 def test_watchdog_ends_a_hung_block():
     # libc's sleep through ctypes.PyDLL keeps the GIL, as a blocked CUDA synchronize does: no Python thread or signal
     # handler could run here
-    r, took = _run("import ctypes\nwith ab_build.watchdog(1.0):\n    ctypes.PyDLL(None).sleep(30)\nprint('not reached')")
+    r, took = _run("import ctypes\nwith ab_build.watchdog(1.0):\n    ctypes.PyDLL(None).sleep(30)\n"
+                   "print('not reached')")
     assert r.returncode != 0 and "not reached" not in r.stdout
     assert "Timeout" in r.stderr and "line 4" in r.stderr  # the traceback names the line that hung (the sleep)
     assert took < 25

@@ -35,7 +35,7 @@
 // * Stream-K instead at the 128-token tile where split-K would leave resident slots idle (wg_stream_k, M > 128): a
 //   grid of the slots over the (tile, stage) units, a tile cut between CTAs summed in CTA order by the last of them
 //   (two partial slots a CTA: the first segment's and the last's), variants 62 and 63 alike.
-// * Variant 63's split-K at the 128-token tile is warp-specialized where wg_ws picks it (w4a16_wgmma_tma_kernel, below):
+// * Variant 63's split-K at the 128-token tile is warp-specialized where wg_ws picks it (w4a16_wgmma_tma_kernel below):
 //   a producer warpgroup issues every stage's copies by TMA, the two consumer warpgroups run the same stage steps
 //   (wg_stage_mma) with no CTA-wide barrier; 18-26% faster on the large shapes at M = 96-256.
 // * Token tiles over gridDim.x (fastest), so the CTAs that share a weight tile run together and share it in L2.
