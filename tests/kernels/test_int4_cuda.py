@@ -99,6 +99,18 @@ def test_opcheck():
                           {"splits": 2, "evict_first": False, "config": 3 + 64 * 4})
 
 
+def test_every_kernel_source_is_package_data():
+    """A wheel must carry every file the extension build reads (a header left out makes the build fail on the user's
+    machine, which then falls back to Triton with a warning)."""
+    import fnmatch
+    import tomllib
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sdquant"]
+    sources = sorted(p.relative_to(root / "sdquant").as_posix() for p in int4_cuda.CSRC.iterdir() if p.is_file())
+    assert sources and "kernels/csrc/w4a16.h" in sources
+    assert [f for f in sources if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
+
+
 def test_wgmma_schedule_modes_are_checked():
     with pytest.raises(ValueError, match="mode: 'on' is not one of"):
         int4_cuda.set_wgmma_schedule("on")
@@ -332,17 +344,29 @@ def test_int4_wgmma_update_table_writes_only_the_buckets_the_op_routes_to_wgmma(
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-def _run_host_rule(tmp_path, calls) -> list:
-    """Compile and run printf("%d\\n", call) for each C call against csrc/w4a16.h (host code, no GPU)."""
+def _run_host_rule(tmp_path, calls, header: str = "w4a16.h", prelude: str = "") -> list:
+    """Compile and run printf("%d\\n", call) for each C call against a csrc header (host code, no GPU)."""
     import subprocess
     src = tmp_path / "rule.cu"
     body = "\n".join(f'  printf("%d\\n", {c});' for c in calls)
-    src.write_text(f'#include <cstdio>\n#include "w4a16.h"\nint main() {{\n{body}\n  return 0;\n}}\n')
+    src.write_text(f'#include <cstdio>\n#include "{header}"\n{prelude}\nint main() {{\n{body}\n  return 0;\n}}\n')
     exe = tmp_path / "rule"
     r = subprocess.run([int4_cuda.nvcc_path(), "-std=c++17", "-I", str(int4_cuda.CSRC), str(src), "-o", str(exe)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()]
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_launch_state_is_kept_per_device(tmp_path):
+    """w4a16_host.h: a kernel's shared-memory opt-in and occupancy are computed once per device ordinal (a second GPU
+    in the same process gets its own), and every time for an ordinal past the table or an unknown one (-1)."""
+    prelude = ("static int n = 0;\nstatic int f() { return 10 * ++n; }\n"
+               "static int slot[sdq_w4a16::SDQ_DEVICES] = {};\nusing sdq_w4a16::per_device;")
+    calls = ["per_device(slot, 0, f)", "per_device(slot, 0, f)", "per_device(slot, 1, f)", "per_device(slot, 0, f)",
+             "per_device(slot, 1, f)", "per_device(slot, sdq_w4a16::SDQ_DEVICES, f)",
+             "per_device(slot, sdq_w4a16::SDQ_DEVICES, f)", "per_device(slot, -1, f)", "n"]
+    assert _run_host_rule(tmp_path, calls, "w4a16_host.h", prelude) == [10, 10, 20, 10, 20, 30, 40, 50, 5]
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")

@@ -22,6 +22,7 @@
 //   sdq_probe_evict_first ran on the device (a published kernel's hint raised "illegal instruction" there).
 #pragma once
 #include "w4a16.h"
+#include "w4a16_host.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -694,10 +695,11 @@ struct Kern {
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
   }
-  static int configure() {  // once per instantiation: the attribute is per function, not per call
-    static int rc = -100;
-    if (rc == -100) rc = cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    return rc;
+  static int configure() {  // once per instantiation and device: the attribute is per function, not per call
+    static int slot[SDQ_DEVICES] = {};
+    return per_current_device(slot, [] {
+      return static_cast<int>(cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    });
   }
   // cudaLaunchKernelEx with one launch attribute (a thread-block cluster, or programmatic dependent launch)
   static int launch_ex(dim3 grid, const cudaLaunchAttribute& attr, const SdqW4A16Params& p, cudaStream_t stream) {
@@ -765,18 +767,15 @@ struct Kern {
       return p.splits > 1 ? static_cast<long long>(p.splits) * p.m * p.n : 0;
     }
   }
-  static int per_sm() {  // resident CTAs per SM (registers and shared memory), cached per device ordinal 0..7
-    static int cache[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    int& c = cache[dev & 7];
-    if (c == 0) {
-      if (configure() != cudaSuccess) return 1;
+  static int per_sm() {  // resident CTAs per SM (registers and shared memory), per device
+    static int slot[SDQ_DEVICES] = {};
+    return per_current_device(slot, [] {
       int v = 1;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel(), THREADS, SMEM) != cudaSuccess || v < 1) v = 1;
-      c = v;
-    }
-    return c;
+      if (configure() != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel(), THREADS, SMEM) != cudaSuccess || v < 1)
+        v = 1;
+      return v;
+    });
   }
 };
 
@@ -918,8 +917,10 @@ int launch_tight_fused(const SdqW4A16FusedParams& p, cudaStream_t stream) {
   using F = TFused<C>;
   constexpr int SMEM = tight_smem<F, 1>();
   const auto kern = w4a16_tight_kernel<T, F, 1>;
-  static int rc = -100;  // once per instantiation
-  if (rc == -100) rc = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  static int slot[SDQ_DEVICES] = {};  // once per instantiation and device
+  const int rc = per_current_device(slot, [&] {
+    return static_cast<int>(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+  });
   if (rc != cudaSuccess) return rc;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);

@@ -734,22 +734,23 @@ inline int tma_x_map(const SdqW4A16Params& p, int ntok, CUtensorMap* map) {
 }
 
 // Host side shared by the wgmma kernels' launchers (D: kernel, THREADS, SMEM): the dynamic shared-memory opt-in and the
-// resident CTAs per SM, each queried once per kernel
+// resident CTAs per SM, each queried once per kernel and device (w4a16_host.h)
 template <typename D>
 struct WgHost {
   static int setup() {
-    static const int rc =
-        static_cast<int>(cudaFuncSetAttribute(D::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, D::SMEM));
-    return rc;
+    static int slot[SDQ_DEVICES] = {};
+    return per_current_device(slot, [] {
+      return static_cast<int>(cudaFuncSetAttribute(D::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, D::SMEM));
+    });
   }
   static int per_sm() {  // (the schedule choice asks at every launch of the 128-token tile)
-    static const int n = [] {
+    static int slot[SDQ_DEVICES] = {};
+    return per_current_device(slot, [] {
       if (setup()) return 0;
       int r = 0;
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, D::kernel, D::THREADS, D::SMEM);
       return r;
-    }();
-    return n;
+    });
   }
   // a launch config, with programmatic dependent launch when p.pdl (attr outlives the launch)
   static cudaLaunchConfig_t config(dim3 grid, const SdqW4A16Params& p, cudaStream_t stream, cudaLaunchAttribute* attr) {
