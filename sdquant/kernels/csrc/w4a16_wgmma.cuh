@@ -531,8 +531,8 @@ struct WsRegs {
   // the consumers' increase must fit in what the producer gives back, or setmaxnreg.inc waits forever (a first
   // 3-CTA form that asked for 144 with an 80 cap hung on the GPU, ab_build run 6)
   static constexpr int CAP = (65536 / (MINB * THREADS)) / 8 * 8;
-  static constexpr int PROD = 24, CONS = (((WGS + 1) * CAP - PROD) / WGS / 8 * 8) > 240 ? 240
-                                         : ((WGS + 1) * CAP - PROD) / WGS / 8 * 8;
+  static constexpr int PROD = 24, FIT = ((WGS + 1) * CAP - PROD) / WGS / 8 * 8;  // a consumer's share, rounded
+  static constexpr int CONS = FIT > 240 ? 240 : FIT;
   static_assert(PROD + WGS * CONS <= (WGS + 1) * CAP, "the consumers' registers come from the producer's");
 };
 template <int NTOK, int KS>
@@ -898,7 +898,8 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
   if constexpr (WS)
-    if (ws) return op == 3 ? (p.splits > 1 ? p.splits * p.m * p.n : 0) : TmaKern<T, NTOK, WKS>::launch(p, stream);
+    if (ws)  // (scratch: split-K's plain [splits, m, n] partials, as the single-role kernel's)
+      return op == 3 ? wgmma_run_k<T, NTOK, SEP, false>(op, p, stream) : TmaKern<T, NTOK, WKS>::launch(p, stream);
   if constexpr (NTOK == 128)
     if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
   return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
