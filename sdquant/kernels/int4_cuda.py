@@ -28,8 +28,12 @@
                  stream-K kernel with the raw codes; 46-49 the lean kernel on a flat grid of the resident slots,
                  every warp an equal share of the flattened block x K-step space; 50-57 the bulk-copy kernel of
                  csrc/w4a16_bulk.cuh, the direct kernel's grid and arithmetic fed through a per-warp
-                 shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-61 the same on the
-                 flat grid of 46-49, every warp one contiguous byte range of the fragments; 62-63 the wgmma kernel
+                 shared-memory ring that lane 0 fills with one cp.async.bulk (TMA) copy a chunk; 58-59 the same on the
+                 flat grid of 46-49, every warp one contiguous byte range of the fragments; 60-61 the feed kernel of
+                 csrc/w4a16_feed.cuh (M <= 8, else the M <= 8 default runs): one CTA a SM streams one contiguous
+                 range of the fragments through a 192 KB shared-memory ring of large bulk copies, 16 warps doing
+                 the direct kernel's arithmetic from it (60: 32 KB stages, K % 1024 == 0; 61: 16 KB stages,
+                 K % 512 == 0; groups a multiple of 64 / 32); 62-63 the wgmma kernel
                  of csrc/w4a16_wgmma.cuh, the fragments as the register A operand of warpgroup MMAs, 256 features x
                  16-128 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
                  second kernel (63; at the 128-token tile, where csrc/w4a16.h ``sdq_wg_ws_auto`` picks it, a
@@ -169,7 +173,8 @@ STREAMK_VARIANTS = (*range(13, 28), 45)
 LEAN_VARIANTS = (*range(28, 38), 42, *range(46, 50))  # WSCALE applies to bf16 only (fp16 keeps fp32 group sums in-kernel)
 NT4_VARIANTS = (2, 5, 37, 42)  # instantiated for M = 17-32 too (four token tiles); the others stop at M = 16
 TIGHT_VARIANTS = (38, 39, 40, 41, 43, 44)  # csrc/w4a16_tight.cuh (43-44 raw codes; these ids were raw-code lean configs)
-BULK_VARIANTS = tuple(range(50, 62))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-61: flat grid)
+BULK_VARIANTS = tuple(range(50, 60))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-59: flat grid)
+FEED_VARIANTS = (60, 61)  # csrc/w4a16_feed.cuh: M <= 8 (else the M <= 8 default); these ids were flat bulk-copy configs
 # csrc/w4a16_wgmma.cuh: warpgroup MMA, the dequantized weights the register A operand, 256 features x 16/32/64 tokens a
 # CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes). Split-K: 62 sums the
 # splits in the last CTA of a tile, 63 in a second kernel over the whole GPU

@@ -28,7 +28,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # 2 x 2 x 11 (+ 2 x 2 at four tiles); tight variants 38-41 and 43-44: 2 x 2 x 6, and their fused build (TFused,
     # w4a16_part_fused_*.cu): 2 dtypes x 6 at one token tile;
     # flat lean variants 46-49: 2 x 2 x 4; bulk-copy variants 50-57 and their read probe: 2 x 2 x 9; flat bulk-copy
-    # variants 58-61 and their probe: 2 x 2 x 5;
+    # variants 58-59 and their probe: 2 x 2 x 3; the feed kernel (60-61): 2 dtypes x 2 at one token tile;
     # the linear read probe once; the wgmma kernel: 2 dtypes x 3 token tiles x {62: last-CTA fix-up, 63: separate
     # reduction kernel (2 dtypes)}
     assert sum("w4a16_kernel" in ln for ln in kernels) == 84  # + variants 2 and 5 at four tiles (2 x 2 K steps)
@@ -39,7 +39,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("TFused" in ln for ln in kernels) == 12
     assert sum("w4a16_lean_flat_kernel" in ln for ln in kernels) == 16
     assert sum("w4a16_bulk_kernel" in ln for ln in kernels) == 36
-    assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 20
+    assert sum("w4a16_bulk_flat_kernel" in ln for ln in kernels) == 12
+    assert sum("w4a16_feed_kernel" in ln for ln in kernels) == 4
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes, + stream-K at the 128-token tile (62 and 63 alike): 2 x 2,
     # + 63's 128-K stages at the 128-token tile: 2 x 2
@@ -122,7 +123,7 @@ def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(15) == (15, 0)         # a stream-K variant
     assert int4_cuda.split_config(63) == (63, 0)         # the wgmma kernel
     assert sorted([*int4_cuda.STREAMK_VARIANTS, *int4_cuda.LEAN_VARIANTS, *int4_cuda.TIGHT_VARIANTS,
-                   *int4_cuda.BULK_VARIANTS, *int4_cuda.WGMMA_VARIANTS]) == \
+                   *int4_cuda.BULK_VARIANTS, *int4_cuda.FEED_VARIANTS, *int4_cuda.WGMMA_VARIANTS]) == \
         list(range(13, int4_cuda.N_VARIANTS))
     assert not set(int4_cuda.LEAN_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # lean kernels handle fp16 themselves
     assert not set(int4_cuda.TIGHT_VARIANTS) & set(int4_cuda.WSCALE_TWIN)  # so does the tight kernel (fp32 group sums)

@@ -544,6 +544,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 #include "w4a16_lean.cuh"     // the lean direct kernel (variants 28+), same namespace
 #include "w4a16_bulk.cuh"     // the bulk-copy kernel (variants 50+), same namespace
 #include "w4a16_tight.cuh"    // the tight direct kernel (variants 38-41, 43-44), same namespace
+#include "w4a16_feed.cuh"     // the feed kernel (variants 60-61), same namespace
 
 // ------------------------------------------------------------------------------------------------ variants
 // Variant ids are part of the tuning interface (bench/int4_tune.py, int4_cuda.auto_config): append, never renumber.
@@ -592,7 +593,11 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
 //   56: 4 x 2, 4, 6, 2                                            57: = 50 without the L2 evict-first hint
 // flat bulk-copy kernel (w4a16_bulk_flat_kernel: the flat lean grid, every warp an equal contiguous byte range of the
 // fragments through its ring, K steps one at a time): warps, chunk (K steps), ring slots, min CTAs/SM at one tile:
-//   58: 4, 4, 6, 4 (16 warps/SM, 192 KB/SM)     59: 8, 4, 6, 2     60: 4, 2, 8, 4 (1 KB copies)     61: 4, 8, 3, 4
+//   58: 4, 4, 6, 4 (16 warps/SM, 192 KB/SM)     59: 8, 4, 6, 2
+// (60 and 61 were two more flat bulk-copy configs, 4 warps with 1 KB and 4 KB copies; they won nowhere in run 7b)
+// feed kernel (w4a16_feed.cuh, M <= 8: one CTA a SM, one contiguous stage range a CTA, a producer thread's bulk copies
+// into an S-stage ring, CW consumer warps of KPW K steps a stage); CW, KPW, S:
+//   60: 16, 4, 6 (32 KB stages, K % 1024 == 0)     61: 16, 2, 12 (16 KB stages, K % 512 == 0)
 // probes (not GEMMs; sdq_w4a16_probe only): P7 = 50's copies and shared-memory reads (grid: 50's split-K), P8 = 58's
 // (grid: 58's resident slots); P1 = 13's loads, P2 = 15's loads, P3 = 4 warps 8 stages deep in
 // registers, P4 = 19's loads (shared-memory ring), P5 = 23's loads (with the L2 prefetch), P6 = 26's loads;
@@ -657,8 +662,11 @@ using V56 = BCfg<4, 2, 4, 6, 2>;
 using V57 = BCfg<2, 4, 4, 6, 2, 0>;
 using V58 = BCfg<4, 1, 4, 6, 4, 1, 0, 1>;
 using V59 = BCfg<8, 1, 4, 6, 2, 1, 0, 1>;
-using V60 = BCfg<4, 1, 2, 8, 4, 1, 0, 1>;
-using V61 = BCfg<4, 1, 8, 3, 4, 1, 0, 1>;
+#ifndef SDQ_FEED_PROBE
+#define SDQ_FEED_PROBE 0  // 1: variants 60-61 are read probes (copies and shared-memory reads, no arithmetic)
+#endif
+using V60 = FCfg<16, 4, 6, SDQ_FEED_PROBE>;   // 60-61: the feed kernel (w4a16_feed.cuh); were flat bulk-copy configs
+using V61 = FCfg<16, 2, 12, SDQ_FEED_PROBE>;
 using P7 = BCfg<2, 4, 4, 6, 2, 1, 1>;  // V50's copies
 using P8 = BCfg<4, 1, 4, 6, 4, 1, 1, 1>;  // V58's copies
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
@@ -678,6 +686,7 @@ struct Kern {
     else if constexpr (lean_flat<C>()) return 0;
     else if constexpr (C::KIND == 3) return lean_smem<C, NT>();
     else if constexpr (C::KIND == 5) return tight_smem<C, NT>();
+    else if constexpr (C::KIND == 6) return C::SMEM;
     else if constexpr (C::DIRECT) return DSmem<C, NT>::TOTAL;
     else return Smem<C, NT, KS>::TOTAL;
   }();
@@ -692,6 +701,7 @@ struct Kern {
     else if constexpr (lean_flat<C>()) return w4a16_lean_flat_kernel<T, C, NT>;
     else if constexpr (C::KIND == 3) return w4a16_lean_kernel<T, C, NT>;
     else if constexpr (C::KIND == 5) return w4a16_tight_kernel<T, C, NT>;
+    else if constexpr (C::KIND == 6) return w4a16_feed_kernel<T, C, NT>;
     else if constexpr (C::DIRECT) return w4a16_direct_kernel<T, C, NT>;
     else return w4a16_kernel<T, C, NT, KS, EVICT>;
   }
@@ -719,6 +729,16 @@ struct Kern {
     if constexpr (C::KIND == 2) {  // stream-K: a 1-D grid of G CTAs, passed to the kernel as p.splits
       SdqW4A16Params q = p;
       q.splits = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
+      kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
+    } else if constexpr (C::KIND == 6) {  // feed: a 1-D grid of G CTAs (at most one a stage), passed as p.splits
+      SdqW4A16Params q = p;
+      q.splits = feed_grid<C>(p.splits, p.n, p.k);
+      if (p.pdl) {
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        return launch_ex(dim3(q.splits), attr, q, stream);
+      }
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
     } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {  // flat lean / bulk: a 1-D grid of G CTAs, as p.splits
       SdqW4A16Params q = p;
@@ -758,6 +778,8 @@ struct Kern {
     if constexpr (C::KIND == 2) {
       const long long g = sk_grid(p.splits, sk_space(p.n, p.k, C::WNN).U);
       return g * 2 * p.m * C::WNN * 64;
+    } else if constexpr (C::KIND == 6) {
+      return static_cast<long long>(feed_grid<C>(p.splits, p.n, p.k)) * 2 * p.m * 64;
     } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {
       const long long g = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
       return g * C::WARPS * 2 * p.m * 64;
@@ -781,7 +803,8 @@ struct Kern {
 
 // op: 0 = launch, 1 = resident CTAs per SM, 2 = 64-feature blocks per CTA, 3 = scratch floats (clamped to 2^31 - 1),
 // 4 = 1 if the variant is a stream-K kernel (p.splits is then its grid size), 2 if a lean kernel (w4a16_lean.cuh),
-// 3 if a flat lean kernel (p.splits is its grid size), 5 = warps per CTA (at one token tile)
+// 3 if a flat lean kernel (p.splits is its grid size), 5 if the feed kernel (p.splits is its grid size), 5 = warps per
+// CTA (at one token tile), 7 = the feed kernel's stages (0 for the others)
 template <typename T, typename C, int NT, int KS>
 int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   using K = Kern<T, C, NT, KS, false>;
@@ -791,8 +814,16 @@ int run_op(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     const long long f = K::scratch(p);
     return f > 2147483647LL ? 2147483647 : static_cast<int>(f);
   }
-  if (op == 4) return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : (bulk_flat<C>() ? 3 : 0));
+  if (op == 4)
+    return C::KIND == 2 ? 1 : (C::KIND == 3 ? (lean_flat<C>() ? 3 : 2) : (bulk_flat<C>() ? 3 : (C::KIND == 6 ? 5 : 0)));
   if (op == 5) return C::WARPS;
+  if (op == 7) {  // the feed kernel's stages (its most CTAs)
+    if constexpr (C::KIND == 6) {
+      const long long t = feed_stages<C>(p.n, p.k);
+      return t > 2147483647LL ? 2147483647 : static_cast<int>(t);
+    }
+    return 0;
+  }
   return K::launch(p, stream);
 }
 
@@ -869,8 +900,13 @@ int dispatch_variant(int variant, int op, const SdqW4A16Params& p, cudaStream_t 
     case 57: return run_op<T, V57, NT, 2>(op, p, stream);
     case 58: return run_op<T, V58, NT, 2>(op, p, stream);
     case 59: return run_op<T, V59, NT, 2>(op, p, stream);
-    case 60: return run_op<T, V60, NT, 2>(op, p, stream);
-    case 61: return run_op<T, V61, NT, 2>(op, p, stream);
+    case 60:  // the feed kernel: one token tile; otherwise the M = 1-8 default (tight, or direct v10)
+    case 61:
+      if constexpr (NT == 1) {
+        if (variant == 60 && feed_ok<V60>(p)) return run_op<T, V60, NT, 2>(op, p, stream);
+        if (variant == 61 && feed_ok<V61>(p)) return run_op<T, V61, NT, 2>(op, p, stream);
+      }
+      return tight_ok(p) ? run_op<T, V38, NT, 2>(op, p, stream) : run_op<T, V10, NT, 2>(op, p, stream);
     case PROBE_BASE + 7: return run_op<T, P7, NT, 2>(op, p, stream);
     case PROBE_BASE + 8: return run_op<T, P8, NT, 2>(op, p, stream);
     default: break;

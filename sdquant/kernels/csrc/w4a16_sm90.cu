@@ -154,6 +154,12 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     const int g = target2 > 0 ? (target2 * sms + 1) / 2 : sms * (per_sm < 1 ? 1 : per_sm);
     return sdq_w4a16::lean_flat_grid(g, units, warps < 1 ? 1 : warps);
   }
+  if (kind == 5) {
+    // feed kernel: one CTA a resident slot (or target2 / 2 per SM), at most one a stage
+    const int stages = dispatch_m(7, q, nullptr);
+    const int g = target2 > 0 ? (target2 * sms + 1) / 2 : sms * (per_sm < 1 ? 1 : per_sm);
+    return g < stages ? g : (stages < 1 ? 1 : stages);
+  }
   if (kind == 1) {
     // stream-K: the grid size G. Every resident slot (or target2 / 2 per SM), at least 2 stages (4 K steps) a CTA.
     const long long units = sdq_w4a16::sk_space(n, k, wnn).U;
