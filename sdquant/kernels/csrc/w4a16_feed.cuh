@@ -21,7 +21,8 @@
 // does), the warps sum their accumulators through shared memory (named barriers) and write y, or, for a block shared
 // with another CTA, an fp32 partial that the last CTA of the block to arrive adds up in CTA order (stream-K's fix-up:
 // deterministic, no spin-wait).
-// PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless).
+// PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
+// PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations).
 template <int CW_, int KPW_, int S_, int PROBE_ = 0>
 struct FCfg {
   static constexpr int CW = CW_, KPW = KPW_, S = S_, PROBE = PROBE_;
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
   }
   __syncthreads();
   // the first S stages: the weights do not depend on the previous kernel, so before griddep_wait
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0 && C::PROBE != 2)
     for (int i = 0; i < S && i < ns; ++i) issue(i);
 
   const int g8 = lane / 4, t4 = lane % 4;
@@ -157,17 +158,22 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
       load_group_sz(p, g1, nblk, nb1, g8, s_next, z_next);
     }
     const int s = i % S;
-    ring_wait(full0 + 8 * s, (i / S) & 1);
-    const uint32_t at = ring + s * SB + wk * 512 + lane * 16;
     uint4 wq[KPW];
+    if constexpr (C::PROBE == 2) {  // the arithmetic alone: words the compiler cannot see through, no copies, no waits
 #pragma unroll
-    for (int kk = 0; kk < KPW; ++kk) wq[kk] = lds128(at + kk * 512);
-    __syncwarp();
-    // the last warp done with the slot refills it (the counter only grows: arrivals i / S * CW + 0 .. CW - 1)
-    if (lane == 0 && (atom_add_acq_rel(freed + s, 1) + 1) % CW == 0 && i + S < ns) issue(i + S);
+      for (int kk = 0; kk < KPW; ++kk) wq[kk] = make_uint4(xq[kk][0][0] ^ i, xq[kk][0][1] + lane, xq[kk][0][0] + s, i);
+    } else {
+      ring_wait(full0 + 8 * s, (i / S) & 1);
+      const uint32_t at = ring + s * SB + wk * 512 + lane * 16;
+#pragma unroll
+      for (int kk = 0; kk < KPW; ++kk) wq[kk] = lds128(at + kk * 512);
+      __syncwarp();
+      // the last warp done with the slot refills it (the counter only grows: arrivals i / S * CW + 0 .. CW - 1)
+      if (lane == 0 && (atom_add_acq_rel(freed + s, 1) + 1) % CW == 0 && i + S < ns) issue(i + S);
+    }
 #pragma unroll
     for (int kk = 0; kk < KPW; ++kk) {
-      if constexpr (C::PROBE) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
+      if constexpr (C::PROBE == 1) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
       else group_step<T, 1>(wq[kk], xq[kk], zl, zh, accg);
     }
     const int nb_done = nb;

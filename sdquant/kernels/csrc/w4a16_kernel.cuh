@@ -665,7 +665,14 @@ using V59 = BCfg<8, 1, 4, 6, 2, 1, 0, 1>;
 #ifndef SDQ_FEED_PROBE
 #define SDQ_FEED_PROBE 0  // 1: variants 60-61 are read probes (copies and shared-memory reads, no arithmetic)
 #endif
-using V60 = FCfg<16, 4, 6, SDQ_FEED_PROBE>;   // 60-61: the feed kernel (w4a16_feed.cuh); were flat bulk-copy configs
+#ifndef SDQ_FEED60_KPW  // experiments (bench/ab_build.py --new-defines): variant 60's K steps a warp and stages
+#define SDQ_FEED60_KPW 4
+#endif
+#ifndef SDQ_FEED60_S
+#define SDQ_FEED60_S 6
+#endif
+using V60 = FCfg<16, SDQ_FEED60_KPW, SDQ_FEED60_S, SDQ_FEED_PROBE>;  // 60-61: the feed kernel (w4a16_feed.cuh); were flat
+                                                                    // bulk-copy configs
 using V61 = FCfg<16, 2, 12, SDQ_FEED_PROBE>;
 using P7 = BCfg<2, 4, 4, 6, 2, 1, 1>;  // V50's copies
 using P8 = BCfg<4, 1, 4, 6, 4, 1, 1, 1>;  // V58's copies
