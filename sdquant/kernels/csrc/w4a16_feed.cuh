@@ -23,21 +23,24 @@
 // deterministic, no spin-wait).
 // PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
 // PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations).
-template <int CW_, int KPW_, int S_, int PROBE_ = 0>
+// WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
+// one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
+// so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
+template <int CW_, int KPW_, int S_, int PROBE_ = 0, int WS_ = 0, int MINB_ = 1>
 struct FCfg {
-  static constexpr int CW = CW_, KPW = KPW_, S = S_, PROBE = PROBE_;
-  static constexpr int WNN = 1, KW = CW;  // (blocks a CTA for run_op's queries; every consumer warp one K slice)
+  static constexpr int CW = CW_, KPW = KPW_, S = S_, PROBE = PROBE_, WS = WS_;
+  static constexpr int WNN = 1, KW = CW;  // (blocks a CTA for run_op's queries; every warp one K slice)
   static constexpr int WARPS = CW;
   static constexpr int THREADS = 32 * WARPS;
-  static constexpr int STAGES = 1, PRE = 1, MINB = 1;
+  static constexpr int STAGES = 1, PRE = 1, MINB = MINB_;  // MINB: CTAs a SM (ptxas's register cap)
   static constexpr bool DIRECT = false;
   static constexpr int KIND = 6;
   static constexpr int SK = CW * KPW;            // K steps a stage
   static constexpr int STAGE_BYTES = SK * 512;   // one block's fragments over SK K steps
-  static constexpr int RED_BYTES = CW * 16 * 32 * 4;  // the consumers' accumulators (one token tile)
+  static constexpr int RED_BYTES = CW * 16 * 32 * 4;  // the warps' accumulators (one token tile)
   static constexpr int SMEM = S * STAGE_BYTES + RED_BYTES + S * 8 + S * 4;  // + full barriers, freed counters
-  static_assert(CW >= 1 && CW * 32 <= 16 * 32 * 2, "the block sum gives each consumer thread <= 2 outputs");
-  static_assert(SMEM <= 227 * 1024, "the ring, the reduction buffer and the barriers fit in one SM");
+  static_assert(CW >= 1 && CW * 32 <= 16 * 32 * 2, "the block sum gives each thread <= 2 outputs");
+  static_assert(MINB * (SMEM + 1024) <= 228 * 1024, "MINB CTAs' rings, reduction buffers and barriers fit in one SM");
 };
 
 // Whether the feed kernel can run p (one token tile, whole stages a block, a warp's K steps inside one group)
@@ -71,7 +74,7 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
 }
 
 template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const SdqW4A16Params p) {
   static_assert(NT == 1, "one token tile (M <= 8)");
   constexpr int CW = C::CW, KPW = C::KPW, S = C::S, SK = C::SK, SB = C::STAGE_BYTES;
   constexpr int CT = CW * 32;  // consumer threads
@@ -123,6 +126,7 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
   float acc[1][4][4], accg[1][4][4];
   frag_each<1>([&](int i, int j, int e) { acc[i][j][e] = accg[i][j][e] = 0.f; });
   float sf[4][2] = {};
+  uint32_t s2[4][2] = {};  // WS: the scale pairs in T
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
   uint32_t probe = 0;
@@ -149,8 +153,22 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
       xq[kk][0][1] = xn[kk][0][1];
     }
     if (g != grp) {  // uniform: fold the last group in, unpack this one's scales and zeros
-      if (grp >= 0) group_flush<1>(acc, accg, sf);
-      group_begin<T>(s_next, z_next, sf, zl, zh);
+      if constexpr (C::WS) {
+        const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
+        const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
+          const typename O::T2 a = O::pack(f.x, f.x), b = O::pack(f.y, f.y);
+          s2[w][0] = *reinterpret_cast<const uint32_t*>(&a);
+          s2[w][1] = *reinterpret_cast<const uint32_t*>(&b);
+          O::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
+          O::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
+        }
+      } else {
+        if (grp >= 0) group_flush<1>(acc, accg, sf);
+        group_begin<T>(s_next, z_next, sf, zl, zh);
+      }
       grp = g;
     }
     if (i + 1 < ns) {  // the next stage's activations, scales and zeros (L1 / L2)
@@ -174,7 +192,18 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
 #pragma unroll
     for (int kk = 0; kk < KPW; ++kk) {
       if constexpr (C::PROBE == 1) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
-      else group_step<T, 1>(wq[kk], xq[kk], zl, zh, accg);
+      else if constexpr (C::WS) {
+        const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          uint32_t cq[4];
+          O::codes(q[w], zl[w], zh[w], cq);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) cq[j] = O::mul2(cq[j], s2[w][j >> 1]);
+          const uint32_t af[4] = {cq[0], cq[2], cq[1], cq[3]};
+          O::mma(acc[0][w], af, xq[kk][0][0], xq[kk][0][1]);
+        }
+      } else group_step<T, 1>(wq[kk], xq[kk], zl, zh, accg);
     }
     const int nb_done = nb;
     nb = nb1;
@@ -182,7 +211,7 @@ __global__ void __launch_bounds__(C::THREADS, 1) w4a16_feed_kernel(const SdqW4A1
     g = g1;
     if (sib1 != 0 && i + 1 < ns) continue;
     // ---- the block (or this CTA's part of it) ends: sum the consumer warps' accumulators, write y or a partial
-    group_flush<1>(acc, accg, sf);
+    if constexpr (!C::WS) group_flush<1>(acc, accg, sf);
     grp = -1;
     frag_each<1>([&](int, int w, int e) {
       red[((warp * 16) + w * 4 + e) * 32 + lane] = acc[0][w][e];
