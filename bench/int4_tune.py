@@ -75,7 +75,7 @@ NAMES = {0: "4x1 s5", 1: "4x1 s5 pre", 2: "4x2 s5 pre", 3: "4x2 s8 pre", 4: "2x2
          46: "flat 4w r4 raw", 47: "flat 8w r4 raw", 48: "flat 4w r8 raw", 49: "flat 4w r4 ws",
          50: "bulk 2x4 c4 r6", 51: "bulk 2x4 c8 r3", 52: "bulk 4x1 c4 r6", 53: "bulk 1x8 c4 r6", 54: "bulk 2x4 c2 r12",
          55: "bulk 2x2 c2 r12", 56: "bulk 4x2 c4 r6", 57: "bulk 2x4 c4 r6 noev", 58: "bulk flat 4w c4 r6",
-         59: "bulk flat 8w c4 r6", 60: "bulk flat 4w c2 r8", 61: "bulk flat 4w c8 r3"}
+         59: "bulk flat 8w c4 r6", 60: "feed 16w k4 s6", 61: "feed 16w k2 s12"}
 # the defaults before this sweep, the "prev default" of its table: int4_cuda.DEFAULT_CONFIGS / SHAPE_CONFIGS as of run
 # 6's first sweep (run 5's, commit aa746fb, plus the lm_head shape at M = 1-2 -> v17, which that sweep's confirm pass
 # set; bench/results/int4_tune_h200_run6.* compared against run 5's, without those two points)
