@@ -26,6 +26,10 @@
 // WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
 // one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
 // so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
+// Measured (H200, docs/BENCHMARKS.md "Tried: the feed kernel"): correct (48/48 GPU checks) but 1.36x (60) and 1.58x
+// (61) v38's time at M = 1 (8192x28672 49.9 / 61.8 against 38.8 us). The probes split it: the copies alone take 36.5 us
+// (3.2 TB/s; 34.1 at 3 CTAs x 8 warps), the arithmetic alone 35.7 (37.8 at 24 warps with WS), while v38 overlaps the
+// two in 38.4. Off every default; kept with its probes so that the split can be re-measured.
 template <int CW_, int KPW_, int S_, int PROBE_ = 0, int WS_ = 0, int MINB_ = 1>
 struct FCfg {
   static constexpr int CW = CW_, KPW = KPW_, S = S_, PROBE = PROBE_, WS = WS_;

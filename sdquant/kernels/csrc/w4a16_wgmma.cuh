@@ -512,8 +512,8 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 // Experimental (-DSDQ_WS_SMALL=1): the same pipeline at the 16-64-token tiles too, with SDQ_WS_WGS_SMALL consumer
 // warpgroups, SDQ_WS_MINB_SMALL CTAs a SM and up to SDQ_WS_STAGES_SMALL 64-K stages. Measured (ab_build run 7,
 // 2026-12-02): both forms tried (1 warpgroup x 2 CTAs x 8 stages; 2 warpgroups x 1 CTA x 16 stages) were slower than
-// variant 63 at every point of M = 16 / 32 / 64 on the seven Llama shapes (by 5-83%; 28672x8192 M = 16 46.8 -> 57.8 /
-// 85.6 us), so it stays off.
+// variant 63 at every point of M = 16 / 32 / 64 on the seven Llama shapes (the better form by 0.9-25%; 28672x8192
+// M = 16 46.8 -> 57.8 / 85.6 us), so it stays off.
 #ifndef SDQ_WS_SMALL
 #define SDQ_WS_SMALL 0
 #endif
