@@ -56,13 +56,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
 
 
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1",
-                                    "-DSDQ_DIRECT_PROBE_COMPUTE=2"])
-def test_direct_kernel_experiments_compile(define):
-    """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
-    hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a
-    without spills, so that bench/ab_build.py --new-defines can time them."""
+def _experiment_compiles_without_spills(define: str, kernel: str, count: int) -> None:
+    """Compile the bf16 one-token-tile unit with an experiment's define; `count` instantiations of `kernel`, no spills."""
     import subprocess
     src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
     with tempfile.TemporaryDirectory() as d:
@@ -71,34 +66,30 @@ def test_direct_kernel_experiments_compile(define):
                            capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stderr.splitlines()
-    direct = [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and "w4a16_direct_kernel" in ln]
-    assert len(direct) == 5  # variants 8-12 at one token tile
-    for i in direct:
+    found = [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and kernel in ln]
+    assert len(found) == count
+    for i in found:
         spill = next(ln for ln in lines[i:i + 6] if "spill" in ln)
         assert "0 bytes spill stores, 0 bytes spill loads" in spill
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1",
+                                    "-DSDQ_DIRECT_PROBE_COMPUTE=2"])
+def test_direct_kernel_experiments_compile(define):
+    """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
+    hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a
+    without spills, so that bench/ab_build.py --new-defines can time them."""
+    _experiment_compiles_without_spills(define, "w4a16_direct_kernel", 5)  # variants 8-12 at one token tile
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("define", ["-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2"])
 def test_feed_kernel_probes_compile(define):
     """The feed kernel's two probe builds (copies only; arithmetic only), with which docs/BENCHMARKS.md split its time
-    into the bulk-copy stream and the arithmetic, still compile for sm_90a without spills (bf16, the measured dtype;
-    variants 60-61), so bench/ab_build.py --new-defines can re-measure them."""
-    import subprocess
-    srcs = [p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu")]
-    assert len(srcs) == 1
-    with tempfile.TemporaryDirectory() as d:
-        for src in srcs:
-            r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
-                                define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
-                               capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, r.stderr[-4000:]
-            lines = r.stderr.splitlines()
-            feed = [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and "w4a16_feed_kernel" in ln]
-            assert len(feed) == 2  # variants 60-61 at one token tile
-            for i in feed:
-                spill = next(ln for ln in lines[i:i + 6] if "spill" in ln)
-                assert "0 bytes spill stores, 0 bytes spill loads" in spill
+    into the bulk-copy stream and the arithmetic, still compile for sm_90a without spills (bf16, the measured dtype),
+    so bench/ab_build.py --new-defines can re-measure them."""
+    _experiment_compiles_without_spills(define, "w4a16_feed_kernel", 2)  # variants 60-61 at one token tile
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 33])
