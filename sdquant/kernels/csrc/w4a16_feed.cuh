@@ -22,7 +22,9 @@
 // with another CTA, an fp32 partial that the last CTA of the block to arrive adds up in CTA order (stream-K's fix-up:
 // deterministic, no spin-wait).
 // PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
-// PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations).
+// PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations); 3 and 4 split
+// that arithmetic: 3 the dequantization without the MMAs (its codes xor-ed), 4 the MMAs on the raw words (no
+// dequantization).
 // WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
 // one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
 // so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
   }
   __syncthreads();
   // the first S stages: the weights do not depend on the previous kernel, so before griddep_wait
-  if (threadIdx.x == 0 && C::PROBE != 2)
+  if (threadIdx.x == 0 && C::PROBE < 2)
     for (int i = 0; i < S && i < ns; ++i) issue(i);
 
   const int g8 = lane / 4, t4 = lane % 4;
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
     }
     const int s = i % S;
     uint4 wq[KPW];
-    if constexpr (C::PROBE == 2) {  // the arithmetic alone: words the compiler cannot see through, no copies, no waits
+    if constexpr (C::PROBE >= 2) {  // the arithmetic alone: words the compiler cannot see through, no copies, no waits
 #pragma unroll
       for (int kk = 0; kk < KPW; ++kk) wq[kk] = make_uint4(xq[kk][0][0] ^ i, xq[kk][0][1] + lane, xq[kk][0][0] + s, i);
     } else {
@@ -196,6 +198,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
 #pragma unroll
     for (int kk = 0; kk < KPW; ++kk) {
       if constexpr (C::PROBE == 1) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
+      else if constexpr (C::PROBE >= 3) {  // 3: the dequantization without the MMAs; 4: the MMAs on the raw words
+        const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          if constexpr (C::PROBE == 3) {
+            uint32_t cq[4];
+            O::codes(q[w], zl[w], zh[w], cq);
+            probe ^= cq[0] ^ cq[1] ^ cq[2] ^ cq[3];
+          } else {
+            const uint32_t af[4] = {q[w], q[(w + 1) & 3], q[(w + 2) & 3], q[(w + 3) & 3]};
+            O::mma(accg[0][w], af, xq[kk][0][0], xq[kk][0][1]);
+          }
+        }
+      }
       else if constexpr (C::WS) {
         const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
 #pragma unroll
