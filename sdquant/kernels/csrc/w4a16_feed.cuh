@@ -24,7 +24,7 @@
 // PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
 // PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations); 3 and 4 split
 // that arithmetic: 3 the dequantization without the MMAs (its codes xor-ed), 4 the MMAs on the raw words (no
-// dequantization).
+// dequantization), 5 neither (the loop's skeleton: activation and scale loads, group and block ends).
 // WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
 // one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
 // so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
     }
 #pragma unroll
     for (int kk = 0; kk < KPW; ++kk) {
-      if constexpr (C::PROBE == 1) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
+      if constexpr (C::PROBE == 1 || C::PROBE == 5) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
       else if constexpr (C::PROBE >= 3) {  // 3: the dequantization without the MMAs; 4: the MMAs on the raw words
         const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
 #pragma unroll
