@@ -18,7 +18,7 @@
 // every stage (16-byte ld.shared a lane and K step: lane l reads its own fragment, conflict-free) and keeps the direct
 // kernel's fp32 group sums (group_step / group_flush; needs group % KPW == 0, so a warp's K steps of one stage share a
 // group). Scales / zeros and activations are fetched one stage ahead through L1. When a block ends (or the CTA's range
-// does), the warps sum their accumulators through shared memory (named barriers) and write y, or, for a block shared
+// does), the warps sum their accumulators through shared memory (CTA barriers) and write y, or, for a block shared
 // with another CTA, an fp32 partial that the last CTA of the block to arrive adds up in CTA order (stream-K's fix-up:
 // deterministic, no spin-wait).
 // PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
@@ -68,9 +68,6 @@ __host__ __device__ __forceinline__ int feed_grid(int requested, int n, int k) {
   return g < 1 ? 1 : static_cast<int>(g);
 }
 
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // old value of *p, then *p += v; acquire-release at CTA scope (the warps' slot reads before the refill's copy)
 __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
   int old;
@@ -85,7 +82,7 @@ template <typename T, typename C, int NT>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const SdqW4A16Params p) {
   static_assert(NT == 1, "one token tile (M <= 8)");
   constexpr int CW = C::CW, KPW = C::KPW, S = C::S, SK = C::SK, SB = C::STAGE_BYTES;
-  constexpr int CT = CW * 32;  // consumer threads
+  constexpr int CT = C::THREADS;
   using O = Ops<T>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
@@ -239,7 +236,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
       red[((warp * 16) + w * 4 + e) * 32 + lane] = acc[0][w][e];
       acc[0][w][e] = 0.f;
     });
-    named_bar_sync(1, CT);
+    __syncthreads();
     const long long b0 = static_cast<long long>(nb_done) * spb;  // the block's first stage
     const bool whole = u0 <= b0 && u1 >= b0 + spb;
     const bool second = nb_done != static_cast<int>(u0 / spb);  // this CTA's second segment
@@ -258,11 +255,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
       }
     }
     if (!whole) __threadfence();  // this CTA's partial is visible device-wide before it is counted
-    named_bar_sync(1, CT);        // (also: red is free again)
+    __syncthreads();        // (also: red is free again)
     if (whole) continue;
     const int c0 = sk_owner(NS, G, b0), c1 = sk_owner(NS, G, b0 + spb - 1);  // the CTAs holding this block's segments
     if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[nb_done], 1) == c1 - c0;
-    named_bar_sync(1, CT);
+    __syncthreads();
     if (!s_last) continue;
     __threadfence();
     const bool c0_second = static_cast<int>(sk_begin(NS, G, c0) / spb) != nb_done;

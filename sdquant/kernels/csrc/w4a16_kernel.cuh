@@ -733,6 +733,12 @@ struct Kern {
       return static_cast<int>(cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     });
   }
+  static cudaLaunchAttribute pdl_attr() {  // programmatic dependent launch
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    return attr;
+  }
   // cudaLaunchKernelEx with one launch attribute (a thread-block cluster, or programmatic dependent launch)
   static int launch_ex(dim3 grid, const cudaLaunchAttribute& attr, const SdqW4A16Params& p, cudaStream_t stream) {
     cudaLaunchConfig_t cfg = {};
@@ -756,20 +762,14 @@ struct Kern {
       SdqW4A16Params q = p;
       q.splits = feed_grid<C>(p.splits, p.n, p.k);
       if (p.pdl) {
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        return launch_ex(dim3(q.splits), attr, q, stream);
+        return launch_ex(dim3(q.splits), pdl_attr(), q, stream);
       }
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
     } else if constexpr (lean_flat<C>() || bulk_flat<C>()) {  // flat lean / bulk: a 1-D grid of G CTAs, as p.splits
       SdqW4A16Params q = p;
       q.splits = lean_flat_grid(p.splits, lean_units(p.n, p.k), C::WARPS);
       if (bulk_flat<C>() && p.pdl) {  // programmatic dependent launch, as the tiled kernels below
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        return launch_ex(dim3(q.splits), attr, q, stream);
+        return launch_ex(dim3(q.splits), pdl_attr(), q, stream);
       }
       kernel()<<<q.splits, THREADS, SMEM, stream>>>(q);
     } else if constexpr (C::KIND == 3) {  // lean: the S splits of a tile form one cluster when S <= CL
@@ -786,10 +786,7 @@ struct Kern {
     } else {  // cp.async (variants 0-7), direct (8-12) and bulk-copy (50-57) kernels
       const dim3 grid((p.n / 64 + C::WNN - 1) / C::WNN, p.splits);
       if (p.pdl) {  // programmatic dependent launch: the kernel waits (griddep_wait) before reading activations
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        return launch_ex(grid, attr, p, stream);
+        return launch_ex(grid, pdl_attr(), p, stream);
       }
       kernel()<<<grid, THREADS, SMEM, stream>>>(p);
     }
