@@ -63,8 +63,8 @@ def _triton_layout_kernel(q_ptr, s_ptr, zs_ptr, w_ptr, N, GS: tl.constexpr, BLOC
     tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(w_ptr.dtype.element_ty))
 
 
-def _cuda_layout_kernel(q_ptr, s_ptr, z_ptr, w_ptr, K, NB, NB0, GS: tl.constexpr, BLOCK_K: tl.constexpr):
-    nb = NB0 + tl.program_id(0)               # w holds the features of blocks NB0, NB0 + 1, ...
+def _cuda_layout_kernel(q_ptr, s_ptr, z_ptr, w_ptr, K, NB, GS: tl.constexpr, BLOCK_K: tl.constexpr):
+    nb = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = tl.arange(0, 64)                      # feature nb*64 + n = nb*64 + 8*j + r
     j = n // 8
@@ -84,7 +84,7 @@ def _cuda_layout_kernel(q_ptr, s_ptr, z_ptr, w_ptr, K, NB, NB0, GS: tl.constexpr
     s = tl.load(s_ptr + sidx).to(tl.float32)
     z = tl.load(z_ptr + sidx).to(tl.float32)
     w = (c.to(tl.float32) - z[:, None]) * s[:, None]
-    rows = ((nb - NB0) * 64 + n).to(tl.int64)
+    rows = (nb * 64 + n).to(tl.int64)
     tl.store(w_ptr + rows[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty))
 
 
@@ -130,10 +130,8 @@ def dequant_triton_layout(qweight: torch.Tensor, scales: torch.Tensor, zs: torch
 
 
 def dequant_cuda_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        dtype: torch.dtype, blocks: Optional[tuple] = None,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W [N, K] in ``dtype`` (K in the layout's permuted order) from a ``repack_cuda`` layout; ``blocks`` = (b0, b1):
-    only the rows of 64-feature blocks b0..b1-1, written to the first 64 (b1 - b0) rows of ``out`` when given."""
+                        dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in ``dtype`` (K in the layout's permuted order) from a ``repack_cuda`` layout."""
     if qweight.dim() != 4 or tuple(qweight.shape[2:]) != (32, 4):
         raise ShapeError(f"w4a16_dequant_cuda: qweight {list(qweight.shape)} is not a CUDA int4 layout "
                          f"[N/64, K/16, 32, 4]")
@@ -143,34 +141,9 @@ def dequant_cuda_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torc
         raise ShapeError(f"w4a16_dequant_cuda: scales {list(scales.shape)} / zeros {list(zeros.shape)} do not "
                          f"match qweight {list(qweight.shape)}")
     bk = _block_k(k, k // g)
-    b0, b1 = blocks if blocks is not None else (0, nb)
-    if not 0 <= b0 < b1 <= nb:
-        raise ShapeError(f"w4a16_dequant_cuda: blocks {blocks} outside the layout's {nb} blocks")
-    rows = (b1 - b0) * 64
-    if out is None:
-        w = torch.empty((rows, k), dtype=dtype, device=qweight.device)
-    else:
-        if out.dtype != dtype or out.dim() != 2 or out.shape[1] != k or out.shape[0] < rows or not out.is_contiguous():
-            raise ShapeError(f"w4a16_dequant_cuda: out {list(out.shape)} {out.dtype} cannot hold {rows} x {k} {dtype}")
-        w = out[:rows]
-    _kernels()[1][(b1 - b0, k // bk)](qweight, scales, zeros, w, k, nb, b0, GS=k // g, BLOCK_K=bk, **_warps(qweight))
+    w = torch.empty((nb * 64, k), dtype=dtype, device=qweight.device)
+    _kernels()[1][(nb, k // bk)](qweight, scales, zeros, w, k, nb, GS=k // g, BLOCK_K=bk, **_warps(qweight))
     return w
-
-
-def linear_chunked_cuda(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        chunk_blocks: int) -> torch.Tensor:
-    """y [M, N] = x2 @ W.T (x2 [M, K] already in the layout's K order) dequantizing ``chunk_blocks`` 64-feature blocks
-    at a time into one reused buffer, each chunk's GEMM writing its columns of y in place: the dequantized weight
-    never exists whole, so its writes and the GEMM's reads can stay in L2 when a chunk fits there."""
-    nb, k = qweight.shape[0], qweight.shape[1] * 16
-    m = x2.shape[0]
-    y = torch.empty((m, nb * 64), dtype=x2.dtype, device=x2.device)
-    buf = torch.empty((min(chunk_blocks, nb) * 64, k), dtype=x2.dtype, device=x2.device)
-    for b0 in range(0, nb, chunk_blocks):
-        b1 = min(nb, b0 + chunk_blocks)
-        w = dequant_cuda_layout(qweight, scales, zeros, x2.dtype, (b0, b1), buf)
-        torch.mm(x2, w.t(), out=y[:, b0 * 64:b1 * 64])
-    return y
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, w_is_kn: bool, perm: Optional[torch.Tensor],
