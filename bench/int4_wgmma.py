@@ -256,9 +256,11 @@ def update_table(json_path: str, table_path: str) -> None:
             if e["kind"] == "int4" and e["N"] == n and e["K"] == k and e["dtype"] == "bfloat16":
                 e["us"]["cuda"][buckets.index(m)] = r[f"v{c}"]
                 changed.append(f"{k}x{n}@M{m}")
-    tab.setdefault("meta", {})["int4_cuda_wgmma"] = (
-        f"cuda column at {', '.join(changed)}: the wgmma kernel (auto_config), bench/int4_wgmma.py "
-        f"{d.get('date')} commit {d.get('commit')}")
+    note = (f"cuda column at {', '.join(changed)}: the wgmma kernel (auto_config), bench/int4_wgmma.py "
+            f"{d.get('date')} commit {d.get('commit')}")
+    meta = tab.setdefault("meta", {})
+    prev = meta.get("int4_cuda_wgmma")  # earlier runs' notes stay: each names the cells it wrote, the last one wins
+    meta["int4_cuda_wgmma"] = [*([prev] if isinstance(prev, str) else prev or []), note]
     dispatch.write_table(tab, table_path)
     log(f"updated {len(changed)} cells: {', '.join(changed)}")
 
