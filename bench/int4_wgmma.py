@@ -280,6 +280,7 @@ def main(argv=None):
     ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
                     help="write a run's wgmma times into a crossover table (no GPU needed) and exit")
     ap.add_argument("--ncu", action="store_true", help="after the timing, profile NCU_ITEMS with ncu")
+    ap.add_argument("--ncu-items", default="", help="with --ncu: the items instead of NCU_ITEMS, as K,N,M,config;...")
     ap.add_argument("--dry", action="store_true", help="CPU: the op's PyTorch path on tiny shapes (no build, no timing "
                                                        "of any kernel)")
     args = ap.parse_args(argv)
@@ -313,7 +314,9 @@ def main(argv=None):
     result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start, splits)
     (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
     if args.ncu and not args.dry and passing:
-        ncu(out, [it for it in NCU_ITEMS if str(it[3]) in passing])
+        items = ([tuple(int(v) for v in it.split(",")) for it in args.ncu_items.split(";")] if args.ncu_items
+                 else NCU_ITEMS)
+        ncu(out, [it for it in items if str(it[3]) in passing])
     log(f"\nchecks: {len(passing)}/{len(labels)} configs pass; wall {time.time() - t_start:.0f} s")
     log(table(result["rows"], timed_names(passing, splits)))
     return 0 if len(passing) == (len(configs) if args.dry else len(labels)) else 1

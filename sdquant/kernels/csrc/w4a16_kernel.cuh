@@ -640,10 +640,7 @@ using V34 = LCfg<4, 1, 2, 8, 4, 5, 1>;
 using V35 = LCfg<2, 4, 4, 3, 1, 2, 1>;
 using V36 = LCfg<1, 8, 2, 4, 2, 2, 1>;
 using V37 = LCfg<1, 8, 4, 3, 1, 2, 1, 0>;
-#ifndef SDQ_V38_D  // experiment: variant 38's chunks in flight a warp (odd needs SDQ_T1_XR)
-#define SDQ_V38_D 2
-#endif
-using V38 = TCfg<2, 4, SDQ_V38_D, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
+using V38 = TCfg<2, 4, 2, 2>;  // 38-41: the tight kernel (w4a16_tight.cuh); were raw-code lean configs (run 6b)
 using V39 = TCfg<4, 2, 2, 2>;
 using V40 = TCfg<4, 1, 2, 3>;
 using V41 = TCfg<8, 1, 2, 2>;

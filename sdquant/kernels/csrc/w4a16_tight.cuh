@@ -41,6 +41,7 @@ struct TCfg {
   static constexpr int KIND = 5;
   static constexpr bool FUSED = false;  // TFused<C>: the same loop with the fused prologue / epilogue (w4a16.h)
   using Params = SdqW4A16Params;
+  static_assert(D % 2 == 0, "the activation registers alternate by chunk parity");
 };
 constexpr int TIGHT_U = 4;  // K steps a chunk
 
@@ -214,26 +215,10 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
   if (!one && threadIdx.x == 0) p.locks[blockIdx.x] = 0;
 }
 
-#ifndef SDQ_T2T  // experiment: threads a SM the launch bounds ask for at two token tiles (0: one CTA)
-#define SDQ_T2T 0
-#endif
-#ifndef SDQ_T1_XR  // experiment: the same activation ring at one token tile
-#define SDQ_T1_XR 0
-#endif
-#ifndef SDQ_T2_XR  // experiment: at two token tiles, activations in a ring of XR K steps (loaded XR - 1 ahead) instead of
-#define SDQ_T2_XR 0  // two chunk-sized sets (0)
-#endif
-#ifndef SDQ_T2_WS  // experiment: at two token tiles, the group scale on the weights (no fp32 group sums)
-#define SDQ_T2_WS 0
-#endif
 template <typename T, typename C, int NT>
-__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::THREADS > 0 ? SDQ_T2T / C::THREADS : 1)) w4a16_tight_kernel(const typename C::Params p) {
+__global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight_kernel(const typename C::Params p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U;
   constexpr bool RAW = C::RAW != 0;
-  constexpr bool WS = SDQ_T2_WS && NT == 2 && !RAW;
-  constexpr int XR = NT == 2 ? SDQ_T2_XR : (NT == 1 ? SDQ_T1_XR : 0);
-  static_assert(XR || D % 2 == 0, "the activation registers alternate by chunk parity");
-  static_assert(XR == 0 || ((D * U) % (XR ? XR : 1) == 0 && XR >= 2 && XR - 1 <= U), "the ring's slots must be static");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
 
@@ -265,18 +250,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
   }
 
   uint4 wq[D][U];
-  uint32_t xq[XR ? 1 : 2][XR ? 1 : U][NT][2];
-  uint32_t xr[XR ? XR : 1][NT][2];  // XR: K step t's activations in slot t % XR
-  auto load_xk = [&](int c, int kk, uint32_t (&xx)[NT][2]) {  // K step kk of chunk c (clamped as load_x)
-    const int cc = c < nc ? c : nc - 1;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const unsigned int* w = reinterpret_cast<const unsigned int*>(xsrc[nt] + cc * (U * 16));
-      xx[nt][0] = __ldg(w + kk * 8);
-      xx[nt][1] = __ldg(w + kk * 8 + 4);
-    }
-  };
-  auto load_x = [&](int c, auto& xx) {  // chunk c (clamped to the warp's last: never past its range)
+  uint32_t xq[2][U][NT][2];
+  auto load_x = [&](int c, uint32_t (&xx)[U][NT][2]) {  // chunk c (clamped to the warp's last: never past its range)
     const int cc = c < nc ? c : nc - 1;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -299,21 +274,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
 #pragma unroll
     for (int e = 0; e < 4; ++e) xs[i][e] = 0.f;
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
-  uint32_t s2[4][2] = {};  // WS: the scales of rows (w, h) as activation-dtype pairs
   auto begin = [&]() {  // a group starts: its scales and zeros as fetched into s_next / z_next
-    if constexpr (WS) {
-      const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
-      const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sp[w]));
-        const typename Ops<T>::T2 lo = Ops<T>::pack(f.x, f.x), hi = Ops<T>::pack(f.y, f.y);
-        s2[w][0] = *reinterpret_cast<const uint32_t*>(&lo);
-        s2[w][1] = *reinterpret_cast<const uint32_t*>(&hi);
-        Ops<T>::zero_pairs(zp[w], 0, zl[w][0], zh[w][0]);
-        Ops<T>::zero_pairs(zp[w], 1, zl[w][1], zh[w][1]);
-      }
-    } else if constexpr (RAW) {
+    if constexpr (RAW) {
       constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
       const uint32_t sp[4] = {s_next.x, s_next.y, s_next.z, s_next.w};
       const uint32_t zp[4] = {z_next.x, z_next.y, z_next.z, z_next.w};
@@ -330,20 +292,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
       group_begin<T>(s_next, z_next, sf, zl, zh);
     }
   };
-  auto step = [&](const uint4& wq1, const uint32_t (&x)[NT][2]) {  // one K step into accg (and xs; WS: acc)
-    if constexpr (WS) {
-      const uint32_t q[4] = {wq1.x, wq1.y, wq1.z, wq1.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        uint32_t c[4];
-        Ops<T>::codes(q[w], zl[w], zh[w], c);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = Ops<T>::mul2(c[i], s2[w][i >> 1]);
-        const uint32_t af[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) Ops<T>::mma(acc[nt][w], af, x[nt][0], x[nt][1]);
-      }
-    } else if constexpr (RAW) {
+  auto step = [&](const uint4& wq1, const uint32_t (&x)[NT][2]) {  // one K step into accg (and xs)
+    if constexpr (RAW) {
       const uint32_t q[4] = {wq1.x, wq1.y, wq1.z, wq1.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -361,9 +311,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
       group_step<T, NT>(wq1, x, zl, zh, accg);
     }
   };
-  auto flush = [&]() {
-    if constexpr (!WS) group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs);
-  };
+  auto flush = [&]() { group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs); };
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
@@ -379,12 +327,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
     if (p.rms_ss != nullptr) ss_copy<C::THREADS>(p, reinterpret_cast<float*>(smem + tight_ss_at<C, NT>()));
   }
   if (nc > 0) {
-    if constexpr (XR) {
-#pragma unroll
-      for (int t = 0; t < XR - 1; ++t) load_xk(0, t, xr[t]);
-    } else {
-      load_x(0, xq[0]);
-    }
+    load_x(0, xq[0]);
     begin();
     if (gc - cig < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
   }
@@ -399,18 +342,12 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : (SDQ_T2T / C::
           begin();
           if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
         }
-        if constexpr (!XR) load_x(c + 1, xq[(j + 1) % 2]);
+        load_x(c + 1, xq[(j + 1) % 2]);
         const uint4* nxt = wsrc + static_cast<size_t>(c + D) * U * 32;
 #pragma unroll
         for (int kk = 0; kk < U; ++kk) {
           const uint4 w = wq[j][kk];
-          if constexpr (XR) {
-            const int s = j * U + kk, t = s + XR - 1;  // static: j and kk are unrolled
-            load_xk(c + (kk + XR - 1) / U, (kk + XR - 1) % U, xr[t % XR]);
-            step(w, xr[s % XR]);
-          } else {
-            step(w, xq[j % 2][kk]);
-          }
+          step(w, xq[j % 2][kk]);
           ldg_stream16_if(wq[j][kk], nxt + kk * 32, c + D < nc);
         }
         if (++cig == gc) {
