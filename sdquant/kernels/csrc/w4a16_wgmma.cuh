@@ -458,15 +458,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   if (tid == 0) *lock = 0;
 }
 
-#ifndef SDQ_WG_MINB16  // experiment: CTAs a SM the launch bounds ask for at the 16- and 32-token tiles (1: none)
-#define SDQ_WG_MINB16 1
-#endif
-#ifndef SDQ_WG_MINB32
-#define SDQ_WG_MINB32 1
-#endif
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
-__global__ void __launch_bounds__(128 * WGS, NTOK == 16 ? SDQ_WG_MINB16 : (NTOK == 32 ? SDQ_WG_MINB32 : 1))
-    w4a16_wgmma_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK>(p);
 }
 
