@@ -248,7 +248,81 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
   }
 }
 
-template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
+#ifndef SDQ_WG_RAW  // experiment: the raw codes at the 16- and 32-token tiles (groups a multiple of 128, K of 128)
+#define SDQ_WG_RAW 0
+#endif
+#ifndef SDQ_WG_RAW_STAGES  // experiment: the RAW kernel's stages, and its CTAs a SM the launch bounds ask for at 16 tokens
+#define SDQ_WG_RAW_STAGES 4
+#endif
+#ifndef SDQ_WG_RAW_MINB16
+#define SDQ_WG_RAW_MINB16 1
+#endif
+// RAW (experiment): the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
+template <typename T, int NU, typename L>
+__device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp, int g8, float (&sf)[NU][2],
+                                                  float (&nz)[NU][2]) {
+  constexpr float MAGIC = std::is_same<T, half>::value ? 1024.f : 128.f;
+  const uint32_t sz = st + L::X_BYTES + L::W_BYTES + warp * 128 + g8 * 16;
+  uint32_t sw[NU], zw[NU];
+  ld_shared_words<NU>(sz + 4 * NU * wg, sw);
+  ld_shared_words<NU>(sz + 512 + 4 * NU * wg, zw);
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const float2 f = __half22float2(*reinterpret_cast<const half2*>(&sw[u]));
+    const typename Ops<T>::T2 z = *reinterpret_cast<const typename Ops<T>::T2*>(&zw[u]);
+    sf[u][0] = f.x;
+    sf[u][1] = f.y;
+    nz[u][0] = -f.x * (MAGIC + __low2float(z));
+    nz[u][1] = -f.y * (MAGIC + __high2float(z));
+  }
+}
+// RAW (experiment): wg_stage_mma with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a
+// K step with an all-ones A fragment summing the activations into accx (every row the same sums)
+template <typename T, int NTOK, int KS, int NU, typename L>
+__device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, int lane, float (&accg)[NU][NTOK / 2],
+                                                 float (&accx)[NTOK / 2], uint32_t (&af)[2][NU][4]) {
+  constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
+  const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
+  const uint64_t desc = wg_desc(st);
+  uint32_t qs[4][NU];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+#pragma unroll
+  for (int k0 = 0; k0 < KS; ++k0) {
+    if (k0 % 4 == 0 && k0 > 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+    }
+    const uint32_t(&q)[NU] = qs[k0 % 4];
+    wg_wait<1>();
+    uint32_t(&f)[NU][4] = af[k0 & 1];
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      uint32_t c[4];
+      raw_codes<T>(q[u], c);
+      f[u][0] = c[0];
+      f[u][1] = c[2];
+      f[u][2] = c[1];
+      f[u][3] = c[3];
+    }
+#pragma unroll
+    for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
+    wg_fence_acc(accx);
+    wg_fence();
+    const uint64_t d = desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4);
+#pragma unroll
+    for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(accg[u], f[u], d);
+    WgMma<T, NTOK>::mma(accx, ones, d);
+    wg_commit();
+#pragma unroll
+    for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
+    wg_fence_acc(accx);
+  }
+}
+
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
   using L = WgSmem<NTOK, STAGES, KS>;
@@ -309,6 +383,29 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       }
       const uint32_t st = sbase + (s % STAGES) * L::STAGE;
       const int ks0 = (st0 + s) * KS;
+      if constexpr (RAW) {  // the stage is one whole group: raw sums, then acc += s * accg + nz * accx in fp32
+        static_assert(ONE_GROUP && KS == 8 && WGS == 1, "RAW: 128-K stages, one group each");
+        float sf[NU][2], nz[NU][2], accg[NU][ND], accx[ND];
+#pragma unroll
+        for (int i = 0; i < ND; ++i) accx[i] = 0.f;
+#pragma unroll
+        for (int u = 0; u < NU; ++u)
+#pragma unroll
+          for (int i = 0; i < ND; ++i) accg[u][i] = 0.f;
+        wg_load_group_raw<T, NU, L>(st, wg, warp, g8, sf, nz);
+        wg_stage_mma_raw<T, NTOK, KS, NU, L>(st, wg, warp, lane, accg, accx, af);
+        wg_wait<0>();
+#pragma unroll
+        for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
+        wg_fence_acc(accx);
+#pragma unroll
+        for (int u = 0; u < NU; ++u)
+#pragma unroll
+          for (int i = 0; i < ND; ++i) {
+            const int h = (i >> 1) & 1;  // acc[u][4c + 2h + e]: row 16u + 8h + g8
+            acc[u][i] = fmaf(sf[u][h], accg[u][i], fmaf(nz[u][h], accx[i], acc[u][i]));
+          }
+      } else {
       if constexpr (ONE_GROUP) load_group(st, 0);
       wg_stage_mma<T, NTOK, KS, NU, L>(
           st, wg, warp, lane, acc, af, sp, zl, zh,
@@ -316,6 +413,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
             if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
           },
           [](int) {});
+      }
     }
     wg_wait<0>();
 #pragma unroll
@@ -458,9 +556,10 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   if (tid == 0) *lock = 0;
 }
 
-template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
-__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK>(p);
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
+__global__ void __launch_bounds__(128 * WGS, RAW && NTOK == 16 ? SDQ_WG_RAW_MINB16 : 1)
+    w4a16_wgmma_kernel(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK, RAW>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -799,15 +898,15 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS>> {
   }
 };
 
-template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK>
-struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK>> {
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false>
+struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>> {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
+  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK, RAW>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = WgKern::setup()) return rc;
     cudaLaunchAttribute attr[1];
@@ -886,6 +985,11 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
       return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, false, SEP, SK>>(op, p, stream);
+#if SDQ_WG_RAW
+  if constexpr (NTOK <= 32 && !SK)
+    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
+      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+#endif
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
