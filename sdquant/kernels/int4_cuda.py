@@ -176,8 +176,9 @@ TIGHT_VARIANTS = (38, 39, 40, 41, 43, 44)  # csrc/w4a16_tight.cuh (43-44 raw cod
 BULK_VARIANTS = tuple(range(50, 60))  # csrc/w4a16_bulk.cuh: fp32 group sums, both dtypes (58-59: flat grid)
 FEED_VARIANTS = (60, 61)  # csrc/w4a16_feed.cuh: M <= 8 (else the M <= 8 default); these ids were flat bulk-copy configs
 # csrc/w4a16_wgmma.cuh: warpgroup MMA, the dequantized weights the register A operand, 256 features x 16/32/64 tokens a
-# CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes). Split-K: 62 sums the
-# splits in the last CTA of a tile, 63 in a second kernel over the whole GPU
+# CTA, M <= 256 a launch, N % 256 == 0; the weight scaled in the activation dtype (both dtypes), except at the 16-token
+# tile with groups a multiple of 128, where the raw codes go into the wgmma and each group is scaled in fp32. Split-K:
+# 62 sums the splits in the last CTA of a tile, 63 in a second kernel over the whole GPU
 WGMMA_VARIANTS = (62, 63)
 
 # Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel

@@ -16,6 +16,13 @@
 // * Dequantization per weight, in the activation dtype: the exact (code - zero) from the magic-number conversion
 //   (Ops<T>::codes, shared with the other kernels), times the group scale (one mul per pair). The wgmma sums in
 //   fp32 over the whole K range; no per-group fp32 sums.
+// * Except at the 16-token tile (RAW, groups a multiple of 128): there a stage's code has about 40% fewer instructions
+//   a K step (SASS, bf16: ~56 against ~92). The raw magic-number codes (magic + code: a shift and a lop3 a pair, no zero, no scale) go into the
+//   wgmmas of a group-wide accumulator set accg, and a fifth wgmma a K step with an all-ones A fragment sums the
+//   activations into accx. At the end of each 128-K stage (one group) the accumulators fold in fp32:
+//   acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles waiting on their own
+//   ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the second accumulator
+//   set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in the wgmma kernel").
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
 //   overwritten only after the wgmmas that read it (waited for one K step later) are complete. Variant 63's split-K
@@ -248,16 +255,10 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
   }
 }
 
-#ifndef SDQ_WG_RAW  // experiment: the raw codes at the 16- and 32-token tiles (groups a multiple of 128, K of 128)
-#define SDQ_WG_RAW 0
+#ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes like the others (for A/B builds: bench/ab_build.py --new-defines)
+#define SDQ_WG_RAW 1
 #endif
-#ifndef SDQ_WG_RAW_STAGES  // experiment: the RAW kernel's stages, and its CTAs a SM the launch bounds ask for at 16 tokens
-#define SDQ_WG_RAW_STAGES 4
-#endif
-#ifndef SDQ_WG_RAW_MINB16
-#define SDQ_WG_RAW_MINB16 1
-#endif
-// RAW (experiment): the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
+// RAW: the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
 template <typename T, int NU, typename L>
 __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp, int g8, float (&sf)[NU][2],
                                                   float (&nz)[NU][2]) {
@@ -276,8 +277,8 @@ __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp,
     nz[u][1] = -f.y * (MAGIC + __high2float(z));
   }
 }
-// RAW (experiment): wg_stage_mma with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a
-// K step with an all-ones A fragment summing the activations into accx (every row the same sums)
+// RAW: wg_stage_mma with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a K step with an
+// all-ones A fragment summing the activations into accx (every row holds the same sums)
 template <typename T, int NTOK, int KS, int NU, typename L>
 __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, int lane, float (&accg)[NU][NTOK / 2],
                                                  float (&accx)[NTOK / 2], uint32_t (&af)[2][NU][4]) {
@@ -557,8 +558,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
 }
 
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
-__global__ void __launch_bounds__(128 * WGS, RAW && NTOK == 16 ? SDQ_WG_RAW_MINB16 : 1)
-    w4a16_wgmma_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK, RAW>(p);
 }
 
@@ -985,11 +985,13 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (p.group_k16 % 4 == 0 && p.k % 128 == 0)
       return p.group_k16 % 8 == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, false, SEP, SK>>(op, p, stream);
-#if SDQ_WG_RAW
-  if constexpr (NTOK <= 32 && !SK)
+  // The raw codes at the 16-token tile (RAW: 128-K stages, each one group), where groups are a multiple of 128 and K of
+  // 128. bench/ab_build.py run 11 (same process, M = 16): 7-8% faster on the N = 28672 shapes and 28672x8192
+  // (8192x28672 v62 52.9 -> 49.2 us), 5-6% on 8192x10240, 0-3% on the N = 4096 / 6144 ones; at 32 tokens (255
+  // registers) 2-5% slower, so not there.
+  if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
-#endif
+      return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
