@@ -43,8 +43,10 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_feed_kernel" in ln for ln in kernels) == 4
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes, + stream-K at the 128-token tile (62 and 63 alike): 2 x 2,
-    # + 63's 128-K stages at the 128-token tile: 2 x 2, + the raw-code form at the 16-token tile (62/63): 2 x 2
-    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4 + 4 + 4
+    # + 63's 128-K stages at the 128-token tile: 2 x 2
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4 + 4
+    # the raw-code form at the 16-token tile (62 / 63): 2 dtypes x 2
+    assert sum("w4a16_wgmma_raw_kernel" in ln for ln in kernels) == 4
     # 63's warp-specialized split-K at the 128-token tile (a producer warpgroup under setmaxnreg): 2 dtypes
     assert sum("w4a16_wgmma_tma_kernel" in ln for ln in kernels) == 2
     assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2

@@ -204,55 +204,79 @@ __device__ __forceinline__ void wg_load_group(uint32_t st, int gsel, int wg, int
   }
 }
 
-// The KS K steps of the stage at st into acc. A stage's weight words are read from shared memory four K steps at a time,
-// ahead of their dequantization. Step t is dequantized into af[t & 1] while the wgmmas of step t - 1 run; the wait<1>
-// before it retires step t - 2, the last reader of af[t & 1]. No branch may sit between a wgmma and the wait that
-// retires it (ptxas then serializes them, C7513), so the hooks are straight-line: before(k0) ahead of a step's wait
-// (wgmma_body's per-step group reload), after(k0) right after it (the warp-specialized consumer's slot release).
+// The KS K steps of the stage at st. A stage's weight words are read from shared memory four K steps at a time, ahead of
+// their dequantization (one load a step, issued where ptxas put it after the previous step's wgmma fence, cost 2-6%:
+// bench/int4_wgmma.py run 15; at KS = 8 in two batches of four, for the registers). Step t is dequantized into
+// af[t & 1] (dequant(q, f)) while the wgmmas of step t - 1 run; the wait<1> before it retires step t - 2, the last
+// reader of af[t & 1]; mma(f, desc) issues the step's wgmmas with their fences and commit. No branch may sit between a
+// wgmma and the wait that retires it (ptxas then serializes them, C7513), so the hooks are straight-line: before(k0)
+// ahead of a step's wait (wgmma_body's per-step group reload), after(k0) right after it (the warp-specialized
+// consumer's slot release).
+template <int NTOK, int KS, int NU, typename L, typename Dequant, typename Mma, typename Before, typename After>
+__device__ __forceinline__ void wg_stage_steps(uint32_t st, int wg, int warp, int lane, uint32_t (&af)[2][NU][4],
+                                               Dequant&& dequant, Mma&& mma, Before&& before, After&& after) {
+  const uint64_t desc = wg_desc(st);
+  uint32_t qs[4][NU];
+  const auto words = [&](int k0) {  // K steps k0 .. k0 + 3: this lane's words of warpgroup wg's row tiles
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+  };
+  words(0);
+#pragma unroll
+  for (int k0 = 0; k0 < KS; ++k0) {
+    if (k0 % 4 == 0 && k0 > 0) words(k0);
+    before(k0);
+    const uint32_t(&q)[NU] = qs[k0 % 4];
+    wg_wait<1>();
+    after(k0);
+    uint32_t(&f)[NU][4] = af[k0 & 1];
+    dequant(q, f);
+    mma(f, desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));  // +32 B along K a step, the next 64-K sub-tile
+  }                                                                // every 4 steps
+}
+
+// A word's four pairs as a wgmma A fragment: c = (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi) as the
+// conversions give them; f = g(pair, h) in the fragment's order, h = 0 for row g, 1 for row g + 8
+template <typename G>
+__device__ __forceinline__ void wg_a_frag(const uint32_t (&c)[4], uint32_t (&f)[4], G&& g) {
+  f[0] = g(c[0], 0);
+  f[1] = g(c[2], 1);
+  f[2] = g(c[1], 0);
+  f[3] = g(c[3], 1);
+}
+
+// The wgmmas of one K step into the accumulator sets acc[u] (A fragment f[u]), with their fences and commit
+template <typename T, int NTOK, int NU>
+__device__ __forceinline__ void wg_step_mma(float (&acc)[NU][NTOK / 2], const uint32_t (&f)[NU][4], uint64_t desc) {
+#pragma unroll
+  for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+  wg_fence();
+#pragma unroll
+  for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(acc[u], f[u], desc);
+  wg_commit();
+#pragma unroll
+  for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
+}
+
+// The stage's K steps into acc: exact (code - zero) times the group scale, in the activation dtype
 template <typename T, int NTOK, int KS, int NU, typename L, typename Before, typename After>
 __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int lane, float (&acc)[NU][NTOK / 2],
                                              uint32_t (&af)[2][NU][4], const uint32_t (&sp)[NU][2],
                                              const uint32_t (&zl)[NU][2], const uint32_t (&zh)[NU][2], Before&& before,
                                              After&& after) {
   using O = Ops<T>;
-  const uint64_t desc = wg_desc(st);
-  // four K steps of weight words in one go: one load a step, issued where ptxas put it (after the previous step's
-  // wgmma fence), cost 2-6% (bench/int4_wgmma.py run 15); at KS = 8 in two batches of four (registers)
-  uint32_t qs[4][NU];
+  wg_stage_steps<NTOK, KS, NU, L>(
+      st, wg, warp, lane, af,
+      [&](const uint32_t(&q)[NU], uint32_t(&f)[NU][4]) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-#pragma unroll
-  for (int k0 = 0; k0 < KS; ++k0) {
-    if (k0 % 4 == 0 && k0 > 0) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-    }
-    before(k0);
-    const uint32_t(&q)[NU] = qs[k0 % 4];
-    wg_wait<1>();
-    after(k0);
-    uint32_t(&f)[NU][4] = af[k0 & 1];
-#pragma unroll
-    for (int u = 0; u < NU; ++u) {
-      uint32_t c[4];
-      O::codes(q[u], zl[u], zh[u], c);  // (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi)
-      f[u][0] = O::mul2(c[0], sp[u][0]);
-      f[u][1] = O::mul2(c[2], sp[u][1]);
-      f[u][2] = O::mul2(c[1], sp[u][0]);
-      f[u][3] = O::mul2(c[3], sp[u][1]);
-    }
-#pragma unroll
-    for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-    wg_fence();
-#pragma unroll
-    for (int u = 0; u < NU; ++u)  // +32 B along K a step, the next 64-K sub-tile every 4 steps
-      WgMma<T, NTOK>::mma(acc[u], f[u], desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4));
-    wg_commit();
-#pragma unroll
-    for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
-  }
+        for (int u = 0; u < NU; ++u) {
+          uint32_t c[4];
+          O::codes(q[u], zl[u], zh[u], c);
+          wg_a_frag(c, f[u], [&](uint32_t v, int h) { return O::mul2(v, sp[u][h]); });
+        }
+      },
+      [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
 
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes like the others (for A/B builds: bench/ab_build.py --new-defines)
@@ -277,50 +301,37 @@ __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp,
     nz[u][1] = -f.y * (MAGIC + __high2float(z));
   }
 }
-// RAW: wg_stage_mma with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a K step with an
-// all-ones A fragment summing the activations into accx (every row holds the same sums)
+// RAW: the stage's K steps with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a K step
+// with an all-ones A fragment summing the activations into accx (every row holds the same sums)
 template <typename T, int NTOK, int KS, int NU, typename L>
 __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, int lane, float (&accg)[NU][NTOK / 2],
                                                  float (&accx)[NTOK / 2], uint32_t (&af)[2][NU][4]) {
   constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
   const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
-  const uint64_t desc = wg_desc(st);
-  uint32_t qs[4][NU];
+  wg_stage_steps<NTOK, KS, NU, L>(
+      st, wg, warp, lane, af,
+      [&](const uint32_t(&q)[NU], uint32_t(&f)[NU][4]) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
+        for (int u = 0; u < NU; ++u) {
+          uint32_t c[4];
+          raw_codes<T>(q[u], c);
+          wg_a_frag(c, f[u], [](uint32_t v, int) { return v; });
+        }
+      },
+      [&](const uint32_t(&f)[NU][4], uint64_t desc) {
 #pragma unroll
-  for (int k0 = 0; k0 < KS; ++k0) {
-    if (k0 % 4 == 0 && k0 > 0) {
+        for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
+        wg_fence_acc(accx);
+        wg_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        ld_shared_words<NU>(st + L::X_BYTES + (warp * KS + k0 + j) * 512 + lane * 16 + 4 * NU * wg, qs[j]);
-    }
-    const uint32_t(&q)[NU] = qs[k0 % 4];
-    wg_wait<1>();
-    uint32_t(&f)[NU][4] = af[k0 & 1];
+        for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(accg[u], f[u], desc);
+        WgMma<T, NTOK>::mma(accx, ones, desc);
+        wg_commit();
 #pragma unroll
-    for (int u = 0; u < NU; ++u) {
-      uint32_t c[4];
-      raw_codes<T>(q[u], c);
-      f[u][0] = c[0];
-      f[u][1] = c[2];
-      f[u][2] = c[1];
-      f[u][3] = c[3];
-    }
-#pragma unroll
-    for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
-    wg_fence_acc(accx);
-    wg_fence();
-    const uint64_t d = desc + ((k0 / 4) * NTOK * 128 >> 4) + 2 * (k0 % 4);
-#pragma unroll
-    for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(accg[u], f[u], d);
-    WgMma<T, NTOK>::mma(accx, ones, d);
-    wg_commit();
-#pragma unroll
-    for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
-    wg_fence_acc(accx);
-  }
+        for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
+        wg_fence_acc(accx);
+      },
+      [](int) {}, [](int) {});
 }
 
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
@@ -557,9 +568,15 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   if (tid == 0) *lock = 0;
 }
 
-template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK>
 __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK, RAW>(p);
+  wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK>(p);
+}
+// The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
+// its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
+template <typename T, int NTOK, int STAGES, bool SEPARATE>
+__global__ void __launch_bounds__(128, 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, false, true>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -906,7 +923,10 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK, RAW>;
+  static constexpr auto kernel = [] {
+    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE>;
+    else return w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
+  }();
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = WgKern::setup()) return rc;
     cudaLaunchAttribute attr[1];
