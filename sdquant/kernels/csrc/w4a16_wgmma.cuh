@@ -17,9 +17,9 @@
 //   (Ops<T>::codes, shared with the other kernels), times the group scale (one mul per pair). The wgmma sums in
 //   fp32 over the whole K range; no per-group fp32 sums.
 // * Except at the 16-token tile (RAW, groups a multiple of 128): there a stage's code has about 40% fewer instructions
-//   a K step (SASS, bf16: ~56 against ~92). The raw magic-number codes (magic + code: a shift and a lop3 a pair, no zero, no scale) go into the
-//   wgmmas of a group-wide accumulator set accg, and a fifth wgmma a K step with an all-ones A fragment sums the
-//   activations into accx. At the end of each 128-K stage (one group) the accumulators fold in fp32:
+//   a K step (SASS, bf16: ~56 against ~92). The raw magic-number codes (magic + code: a shift and a lop3 a pair, no
+//   zero, no scale) go into the wgmmas of a group-wide accumulator set accg, and a fifth wgmma a K step with an
+//   all-ones A fragment sums the activations into accx. At the end of each 128-K stage (one group) the accumulators fold in fp32:
 //   acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles waiting on their own
 //   ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the second accumulator
 //   set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in the wgmma kernel").
@@ -418,13 +418,13 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
             acc[u][i] = fmaf(sf[u][h], accg[u][i], fmaf(nz[u][h], accx[i], acc[u][i]));
           }
       } else {
-      if constexpr (ONE_GROUP) load_group(st, 0);
-      wg_stage_mma<T, NTOK, KS, NU, L>(
-          st, wg, warp, lane, acc, af, sp, zl, zh,
-          [&](int k0) {
-            if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
-          },
-          [](int) {});
+        if constexpr (ONE_GROUP) load_group(st, 0);
+        wg_stage_mma<T, NTOK, KS, NU, L>(
+            st, wg, warp, lane, acc, af, sp, zl, zh,
+            [&](int k0) {
+              if constexpr (!ONE_GROUP) load_group(st, (ks0 + k0) / p.group_k16 != ks0 / p.group_k16);
+            },
+            [](int) {});
       }
     }
     wg_wait<0>();
