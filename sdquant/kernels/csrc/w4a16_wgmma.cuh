@@ -19,8 +19,8 @@
 // * Except at the 16-token tile (RAW, groups a multiple of 128): there a stage's code has about 40% fewer instructions
 //   a K step (SASS, bf16: ~56 against ~92). The raw magic-number codes (magic + code: a shift and a lop3 a pair, no
 //   zero, no scale) go into the wgmmas of a group-wide accumulator set accg, and a fifth wgmma a K step with an
-//   all-ones A fragment sums the activations into accx. At the end of each 128-K stage (one group) the accumulators fold in fp32:
-//   acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles waiting on their own
+//   all-ones A fragment sums the activations into accx. At the end of each 128-K stage (one group) the accumulators
+//   fold in fp32: acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles waiting on their own
 //   ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the second accumulator
 //   set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in the wgmma kernel").
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
@@ -204,8 +204,8 @@ __device__ __forceinline__ void wg_load_group(uint32_t st, int gsel, int wg, int
   }
 }
 
-// The KS K steps of the stage at st. A stage's weight words are read from shared memory four K steps at a time, ahead of
-// their dequantization (one load a step, issued where ptxas put it after the previous step's wgmma fence, cost 2-6%:
+// The KS K steps of the stage at st. A stage's weight words are read from shared memory four K steps at a time, ahead
+// of their dequantization (one load a step, issued where ptxas put it after the previous step's wgmma fence, cost 2-6%:
 // bench/int4_wgmma.py run 15; at KS = 8 in two batches of four, for the registers). Step t is dequantized into
 // af[t & 1] (dequant(q, f)) while the wgmmas of step t - 1 run; the wait<1> before it retires step t - 2, the last
 // reader of af[t & 1]; mma(f, desc) issues the step's wgmmas with their fences and commit. No branch may sit between a
@@ -279,7 +279,7 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
       [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
 
-#ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes like the others (for A/B builds: bench/ab_build.py --new-defines)
+#ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
 // RAW: the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
