@@ -20,9 +20,10 @@
 //   a K step (SASS, bf16: ~56 against ~92). The raw magic-number codes (magic + code: a shift and a lop3 a pair, no
 //   zero, no scale) go into the wgmmas of a group-wide accumulator set accg, and a fifth wgmma a K step with an
 //   all-ones A fragment sums the activations into accx. At the end of each 128-K stage (one group) the accumulators
-//   fold in fp32: acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles waiting on their own
-//   ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the second accumulator
-//   set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in the wgmma kernel").
+//   fold in fp32: acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles
+//   waiting on their own ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the
+//   second accumulator set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in
+//   the wgmma kernel").
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
 //   overwritten only after the wgmmas that read it (waited for one K step later) are complete. Variant 63's split-K
