@@ -1,5 +1,7 @@
 """The sm_90a W4A16 CUDA kernel: the source compiles with nvcc (where nvcc exists), and the op's layout
 semantics (its CPU path) match the reference. GPU numbers come from bench/gpu_check.py on the H200."""
+import functools
+import os
 import sys
 import tempfile
 import warnings
@@ -58,14 +60,31 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
 
 
-def _experiment_compiles_without_spills(define: str, kernel: str, count: int) -> None:
-    """Compile the bf16 one-token-tile unit with an experiment's define; `count` instantiations of `kernel`, no spills."""
+EXPERIMENT_DEFINES = ("-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1", "-DSDQ_DIRECT_PROBE_COMPUTE=2",
+                      "-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2")
+
+
+@functools.lru_cache(maxsize=1)
+def _experiment_builds() -> dict:
+    """define -> CompletedProcess of the bf16 one-token-tile unit compiled with it: every experiment build at once, as
+    many in parallel as there are cores (each takes ~35 s of one core; the tests below read their own)."""
     import subprocess
+    from concurrent.futures import ThreadPoolExecutor
     src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
-    with tempfile.TemporaryDirectory() as d:
-        r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
-                            define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
-                           capture_output=True, text=True, timeout=900)
+
+    def one(define: str) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as d:
+            return subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
+                                   define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
+                                  capture_output=True, text=True, timeout=900)
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(EXPERIMENT_DEFINES, pool.map(one, EXPERIMENT_DEFINES)))
+
+
+def _experiment_compiles_without_spills(define: str, kernel: str, count: int) -> None:
+    """The bf16 one-token-tile unit compiled with an experiment's define: `count` instantiations of `kernel`, no
+    spills."""
+    r = _experiment_builds()[define]
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stderr.splitlines()
     found = [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and kernel in ln]
@@ -76,8 +95,7 @@ def _experiment_compiles_without_spills(define: str, kernel: str, count: int) ->
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", ["-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1",
-                                    "-DSDQ_DIRECT_PROBE_COMPUTE=2"])
+@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[:3])
 def test_direct_kernel_experiments_compile(define):
     """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
     hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a
@@ -86,7 +104,7 @@ def test_direct_kernel_experiments_compile(define):
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", ["-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2"])
+@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[3:])
 def test_feed_kernel_probes_compile(define):
     """The feed kernel's two probe builds (copies only; arithmetic only), with which docs/BENCHMARKS.md split its time
     into the bulk-copy stream and the arithmetic, still compile for sm_90a without spills (bf16, the measured dtype),
