@@ -237,14 +237,20 @@ __device__ __forceinline__ void wg_stage_steps(uint32_t st, int wg, int warp, in
   }                                                                // every 4 steps
 }
 
-// A word's four pairs as a wgmma A fragment: c = (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi) as the
-// conversions give them; f = g(pair, h) in the fragment's order, h = 0 for row g, 1 for row g + 8
-template <typename G>
-__device__ __forceinline__ void wg_a_frag(const uint32_t (&c)[4], uint32_t (&f)[4], G&& g) {
-  f[0] = g(c[0], 0);
-  f[1] = g(c[2], 1);
-  f[2] = g(c[1], 0);
-  f[3] = g(c[3], 1);
+// A K step's A fragments: word u of q converted by conv(u, word, c) into its four pairs c = (row g, k lo) (row g, k hi)
+// (row g+8, k lo) (row g+8, k hi), as the conversions give them, then placed in the fragment's order as g(u, pair, h),
+// h = 0 for row g, 1 for row g + 8
+template <int NU, typename Conv, typename G>
+__device__ __forceinline__ void wg_frags(const uint32_t (&q)[NU], uint32_t (&f)[NU][4], Conv&& conv, G&& g) {
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    uint32_t c[4];
+    conv(u, q[u], c);
+    f[u][0] = g(u, c[0], 0);
+    f[u][1] = g(u, c[2], 1);
+    f[u][2] = g(u, c[1], 0);
+    f[u][3] = g(u, c[3], 1);
+  }
 }
 
 // The wgmmas of one K step into the accumulator sets acc[u] (A fragment f[u]), with their fences and commit
@@ -270,12 +276,8 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
   wg_stage_steps<NTOK, KS, NU, L>(
       st, wg, warp, lane, af,
       [&](const uint32_t(&q)[NU], uint32_t(&f)[NU][4]) {
-#pragma unroll
-        for (int u = 0; u < NU; ++u) {
-          uint32_t c[4];
-          O::codes(q[u], zl[u], zh[u], c);
-          wg_a_frag(c, f[u], [&](uint32_t v, int h) { return O::mul2(v, sp[u][h]); });
-        }
+        wg_frags(q, f, [&](int u, uint32_t word, uint32_t(&c)[4]) { O::codes(word, zl[u], zh[u], c); },
+                 [&](int u, uint32_t v, int h) { return O::mul2(v, sp[u][h]); });
       },
       [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
@@ -312,12 +314,8 @@ __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, 
   wg_stage_steps<NTOK, KS, NU, L>(
       st, wg, warp, lane, af,
       [&](const uint32_t(&q)[NU], uint32_t(&f)[NU][4]) {
-#pragma unroll
-        for (int u = 0; u < NU; ++u) {
-          uint32_t c[4];
-          raw_codes<T>(q[u], c);
-          wg_a_frag(c, f[u], [](uint32_t v, int) { return v; });
-        }
+        wg_frags(q, f, [](int, uint32_t word, uint32_t(&c)[4]) { raw_codes<T>(word, c); },
+                 [](int, uint32_t v, int) { return v; });
       },
       [&](const uint32_t(&f)[NU][4], uint64_t desc) {
 #pragma unroll
