@@ -92,6 +92,50 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+#ifndef SDQ_SPLIT_TAIL  // split-K count-in of the mma.sync kernels (A/B builds): 0 as measured; 1 one release-acquire
+#define SDQ_SPLIT_TAIL 0  // atomic instead of every thread's fence; 2 also the last CTA's partial loads in batches of 8
+#endif
+// (SDQ_SPLIT_TAIL >= 1) After this CTA's threads stored their fp32 partials: counts the CTA in on `lock` and returns, in
+// every thread, whether it arrived last of `count` (it then owns the lock, and every other CTA's partials are visible to
+// its ld.cg loads). The barrier orders the CTA's stores before thread 0's acq_rel atomic (cumulativity: the pattern of
+// CUTLASS's split-K semaphores), whose acquire half orders the partial loads after the second barrier: one atomic with
+// fences a CTA instead of a fence.sc in every thread before the count and another after it (form 0, inline below).
+__device__ __forceinline__ bool split_count_in(int* lock, int count, int& s_last) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(lock) : "memory");
+    s_last = old == count - 1;
+  }
+  __syncthreads();
+  return s_last;
+}
+// (SDQ_SPLIT_TAIL >= 1) sum over q < splits of f(q) (a float2 load), in split order; at 2 the loads go out 8 at a time
+template <typename F>
+__device__ __forceinline__ float2 split_sum(int splits, F&& f) {
+  float2 s = make_float2(0.f, 0.f);
+#if SDQ_SPLIT_TAIL >= 2  // the loads out 8 at a time
+  for (int q0 = 0; q0 < splits; q0 += 8) {
+    float2 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = q0 + j < splits ? f(q0 + j) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (q0 + j < splits) {
+        s.x += v[j].x;
+        s.y += v[j].y;
+      }
+  }
+#else
+  for (int q = 0; q < splits; ++q) {  // fixed order: the result does not depend on arrival order
+    const float2 v = f(q);
+    s.x += v.x;
+    s.y += v.y;
+  }
+#endif
+  return s;
+}
+
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;
@@ -370,24 +414,34 @@ __device__ __forceinline__ void store_output(const SdqW4A16Params& p, const floa
           if (tok < m) __stcg(part + static_cast<size_t>(tok) * n + col, acc[nt][w][e]);
         }
   }
+#if SDQ_SPLIT_TAIL
+  if (!split_count_in(&p.locks[blockIdx.x], p.splits, s_last)) return;
+#else  // (as measured; split_count_in's form 0 is this, but calling it reschedules the main loops in ptxas)
   __threadfence();  // this CTA's partials are visible device-wide before it is counted
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+#endif
   const int col0 = blockIdx.x * WNN * 64;
   const int ncols = min(WNN * 64, n - col0);
   const int pairs = ncols / 2;
   T* out = reinterpret_cast<T*>(p.c);
   for (int i = threadIdx.x; i < m * pairs; i += THREADS) {
     const int row = i / pairs, col = col0 + 2 * (i % pairs);
+#if SDQ_SPLIT_TAIL
+    const float2 sum = split_sum(p.splits, [&](int s) {
+      return __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
+    });
+#else
     float2 sum = make_float2(0.f, 0.f);
     for (int s = 0; s < p.splits; ++s) {  // fixed order: the result does not depend on arrival order
       const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(s) * m + row) * n + col));
       sum.x += v.x;
       sum.y += v.y;
     }
+#endif
     *reinterpret_cast<typename O::T2*>(out + static_cast<size_t>(row) * n + col) = O::pack(sum.x, sum.y);
   }
   if (threadIdx.x == 0) p.locks[blockIdx.x] = 0;  // every CTA of this tile has arrived: reset for next call

@@ -152,12 +152,16 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
         const int tok = nt * 8 + 2 * t4 + (e & 1);
         if (tok < m) __stcg(pout + static_cast<size_t>(tok) * n + nb * 64 + 16 * w + 8 * (e >> 1) + g8, acc[nt][w][e]);
       });
+#if SDQ_SPLIT_TAIL
+    if (!split_count_in(&p.locks[blockIdx.x], p.splits, s_last)) return;
+#else
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(&p.locks[blockIdx.x], 1) == p.splits - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
+#endif
   }
   const int col0 = blockIdx.x * WNN * 64;
   const int ncols = min(WNN * 64, n - col0);
@@ -167,6 +171,11 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
   const T* gamma = reinterpret_cast<const T*>(p.gamma);
   auto fetch = [&](int row, int wc) {  // the tile's value pair at weight columns wc, wc + 1 (relative to col0)
     if (one) return *reinterpret_cast<const float2*>(xs + ((wc / 64) * ROWS + row) * 64 + wc % 64);
+#if SDQ_SPLIT_TAIL
+    return split_sum(p.splits, [&](int q) {  // fixed split order: the result does not depend on arrival order
+      return __ldcg(reinterpret_cast<const float2*>(p.partial + (static_cast<size_t>(q) * m + row) * n + col0 + wc));
+    });
+#else
     float2 s = make_float2(0.f, 0.f);  // fixed split order: the result does not depend on arrival order
     for (int q = 0; q < p.splits; ++q) {
       const float2 v =
@@ -175,6 +184,7 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
       s.y += v.y;
     }
     return s;
+#endif
   };
   for (int u = warp; u < m * obs; u += WARPS) {
     const int row = u / obs, ob = u % obs;

@@ -306,13 +306,11 @@ __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp,
 }
 // RAW: the stage's K steps with the raw codes (magic + code, no zero, no scale) into accg, and a fifth wgmma a K step
 // with an all-ones A fragment summing the activations into accx (every row holds the same sums)
-// (FRESH: the first K step's wgmmas overwrite accg and accx -- scale-d 0 -- instead of adding to them)
-template <typename T, int NTOK, int KS, int NU, typename L, bool FRESH = false, typename After>
+template <typename T, int NTOK, int KS, int NU, typename L>
 __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, int lane, float (&accg)[NU][NTOK / 2],
-                                                 float (&accx)[NTOK / 2], uint32_t (&af)[2][NU][4], After&& after) {
+                                                 float (&accx)[NTOK / 2], uint32_t (&af)[2][NU][4]) {
   constexpr uint32_t ONE2 = std::is_same<T, half>::value ? 0x3c003c00u : 0x3f803f80u;
   const uint32_t ones[4] = {ONE2, ONE2, ONE2, ONE2};
-  int step = 0;  // (constant after unrolling)
   wg_stage_steps<NTOK, KS, NU, L>(
       st, wg, warp, lane, af,
       [&](const uint32_t(&q)[NU], uint32_t(&f)[NU][4]) {
@@ -324,24 +322,16 @@ __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, 
         for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
         wg_fence_acc(accx);
         wg_fence();
-        const int add = FRESH && step++ == 0 ? 0 : 1;
 #pragma unroll
-        for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(accg[u], f[u], desc, add);
-        WgMma<T, NTOK>::mma(accx, ones, desc, add);
+        for (int u = 0; u < NU; ++u) WgMma<T, NTOK>::mma(accg[u], f[u], desc);
+        WgMma<T, NTOK>::mma(accx, ones, desc);
         wg_commit();
 #pragma unroll
         for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
         wg_fence_acc(accx);
       },
-      [](int k0) {
-#if SDQ_WG_RAW_LAG == 2
-        if (k0 == 1) wg_wait<0>();
-#endif
-      }, after);
+      [](int) {}, [](int) {});
 }
-#ifndef SDQ_WG_RAW_LAG  // 1: the raw form's fold lags a stage (two accumulator sets; no wgmma drain a stage)
-#define SDQ_WG_RAW_LAG 0
-#endif
 
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
@@ -390,54 +380,6 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       if (s < nst) wg_load_stage<NTOK, NT, true, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
       cp_async_commit();
     }
-    if constexpr (RAW && SDQ_WG_RAW_LAG) {
-      // The raw form with its fold a stage late: stage s sums into set s & 1, and its second K step, right after the
-      // wait that retires stage s - 1's last wgmmas, folds set (s - 1) & 1 into acc. The wgmma pipeline then never
-      // drains inside the loop (the plain raw form waits for every wgmma at the end of each stage). Set 1 starts at
-      // zero with zero scales, so stage 0's fold adds nothing and needs no branch.
-      static_assert(ONE_GROUP && KS == 8 && WGS == 1, "RAW: 128-K stages, one group each");
-      float accg[2][NU][ND], accx[2][ND];  // (never zeroed: each stage's first wgmmas overwrite its set, scale-d 0)
-      // set Q into acc with the group of the stage at st (its slot is not refilled before stage s + 2's barrier);
-      // `on` false (stage 0's fold of the empty set) zeroes the scales, whatever that shared memory holds
-      const auto fold = [&](auto q, uint32_t st, bool on) {
-        constexpr int Q = decltype(q)::value;
-        float sf[NU][2], nz[NU][2];
-        wg_load_group_raw<T, NU, L>(st, wg, warp, g8, sf, nz);
-#pragma unroll
-        for (int u = 0; u < NU; ++u) wg_fence_acc(accg[Q][u]);
-        wg_fence_acc(accx[Q]);
-#pragma unroll
-        for (int u = 0; u < NU; ++u)
-#pragma unroll
-          for (int i = 0; i < ND; ++i) {
-            const int h = (i >> 1) & 1;  // acc[u][4c + 2h + e]: row 16u + 8h + g8
-            const float v = fmaf(sf[u][h], accg[Q][u][i], fmaf(nz[u][h], accx[Q][i], acc[u][i]));
-            acc[u][i] = on ? v : acc[u][i];
-          }
-      };
-      const auto slot = [&](int s) { return sbase + (s % STAGES) * L::STAGE; };
-      const auto stage = [&](int s, auto par) {
-        constexpr int P = decltype(par)::value;
-        cp_async_wait<PF - 1>();
-        __syncthreads();  // as below
-        const int sn = s + PF;
-        if (sn < nst) {
-          wg_load_stage<NTOK, NT, false, KS>(p, slot(sn), (st0 + sn) * KS, nb0, m0, tid);
-          wg_load_stage<NTOK, NT, true, KS>(p, slot(sn), (st0 + sn) * KS, nb0, m0, tid);
-        }
-        cp_async_commit();
-        wg_stage_mma_raw<T, NTOK, KS, NU, L, true>(slot(s), wg, warp, lane, accg[P], accx[P], af, [&](int k0) {
-          if (k0 == 1) fold(std::integral_constant<int, 1 - P>{}, slot(s + STAGES - 1), s > 0);
-        });
-      };
-      for (int s = 0; s < nst; s += 2) {
-        stage(s, std::integral_constant<int, 0>{});
-        if (s + 1 < nst) stage(s + 1, std::integral_constant<int, 1>{});
-      }
-      wg_wait<0>();
-      if (nst & 1) fold(std::integral_constant<int, 0>{}, slot(nst - 1), true);
-      else fold(std::integral_constant<int, 1>{}, slot(nst - 1), nst > 0);
-    } else {
     for (int s = 0; s < nst; ++s) {
       cp_async_wait<PF - 1>();
       __syncthreads();  // stage s landed for every thread; stage s - 2 is no longer read (<= 1 wgmma step in flight)
@@ -462,7 +404,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
 #pragma unroll
           for (int i = 0; i < ND; ++i) accg[u][i] = 0.f;
         wg_load_group_raw<T, NU, L>(st, wg, warp, g8, sf, nz);
-        wg_stage_mma_raw<T, NTOK, KS, NU, L>(st, wg, warp, lane, accg, accx, af, [](int) {});
+        wg_stage_mma_raw<T, NTOK, KS, NU, L>(st, wg, warp, lane, accg, accx, af);
         wg_wait<0>();
 #pragma unroll
         for (int u = 0; u < NU; ++u) wg_fence_acc(accg[u]);
@@ -483,7 +425,6 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
             },
             [](int) {});
       }
-    }
     }
     wg_wait<0>();
 #pragma unroll
