@@ -92,14 +92,17 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-#ifndef SDQ_SPLIT_TAIL  // split-K count-in of the mma.sync kernels (A/B builds): 0 as measured; 1 one release-acquire
-#define SDQ_SPLIT_TAIL 0  // atomic instead of every thread's fence; 2 also the last CTA's partial loads in batches of 8
+#ifndef SDQ_SPLIT_TAIL  // split-K count-in of the mma.sync kernels: 1 (default) split_count_in; 0 the form before it
+#define SDQ_SPLIT_TAIL 1  // (every thread fences), for A/B builds
 #endif
-// (SDQ_SPLIT_TAIL >= 1) After this CTA's threads stored their fp32 partials: counts the CTA in on `lock` and returns, in
-// every thread, whether it arrived last of `count` (it then owns the lock, and every other CTA's partials are visible to
-// its ld.cg loads). The barrier orders the CTA's stores before thread 0's acq_rel atomic (cumulativity: the pattern of
-// CUTLASS's split-K semaphores), whose acquire half orders the partial loads after the second barrier: one atomic with
-// fences a CTA instead of a fence.sc in every thread before the count and another after it (form 0, inline below).
+// After this CTA's threads stored their fp32 partials: counts the CTA in on `lock` and returns, in every thread, whether
+// it arrived last of `count` (it then owns the lock, and every other CTA's partials are visible to its ld.cg loads). The
+// barrier orders the CTA's stores before thread 0's acq_rel atomic (cumulativity: the pattern of CUTLASS's split-K
+// semaphores), whose acquire half orders the partial loads after the second barrier. Form 0 (SDQ_SPLIT_TAIL=0, inline
+// at the call sites) fenced (fence.sc) in every thread before the count and again after it when last. ab_build run 13
+// (docs/BENCHMARKS.md, "The split-K count-in"): outputs bit-identical, 0.3-0.5 us faster a launch at M = 1-8 (4096x4096
+// M = 1 v38 7.7 -> 7.3 us). Loading the last CTA's partials 8 at a time as well was level at M = 1 and up to 15%
+// slower at M = 4-8 (registers), so the loads stay one split at a time.
 __device__ __forceinline__ bool split_count_in(int* lock, int count, int& s_last) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -110,29 +113,15 @@ __device__ __forceinline__ bool split_count_in(int* lock, int count, int& s_last
   __syncthreads();
   return s_last;
 }
-// (SDQ_SPLIT_TAIL >= 1) sum over q < splits of f(q) (a float2 load), in split order; at 2 the loads go out 8 at a time
+// sum over q < splits of f(q) (a float2 load), in split order: the result does not depend on arrival order
 template <typename F>
 __device__ __forceinline__ float2 split_sum(int splits, F&& f) {
   float2 s = make_float2(0.f, 0.f);
-#if SDQ_SPLIT_TAIL >= 2  // the loads out 8 at a time
-  for (int q0 = 0; q0 < splits; q0 += 8) {
-    float2 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = q0 + j < splits ? f(q0 + j) : make_float2(0.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (q0 + j < splits) {
-        s.x += v[j].x;
-        s.y += v[j].y;
-      }
-  }
-#else
-  for (int q = 0; q < splits; ++q) {  // fixed order: the result does not depend on arrival order
+  for (int q = 0; q < splits; ++q) {
     const float2 v = f(q);
     s.x += v.x;
     s.y += v.y;
   }
-#endif
   return s;
 }
 
