@@ -485,6 +485,9 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // after write_slot: true in the one CTA that arrives last of `count` on the lock (which it then owns)
   __shared__ int s_last;
   const auto last_of = [&](int* lock, int count) -> bool {
+#if SDQ_SPLIT_TAIL
+    return split_count_in(lock, count, s_last);
+#else
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(lock, 1) == count - 1;
@@ -492,6 +495,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     const bool last = s_last;
     if (last) __threadfence();
     return last;
+#endif
   };
 
   if constexpr (SK) {
