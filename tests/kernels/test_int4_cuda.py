@@ -249,12 +249,9 @@ def test_tuned_configs_from_an_int4_tune_json(tmp_path):
         ic.tuned_configs(bad)
 
 
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-def test_pdl_kernels_wait_before_reading_activations():
-    """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async, direct
-    bulk-copy and tight kernels (variants 0-12, 50-61, 38-41, 43-44) only, so exactly those must hold griddepcontrol.wait (a
-    PDL-launched kernel without it could read the previous kernel's output before it is written) and let the next
-    kernel launch."""
+@functools.lru_cache(maxsize=1)
+def _nt1_ptx_by_kind() -> dict:
+    """The bf16 one-token-tile unit's PTX, entry bodies by kernel kind (compiled once for the tests that read it)."""
     import re
     import subprocess
     src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
@@ -263,15 +260,37 @@ def test_pdl_kernels_wait_before_reading_activations():
         subprocess.run([int4_cuda.nvcc_path(), "--ptx", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
                         str(src), "-o", out], check=True, capture_output=True, timeout=900)
         ptx = open(out).read()
-    bodies = re.split(r"\.entry\s+", ptx)[1:]
     by_kind = {}
-    for b in bodies:
+    for b in re.split(r"\.entry\s+", ptx)[1:]:
         kind = next((k for k in ("w4a16_direct_kernel", "w4a16_tight_kernel", "w4a16_streamk_kernel", "w4a16_lean_flat_kernel",
                                  "w4a16_lean_kernel", "w4a16_bulk_flat_kernel", "w4a16_bulk_kernel", "w4a16_kernel")
                      if k in b.split("(")[0]),
                     None)
         if kind:
             by_kind.setdefault(kind, []).append(b)
+    return by_kind
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_split_k_count_in_is_one_acq_rel_atomic_a_cta():
+    """The mma.sync kernels' split-K count-in (csrc split_count_in, SDQ_SPLIT_TAIL=1, docs/BENCHMARKS.md "The split-K
+    count-in"): thread 0's acq_rel atomic after the CTA barrier, no fence.sc / membar in every thread (form 0, 0.3-0.5
+    us slower a launch at M = 1-8)."""
+    by_kind = _nt1_ptx_by_kind()
+    for kind in ("w4a16_tight_kernel", "w4a16_direct_kernel", "w4a16_kernel"):
+        assert by_kind[kind], kind
+        for b in by_kind[kind]:
+            assert "atom.acq_rel.gpu.global.add.s32" in b, kind
+            assert "membar.gl" not in b and "fence.sc.gpu" not in b, kind
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_pdl_kernels_wait_before_reading_activations():
+    """Programmatic dependent launch (int4_cuda.set_pdl): the launcher gives the attribute to the cp.async, direct
+    bulk-copy and tight kernels (variants 0-12, 50-61, 38-41, 43-44) only, so exactly those must hold griddepcontrol.wait (a
+    PDL-launched kernel without it could read the previous kernel's output before it is written) and let the next
+    kernel launch."""
+    by_kind = _nt1_ptx_by_kind()
     bulk = ("w4a16_bulk_kernel", "w4a16_bulk_flat_kernel")
     assert by_kind["w4a16_direct_kernel"] and by_kind["w4a16_kernel"] and all(by_kind[k] for k in bulk)
     assert by_kind["w4a16_tight_kernel"]
