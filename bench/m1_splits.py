@@ -39,13 +39,15 @@ def main(argv=None):
     ap.add_argument("--ms", default="1")
     ap.add_argument("--splits", default="0,1,2,3,4,6,8")
     ap.add_argument("--configs", default="-1", help="CUDA configs (-1: the shipped choice for the shape)")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,... (default: all seven)")
     args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     assert torch.cuda.is_available() and int4_cuda.available(), "needs a GPU and the CUDA extension"
     dev, dt = torch.device("cuda"), torch.bfloat16
     op = torch.ops.sdquant.w4a16_cuda
     rows = []
     t0 = time.time()
-    for (k, n) in SHAPES:
+    for (k, n) in shapes:
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         one = int4_layout.repack_cuda(qw, dt)
         lays = [{kk: (None if v is None else v.clone()) for kk, v in one.items()}
@@ -73,7 +75,7 @@ def main(argv=None):
     gemm.save_rows(args.out, "m1_splits", rows)
     print("\n| K×N | M | config | auto splits: µs | best forced: splits, µs |")
     print("|---|---|---|---|---|")
-    keys = sorted({(r["K"], r["N"], r["M"], r["config"]) for r in rows}, key=lambda t: SHAPES.index(t[:2]))
+    keys = sorted({(r["K"], r["N"], r["M"], r["config"]) for r in rows}, key=lambda t: shapes.index(t[:2]))
     for key in keys:
         rs = [r for r in rows if (r["K"], r["N"], r["M"], r["config"]) == key]
         a = next(r for r in rs if r["auto"])
