@@ -204,13 +204,15 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
     add("fp8_tensorwise", lambda: fp8(False))
     add("fp8_rowwise", lambda: fp8(True))
 
-    def triton_int4():
+    def triton_int4(counters: bool):
         from sdquant.kernels import int4_triton  # noqa: F401
         lay = int4_layout.repack_triton(qw, dtype)
         op = torch.ops.sdquant.w4a16_triton
         return (lambda i: {kk: (None if v is None else v.clone()) for kk, v in lay.items()},
-                lambda c, x: op(x, c["qweight"], c["scales"], c["zs"], c["perm"], None), int4_bytes)
-    add("sdq_triton", triton_int4)
+                lambda c, x: op(x, c["qweight"], c["scales"], c["zs"], c["perm"], None,
+                                c["locks"] if counters else None), int4_bytes)
+    add("sdq_triton", lambda: triton_int4(True))          # as QuantLinear calls it: split-K summed in the kernel
+    add("sdq_triton_2k", lambda: triton_int4(False))      # no counters: the split-K second pass (A/B)
 
     def cuda_int4():
         from sdquant.kernels import int4_cuda

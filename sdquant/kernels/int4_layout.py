@@ -16,9 +16,10 @@ device, each kernel gets its own layout, built once by the functions here. Both 
 API (used by the dispatch code; all return/accept plain dicts of tensors, never kernel objects)::
 
     repack_triton(qw, dtype) -> {"qweight": int32 [K/8, N], "scales": dtype [G, N], "zs": dtype [G, N],
-                                 "perm": int32 [K] | None}
+                                 "perm": int32 [K] | None, "locks": int32 [N/32]}
         word [k8, n] holds codes k = 8*k8 .. 8*k8+7 of feature n, code k8*8+j in bits 4j..4j+3; N is the
-        contiguous axis, so a thread's 16-byte load covers 4 features.
+        contiguous axis, so a thread's 16-byte load covers 4 features. "locks": split-K counters (one a
+        32-feature tile at most), zero, left at zero by the kernels.
     repack_cuda(qw, dtype) -> {"qweight": int32 [N/64, K/16, 32, 4], "scales": fp16 [G, N/64, 8, 8],
                                "zeros": dtype [G, N/64, 8, 8], "perm": int32 [K] | None, "locks": int32 [N/64]}
         fragment-ordered: lane l = 4g + t of a warp loads 16 bytes (4 words) per 64-feature x 16-k tile, exactly
@@ -116,7 +117,8 @@ def repack_triton(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
     n, k = codes.shape
     words = _nibbles_to_words(codes.t().reshape(k // 8, 8, n).transpose(1, 2))  # [K/8, N]
     return {"qweight": words.contiguous(), "scales": s.t().contiguous().to(dtype),
-            "zs": zs.t().contiguous().to(dtype), "perm": perm}
+            "zs": zs.t().contiguous().to(dtype), "perm": perm,
+            "locks": torch.zeros(n // 32, dtype=torch.int32, device=codes.device)}
 
 
 def _triton_codes_kn(layout: Layout) -> torch.Tensor:

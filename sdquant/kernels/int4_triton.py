@@ -1,10 +1,13 @@
 """Triton W4A16 kernels over the layout of ``int4_layout.repack_triton``, as the op ``sdquant::w4a16_triton``.
 
-    torch.ops.sdquant.w4a16_triton(x, qweight, scales, zs, perm, bias) -> y
+    torch.ops.sdquant.w4a16_triton(x, qweight, scales, zs, perm, bias, locks=None) -> y
         x       fp16/bf16 [..., K]        (dtype must match scales)
         qweight int32 [K/8, N]            scales / zs  dtype [G, N]  (G = K / group_size; 1 = per-channel)
         perm    int32 [K] or None         act-order: the kernels read x[:, perm] (gathered in the load)
         bias    dtype [N] or None
+        locks   int32 [>= N/32] or None   split-K counters (the layout's, zero before and after a call): the
+                                          small- and mid-M kernels then sum their splits inside the kernel (the
+                                          last program of a tile) instead of in a second launch; same bits
         y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
@@ -333,7 +336,7 @@ def _check(x, qweight, scales, zs, perm):
 
 
 def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[str] = None,
-                      config: Optional[dict] = None):
+                      config: Optional[dict] = None, locks: Optional[torch.Tensor] = None):
     """The op's body. ``force_path`` ("splitk"|"gemm"|"tc"|"gemv"|"small"|"midm") and ``config`` (overrides of
     the chosen tile config) exist for tests and the benchmarks' sweeps; "small" = ``small_m_plan``, "midm" =
     ``mid_m_plan`` (or ``int4_triton_midm.default_config`` where the plan has none)."""
@@ -360,13 +363,14 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     path = force_path or ("midm" if mid is not None else "small" if plan is not None else
                           "splitk" if m <= 32 else "gemm")
     if path == "midm" and m > 0:
-        out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})})
+        out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})},
+                        locks)
     elif path in ("tc", "gemv", "small") and m > 0:
         if path == "small":
             cfg = {**(plan or small_m.DEFAULT_TC), **(config or {})}
         else:
             cfg = {**(small_m.DEFAULT_TC if path == "tc" else small_m.DEFAULT_GEMV), **(config or {}), "kernel": path}
-        out = small_m.run(x2, qweight, scales, zs, perm, gs, cfg)
+        out = small_m.run(x2, qweight, scales, zs, perm, gs, cfg, locks)
     elif m > 0 and path == "splitk":
         cfg = {**splitk_config(m, n, k, gs, _num_sms(x.device)), **(config or {})}
         split = cfg["SPLIT_K"]
@@ -390,13 +394,15 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     return out.reshape(*lead, n)
 
 
+# ``locks`` (the layout's split-K counters) is not declared mutated: the kernels leave it at zero, as the CUDA op's
 @torch.library.custom_op("sdquant::w4a16_triton", mutates_args=())
 def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
-                 perm: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+                 perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 locks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ W.T + bias over the Triton layout (see module docstring)."""
-    return w4a16_triton_impl(x, qweight, scales, zs, perm, bias)
+    return w4a16_triton_impl(x, qweight, scales, zs, perm, bias, locks=locks)
 
 
 @w4a16_triton.register_fake
-def _(x, qweight, scales, zs, perm, bias):
+def _(x, qweight, scales, zs, perm, bias, locks=None):
     return x.new_empty((*x.shape[:-1], qweight.shape[1]))

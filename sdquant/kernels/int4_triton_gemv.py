@@ -1,8 +1,11 @@
 """Small-M (decode) Triton W4A16 kernels over the layout of ``int4_layout.repack_triton`` (int32 [K/8, N]).
 
 ``int4_triton`` dispatches M <= 16 here (per M bucket, ``int4_triton.SMALL_M_PLAN``); nothing in this module
-registers an op. Two kernels, both split-K over every SM with a fixed-order second pass (``_reduce_kernel``:
-deterministic, no atomics, no memset):
+registers an op. Two kernels, both split-K over every SM. The splits of an output tile are summed in a fixed
+order (deterministic), either by a second pass (``_reduce_kernel``: no atomics, no scratch) or, when the caller
+passes split-K counters (``locks``, int32 [>= N/BLOCK_N], zero before and after a call), inside the kernel by the
+last program of the tile to finish (``_fold``: a CTA barrier, one acq_rel atomic, the partials read through L2; the
+CUDA kernels' count-in), which saves the second launch. Both orders are the same, so both give the same bits:
 
 * ``_tc_kernel`` (tensor cores, any M <= 16 per 16-row tile): the int32 tile [BK/8, BN] (16-byte loads along N)
   is unpacked straight into the dtype's bits with a magic number -- ``0x4300 | code`` is the bf16 value
@@ -188,10 +191,11 @@ def _unpack_nk(wq, R, BN, CDT, UNPACK):
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT,
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, stride_xm, K_SPLIT,
                GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr,
-               UNPACK: tl.constexpr, BIAS: tl.constexpr, SWAP: tl.constexpr):
+               UNPACK: tl.constexpr, BIAS: tl.constexpr, SWAP: tl.constexpr, FOLD: tl.constexpr,
+               SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -224,6 +228,8 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, 
                  mask=m_mask[:, None])
     else:
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
+        if FOLD:
+            _fold(part_ptr, out_ptr, lock_ptr, pid_n, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, SPLIT)
 
 
 def _gemv_dot(x_ptr, stride_xm, ROW, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7):
@@ -246,9 +252,29 @@ def _gemv_code(wq, wh, j, mg):
     return _nib32(w, P, mg) - (1 << (23 - P))
 
 
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT, MAGIC,
-                 GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr):
+def _fold(part_ptr, out_ptr, lock_ptr, tile, offs_m, offs_n, M, N, BM: tl.constexpr, BN: tl.constexpr,
+          SPLIT: tl.constexpr):
+    """After this program stored its fp32 partial of output rows offs_m [BM] x columns offs_n [BN] (split-major
+    [SPLIT, M, N], as ``_reduce_kernel`` reads it): count in on the tile's counter ``lock_ptr[tile]``; the last of
+    the SPLIT programs sums the partials in split order 0..SPLIT-1 from 0.0 (the second pass's order and start, so
+    the bits match it), stores the output and resets the counter. The barrier puts every thread's partial store
+    before the release of the one atomic (Triton runs a scalar atomic in one thread and broadcasts its result
+    through shared memory behind a barrier, which carries the acquire to the others)."""
+    tl.debug_barrier()
+    if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        mask = (offs_m < M)[:, None]
+        at = offs_m[:, None] * N + offs_n[None, :]
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+        for s in tl.static_range(SPLIT):   # every split's load in flight at once
+            acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, stride_xm, K_SPLIT,
+                 MAGIC, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr,
+                 ROWS_P: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -311,6 +337,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N
             tl.store(dst + 2 * N, acc2, mask=(offs_n * 0 + 2) < M)
         if ROWS > 3:
             tl.store(dst + 3 * N, acc3, mask=(offs_n * 0 + 3) < M)
+        if FOLD:
+            _fold(part_ptr, out_ptr, lock_ptr, pid_n, tl.arange(0, ROWS_P), offs_n, M, N, ROWS_P, BLOCK_N, SPLIT)
 
 
 def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
@@ -332,7 +360,7 @@ def _reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.const
 
 
 _HELPERS = ("_add", "_split8", "_nib32", "_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_unpack_kn",
-            "_unpack_nk", "_gemv_dot", "_gemv_code")
+            "_unpack_nk", "_gemv_dot", "_gemv_code", "_fold")
 _KERNELS: dict = {}
 
 
@@ -406,9 +434,24 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- launch
+def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torch.device, cfg: dict) -> bool:
+    """Whether a launch of ``tiles`` output tiles sums its splits in the kernel (``_fold``): split-K, counters
+    given (int32 on the launch's device; a wrong one is an error) and enough of them (else the second pass), and
+    the config does not say ``"fold": False``."""
+    if split <= 1 or locks is None or not cfg.get("fold", True):
+        return False
+    if locks.dtype != torch.int32 or locks.device != device or locks.dim() != 1:
+        raise ShapeError(f"locks: expected a 1-D int32 tensor on {device}, got {locks.dtype} "
+                         f"{list(locks.shape)} on {locks.device}")
+    return locks.numel() >= tiles
+
+
 def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
-        perm: Optional[torch.Tensor], gs: int, cfg: dict) -> torch.Tensor:
-    """y [M, N] (x2's dtype) = x2 @ W.T for contiguous-row x2 [M, K] (M <= 16; <= 4 for "gemv"), no bias."""
+        perm: Optional[torch.Tensor], gs: int, cfg: dict, locks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [M, N] (x2's dtype) = x2 @ W.T for contiguous-row x2 [M, K] (M <= 16; <= 4 for "gemv"), no bias.
+    ``locks`` (int32, at least N / BLOCK_N entries, all zero; left at zero): the split-K sum inside the kernel
+    (``_fold``) instead of ``_reduce_kernel``; None keeps the second pass. The config's ``"fold": False`` forces the
+    second pass even with locks (A/B runs)."""
     m, k = x2.shape
     n = qweight.shape[1]
     c = resolve(cfg, m, n, k, gs, num_sms(x2.device))
@@ -419,10 +462,13 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     grid = (n // c["BLOCK_N"], split)
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight
+    fold = use_fold(locks, split, grid[0], x2.device, c)
+    lock_arg = locks if fold else part
     if c["kernel"] == "gemv":
-        kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, MAGIC_F32,
-                           GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                           HAS_PERM=has_perm, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, lock_arg, m, n, x2.stride(0), k // split,
+                           MAGIC_F32, GS=gs, ROWS=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
+                           HAS_PERM=has_perm, FOLD=fold, SPLIT=split if fold else 1,
+                           ROWS_P=triton.next_power_of_2(m), num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         interp = _interpret()
         # the interpreter runs no inline PTX and no bf16 bit tricks: plain conversion there (fp16 magic is fine)
@@ -432,11 +478,11 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
         else:
             cdt = tl.float16 if x2.dtype == torch.float16 else tl.bfloat16
         bias = 0.0 if unpack == 0 else (1024.0 if x2.dtype == torch.float16 else 128.0)
-        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, GS=gs,
-                         BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                         HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias, SWAP=bool(c["SWAP"]),
-                         num_warps=c["num_warps"], num_stages=c["num_stages"])
-    if split > 1:
+        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, lock_arg, m, n, x2.stride(0), k // split,
+                         GS=gs, BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
+                         HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias, SWAP=bool(c["SWAP"]), FOLD=fold,
+                         SPLIT=split if fold else 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if split > 1 and not fold:
         block = 512
         kern["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
                                                      EVEN=(m * n) % block == 0, num_warps=4)

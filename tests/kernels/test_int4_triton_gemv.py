@@ -192,3 +192,86 @@ def test_ncu_bench_dry_run():
     assert sum(ln.startswith("ITEM ") for ln in lines) == 3
     errs = [float(ln.split()[-1]) for ln in lines if ln.strip().startswith("rel err")]
     assert len(errs) == 3 and max(errs) <= 1e-2
+
+
+@pytest.mark.parametrize("kernel,m,split", [("gemv", 1, 3), ("gemv", 3, 6), ("tc", 5, 2), ("tc", 16, 6),
+                                            ("midm", 2, 3), ("midm", 20, 2)])
+def test_split_k_fold_in_kernel_matches_second_pass(interpret, kernel, m, split):
+    """With the layout's counters the last program of each tile sums the splits (``_fold``) instead of
+    ``_reduce_kernel``: the same order from the same start, so the same bits; the counters end at zero (they are
+    reused by the next call), and the second call agrees too."""
+    from sdquant.kernels import int4_triton_midm as MM
+    qw = make_qw(192, 768, 128, False, True, seed=21 + m)
+    lay = L.repack_triton(qw, torch.bfloat16)
+    assert lay["locks"].shape == (192 // 32,) and lay["locks"].dtype == torch.int32
+    x = torch.randn(m, 768).to(torch.bfloat16)
+    args = (x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], 128)
+    if kernel == "midm":
+        cfg = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": split, "UNPACK": 0}
+        fn = MM.run
+    else:
+        cfg = {"kernel": kernel, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split}
+        fn = G.run
+    two = fn(*args, cfg)
+    one = fn(*args, cfg, lay["locks"])
+    again = fn(*args, cfg, lay["locks"])
+    assert int(lay["locks"].abs().sum()) == 0
+    assert torch.equal(one, two) and torch.equal(one, again)
+    assert rel(one, reference(x, qw)) < BOUND[torch.bfloat16]
+
+
+def test_split_k_fold_is_chosen_only_where_it_can_run(monkeypatch):
+    """``use_fold``: only split-K launches with counters, enough of them (else the second pass), and a config
+    that does not opt out; counters of the wrong kind are a one-line error naming them."""
+    dev = torch.device("cpu")
+    locks = torch.zeros(4, dtype=torch.int32)
+    assert G.use_fold(locks, 3, 4, dev, {})
+    assert not G.use_fold(locks, 1, 4, dev, {})              # one split: nothing to sum
+    assert not G.use_fold(None, 3, 4, dev, {})
+    assert not G.use_fold(locks, 3, 5, dev, {})              # too few counters: the second pass
+    assert not G.use_fold(locks, 3, 4, dev, {"fold": False})
+    with pytest.raises(ShapeError, match="locks"):
+        G.use_fold(torch.zeros(4, dtype=torch.int64), 3, 4, dev, {})
+
+
+def test_op_passes_the_layouts_counters(interpret, monkeypatch):
+    """The op, given the layout's counters (QuantLinear passes the layout's buffers by argument name), hands them to
+    the kernel and gives the bits of the call without them; the counters end at zero."""
+    monkeypatch.setattr(int4_triton, "SMALL_M_PLAN", {b: {**GEMV, "SPLIT_K": 4} for b in (1, 2, 4, 8, 16)})
+    qw = make_qw(128, 512, 64, False, False, seed=4)
+    lay = L.repack_triton(qw, torch.bfloat16)
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    y0 = torch.ops.sdquant.w4a16_triton(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None)
+    seen = []
+    real_run = G.run
+
+    def spy(*a):
+        seen.append(a[7])
+        return real_run(*a)
+    monkeypatch.setattr(G, "run", spy)
+    y1 = torch.ops.sdquant.w4a16_triton(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None, lay["locks"])
+    assert len(seen) == 1 and seen[0] is lay["locks"]
+    assert torch.equal(y0, y1) and int(lay["locks"].abs().sum()) == 0
+
+
+def test_split_k_fold_ptx_for_hopper(monkeypatch):
+    """Compiled for sm_90 here (no GPU needed): the GEMV with the fold counts in with one acq_rel atomic add at gpu
+    scope (predicated to one thread) after a CTA barrier and reads the partials through L2 (ld.global.cg, one a
+    split); without it the kernel has no atomic at all."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = G._kernels()["gemv"]
+    types = ["*bf16", "*i32", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
+    ptx = {}
+    for fold in (False, True):
+        consts = dict(GS=128, ROWS=1, BLOCK_N=128, BLOCK_K=64, PARTIAL=True, HAS_PERM=False, FOLD=fold,
+                      SPLIT=8 if fold else 1, ROWS_P=1)
+        sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        ptx[fold] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+    atoms = [ln.strip() for ln in ptx[True].splitlines() if "atom." in ln]
+    assert len([a for a in atoms if ".acq_rel.add" in a]) == 1 and all(a.startswith("@") for a in atoms), atoms
+    assert "ld.global.cg" in ptx[True] and "bar.sync" in ptx[True]
+    assert "atom." not in ptx[False] and "ld.global.cg" not in ptx[False]
