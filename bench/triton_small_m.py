@@ -216,6 +216,11 @@ def check_layout_configs(dev, configs: dict, cases, run, skip, log_fn, guard=Non
     return passing, rows, summary
 
 
+# --locks: the configs run with the layout's split-K counters, as QuantLinear calls them (the GEMV at M = 1 then sums
+# its splits in the kernel); without: the second pass
+LOCKS = [False]
+
+
 def check_configs(dev, configs: dict, dry: bool) -> tuple:
     from sdquant.kernels import int4_triton
     from sdquant.kernels import int4_triton_gemv as G
@@ -226,7 +231,8 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
         if cfg is None:
             return int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None,
                                                  force_path="splitk", config={"SPLIT_K": sp} if sp else None)
-        return G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g, {**cfg, "SPLIT_K": sp})
+        return G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g, {**cfg, "SPLIT_K": sp},
+                     lay["locks"] if LOCKS[0] else None)
 
     def skip(name, cfg, m, ci):
         return (cfg is not None and cfg["kernel"] == "gemv" and m > 4) or \
@@ -329,7 +335,7 @@ def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget
 
                 def new_call(i, cfg=cfg):
                     c = tlays[i % len(tlays)]
-                    return G.run(x, c["qweight"], c["scales"], c["zs"], None, GS, cfg)
+                    return G.run(x, c["qweight"], c["scales"], c["zs"], None, GS, cfg, c["locks"] if LOCKS[0] else None)
                 calls[name] = (new_call, len(tlays), int4_bytes)
             sms = G.num_sms(dev)
             res = time_calls(calls, ref, k, n, m, timer, copy_bw, rows,
@@ -437,7 +443,9 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--no-cuda", action="store_true")
     ap.add_argument("--configs", default="", help="comma-separated config names to check and time (default: all)")
+    ap.add_argument("--locks", action="store_true", help="pass the layout's split-K counters (the op's default use)")
     a = ap.parse_args(argv)
+    LOCKS[0] = a.locks
     if a.dry:
         os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported (the library's @jit helpers)
     os.environ.setdefault("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")
@@ -460,7 +468,7 @@ def main(argv=None):
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "triton": triton.__version__, "commit": os.environ.get("SDQUANT_COMMIT", "unknown"),
             "src_digest": provenance.source_digest(), "dtype": "bfloat16",
-            "group_size": GS, "configs": configs, "dry": a.dry, "python": sys.version.split()[0]}
+            "group_size": GS, "configs": configs, "dry": a.dry, "locks": a.locks, "python": sys.version.split()[0]}
     if a.dry:
         dev, copy_bw = torch.device("cpu"), 4.3
         shapes, ms = [(256, 128), (512, 64)], [1, 2, 16, 32]

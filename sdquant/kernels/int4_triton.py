@@ -6,8 +6,8 @@
         perm    int32 [K] or None         act-order: the kernels read x[:, perm] (gathered in the load)
         bias    dtype [N] or None
         locks   int32 [>= N/32] or None   split-K counters (the layout's, zero before and after a call): the
-                                          small- and mid-M kernels then sum their splits inside the kernel (the
-                                          last program of a tile) instead of in a second launch; same bits
+                                          GEMV at M = 1 then sums its splits inside the kernel (the last program
+                                          of a tile) instead of in a second launch; the same bits
         y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
@@ -363,8 +363,7 @@ def w4a16_triton_impl(x, qweight, scales, zs, perm, bias, force_path: Optional[s
     path = force_path or ("midm" if mid is not None else "small" if plan is not None else
                           "splitk" if m <= 32 else "gemm")
     if path == "midm" and m > 0:
-        out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})},
-                        locks)
+        out = mid_m.run(x2, qweight, scales, zs, perm, gs, {**(mid or mid_m.default_config(m)), **(config or {})})
     elif path in ("tc", "gemv", "small") and m > 0:
         if path == "small":
             cfg = {**(plan or small_m.DEFAULT_TC), **(config or {})}

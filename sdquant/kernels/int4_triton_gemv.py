@@ -2,10 +2,11 @@
 
 ``int4_triton`` dispatches M <= 16 here (per M bucket, ``int4_triton.SMALL_M_PLAN``); nothing in this module
 registers an op. Two kernels, both split-K over every SM. The splits of an output tile are summed in a fixed
-order (deterministic), either by a second pass (``_reduce_kernel``: no atomics, no scratch) or, when the caller
-passes split-K counters (``locks``, int32 [>= N/BLOCK_N], zero before and after a call), inside the kernel by the
-last program of the tile to finish (``_fold``: a CTA barrier, one acq_rel atomic, the partials read through L2; the
-CUDA kernels' count-in), which saves the second launch. Both orders are the same, so both give the same bits:
+order (deterministic) by a second pass (``_reduce_kernel``: no atomics, no scratch), or, in the GEMV at M = 1 when
+the caller passes split-K counters (``locks``, int32 [>= N/BLOCK_N], zero before and after a call), inside the
+kernel by the last program of the tile to finish (``_fold``: a CTA barrier, one acq_rel atomic, the partials read
+through L2; the CUDA kernels' count-in), which saves the second launch. Both sum in the same order from the same
+start, so both give the same bits:
 
 * ``_tc_kernel`` (tensor cores, any M <= 16 per 16-row tile): the int32 tile [BK/8, BN] (16-byte loads along N)
   is unpacked straight into the dtype's bits with a magic number -- ``0x4300 | code`` is the bf16 value
@@ -191,11 +192,10 @@ def _unpack_nk(wq, R, BN, CDT, UNPACK):
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, stride_xm, K_SPLIT,
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT,
                GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr,
-               UNPACK: tl.constexpr, BIAS: tl.constexpr, SWAP: tl.constexpr, FOLD: tl.constexpr,
-               SPLIT: tl.constexpr):
+               UNPACK: tl.constexpr, BIAS: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -228,8 +228,6 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock_p
                  mask=m_mask[:, None])
     else:
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=m_mask[:, None])
-        if FOLD:
-            _fold(part_ptr, out_ptr, lock_ptr, pid_n, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, SPLIT)
 
 
 def _gemv_dot(x_ptr, stride_xm, ROW, M, kx, R, d0, d1, d2, d3, d4, d5, d6, d7):
@@ -434,11 +432,15 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- launch
-def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torch.device, cfg: dict) -> bool:
+def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torch.device, cfg: dict,
+             default: bool = True) -> bool:
     """Whether a launch of ``tiles`` output tiles sums its splits in the kernel (``_fold``): split-K, counters
     given (int32 on the launch's device; a wrong one is an error) and enough of them (else the second pass), and
-    the config does not say ``"fold": False``."""
-    if split <= 1 or locks is None or not cfg.get("fold", True):
+    the config's ``"fold"`` (else ``default``) true. ``run`` folds the GEMV at M = 1 by default: on the H200 that
+    was 0.3-1.9 us faster than the second pass on every Llama shape, while at M = 2 (and in the tensor-core and
+    mid-M kernels, M = 2-256) the fold's code made the kernel up to 45% slower (docs/BENCHMARKS.md, "Triton
+    split-K summed in the kernel")."""
+    if split <= 1 or locks is None or not cfg.get("fold", default):
         return False
     if locks.dtype != torch.int32 or locks.device != device or locks.dim() != 1:
         raise ShapeError(f"locks: expected a 1-D int32 tensor on {device}, got {locks.dtype} "
@@ -449,9 +451,9 @@ def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torc
 def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
         perm: Optional[torch.Tensor], gs: int, cfg: dict, locks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [M, N] (x2's dtype) = x2 @ W.T for contiguous-row x2 [M, K] (M <= 16; <= 4 for "gemv"), no bias.
-    ``locks`` (int32, at least N / BLOCK_N entries, all zero; left at zero): the split-K sum inside the kernel
-    (``_fold``) instead of ``_reduce_kernel``; None keeps the second pass. The config's ``"fold": False`` forces the
-    second pass even with locks (A/B runs)."""
+    ``locks`` (int32, at least N / BLOCK_N entries, all zero; left at zero): the GEMV's split-K sum inside the
+    kernel (``_fold``) instead of ``_reduce_kernel`` where ``use_fold`` says so (M = 1 unless the config's
+    ``"fold"`` says otherwise); None keeps the second pass."""
     m, k = x2.shape
     n = qweight.shape[1]
     c = resolve(cfg, m, n, k, gs, num_sms(x2.device))
@@ -462,7 +464,7 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     grid = (n // c["BLOCK_N"], split)
     has_perm = perm is not None
     perm_arg = perm if has_perm else qweight
-    fold = use_fold(locks, split, grid[0], x2.device, c)
+    fold = c["kernel"] == "gemv" and use_fold(locks, split, grid[0], x2.device, c, m == 1)
     lock_arg = locks if fold else part
     if c["kernel"] == "gemv":
         kern["gemv"][grid](x2, qweight, scales, zs, perm_arg, out, part, lock_arg, m, n, x2.stride(0), k // split,
@@ -478,10 +480,10 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
         else:
             cdt = tl.float16 if x2.dtype == torch.float16 else tl.bfloat16
         bias = 0.0 if unpack == 0 else (1024.0 if x2.dtype == torch.float16 else 128.0)
-        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, lock_arg, m, n, x2.stride(0), k // split,
-                         GS=gs, BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
-                         HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias, SWAP=bool(c["SWAP"]), FOLD=fold,
-                         SPLIT=split if fold else 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        kern["tc"][grid](x2, qweight, scales, zs, perm_arg, out, part, m, n, x2.stride(0), k // split, GS=gs,
+                         BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1,
+                         HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias, SWAP=bool(c["SWAP"]),
+                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if split > 1 and not fold:
         block = 512
         kern["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,

@@ -39,7 +39,7 @@ import torch
 
 from sdquant.errors import ShapeError
 from sdquant.kernels import int4_triton_gemv as small_m
-from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _codes8, _fold, _join8, _k_cols, _nib16  # noqa: F401
+from sdquant.kernels.int4_triton_gemv import _asm_unpack8, _codes8, _join8, _k_cols, _nib16  # noqa: F401 (helpers)
 from sdquant.kernels.triton_jit import jit_in_namespace
 
 try:  # Triton is optional; int4_triton checks availability before calling here
@@ -77,10 +77,10 @@ def _deq_nk(wt, s, z, R, BN, CDT, UNPACK, BIAS, SCALE):
 
 
 # ------------------------------------------------------------------------------------------------- kernel
-def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, stride_xm, K_SPLIT,
+def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, M, N, stride_xm, K_SPLIT,
                  GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, CDT: tl.constexpr, UNPACK: tl.constexpr,
-                 BIAS: tl.constexpr, SCALE_ACC: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr):
+                 BIAS: tl.constexpr, SCALE_ACC: tl.constexpr):
     pid_m = tl.program_id(0)     # token tiles of one weight tile are neighbours: the tile is read once from HBM
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -125,9 +125,6 @@ def _midm_kernel(x_ptr, qw_ptr, s_ptr, zs_ptr, perm_ptr, out_ptr, part_ptr, lock
             w = _deq_nk(wt, s, z, R, BLOCK_N, CDT, UNPACK, BIAS, True)                      # [BN, BK]
             acc = tl.dot(w, xt.to(CDT), acc)
     _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL)
-    if FOLD:
-        _fold(part_ptr, out_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, offs_m, offs_n, M, N, BLOCK_M,
-              BLOCK_N, SPLIT)
 
 
 def _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PARTIAL):
@@ -139,7 +136,7 @@ def _store_out_t(out_ptr, part_ptr, acc, offs_m, offs_n, m_mask, pid_k, M, N, PA
                  mask=m_mask[None, :])
 
 
-_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_add", "_deq_nk", "_store_out_t", "_fold")
+_HELPERS = ("_asm_unpack8", "_nib16", "_codes8", "_join8", "_k_cols", "_add", "_deq_nk", "_store_out_t")
 _KERNELS: dict = {}
 
 
@@ -199,10 +196,10 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- launch
 def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
-        perm: Optional[torch.Tensor], gs: int, cfg: Optional[dict] = None,
-        locks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [M, N] (x2's dtype) = x2 @ W.T for row-contiguous x2 [M, K] (any M >= 1), no bias. ``locks``: split-K
-    counters, as ``int4_triton_gemv.run``'s (one a (token tile, feature tile); fewer than that: the second pass)."""
+        perm: Optional[torch.Tensor], gs: int, cfg: Optional[dict] = None) -> torch.Tensor:
+    """y [M, N] (x2's dtype) = x2 @ W.T for row-contiguous x2 [M, K] (any M >= 1), no bias. (Its split-K always
+    takes the second pass: the GEMV's in-kernel sum, tried here, made this kernel 1-45% slower at M = 2-128 on the
+    H200, docs/BENCHMARKS.md "Triton split-K summed in the kernel".)"""
     m, k = x2.shape
     n = qweight.shape[1]
     c = resolve({**default_config(m), **(cfg or {})}, m, n, k, gs, small_m.num_sms(x2.device))
@@ -223,13 +220,12 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
     grid = (triton.cdiv(m, c["BLOCK_M"]), n // c["BLOCK_N"], split)
     # an optional register cap (ptxas maxnreg) trades spills for more programs per SM
     extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") and not interp else {}
-    fold = small_m.use_fold(locks, split, grid[0] * grid[1], x2.device, c)
-    _kernels()["midm"][grid](x2, qweight, scales, zs, perm if has_perm else qweight, out, part,
-                             locks if fold else part, m, n, x2.stride(0), k // split, GS=gs, BLOCK_N=c["BLOCK_N"],
-                             BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"], PARTIAL=split > 1, HAS_PERM=has_perm,
-                             CDT=cdt, UNPACK=unpack, BIAS=bias, SCALE_ACC=bool(c["SCALE_ACC"]), FOLD=fold,
-                             SPLIT=split if fold else 1, num_warps=c["num_warps"], num_stages=c["num_stages"], **extra)
-    if split > 1 and not fold:
+    _kernels()["midm"][grid](x2, qweight, scales, zs, perm if has_perm else qweight, out, part, m, n, x2.stride(0),
+                             k // split, GS=gs, BLOCK_N=c["BLOCK_N"], BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"],
+                             PARTIAL=split > 1, HAS_PERM=has_perm, CDT=cdt, UNPACK=unpack, BIAS=bias,
+                             SCALE_ACC=bool(c["SCALE_ACC"]), num_warps=c["num_warps"], num_stages=c["num_stages"],
+                             **extra)
+    if split > 1:
         block = 512
         small_m._kernels()["reduce"][(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split, BLOCK=block,
                                                                     EVEN=(m * n) % block == 0, num_warps=4)

@@ -194,27 +194,20 @@ def test_ncu_bench_dry_run():
     assert len(errs) == 3 and max(errs) <= 1e-2
 
 
-@pytest.mark.parametrize("kernel,m,split", [("gemv", 1, 3), ("gemv", 3, 6), ("tc", 5, 2), ("tc", 16, 6),
-                                            ("midm", 2, 3), ("midm", 20, 2)])
-def test_split_k_fold_in_kernel_matches_second_pass(interpret, kernel, m, split):
-    """With the layout's counters the last program of each tile sums the splits (``_fold``) instead of
-    ``_reduce_kernel``: the same order from the same start, so the same bits; the counters end at zero (they are
-    reused by the next call), and the second call agrees too."""
-    from sdquant.kernels import int4_triton_midm as MM
+@pytest.mark.parametrize("m,split,force", [(1, 3, None), (1, 6, None), (3, 6, True), (4, 2, True)])
+def test_split_k_fold_in_kernel_matches_second_pass(interpret, m, split, force):
+    """With the layout's counters the last GEMV program of each tile sums the splits (``_fold``; by default at M = 1,
+    forced at M = 3-4) instead of ``_reduce_kernel``: the same order from the same start, so the same bits; the
+    counters end at zero (the next call reuses them), and a second call agrees too."""
     qw = make_qw(192, 768, 128, False, True, seed=21 + m)
     lay = L.repack_triton(qw, torch.bfloat16)
     assert lay["locks"].shape == (192 // 32,) and lay["locks"].dtype == torch.int32
     x = torch.randn(m, 768).to(torch.bfloat16)
     args = (x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], 128)
-    if kernel == "midm":
-        cfg = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": split, "UNPACK": 0}
-        fn = MM.run
-    else:
-        cfg = {"kernel": kernel, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split}
-        fn = G.run
-    two = fn(*args, cfg)
-    one = fn(*args, cfg, lay["locks"])
-    again = fn(*args, cfg, lay["locks"])
+    cfg = {**GEMV, "BLOCK_N": 64, "SPLIT_K": split, **({} if force is None else {"fold": force})}
+    two = G.run(*args, cfg)
+    one = G.run(*args, cfg, lay["locks"])
+    again = G.run(*args, cfg, lay["locks"])
     assert int(lay["locks"].abs().sum()) == 0
     assert torch.equal(one, two) and torch.equal(one, again)
     assert rel(one, reference(x, qw)) < BOUND[torch.bfloat16]
@@ -230,6 +223,8 @@ def test_split_k_fold_is_chosen_only_where_it_can_run(monkeypatch):
     assert not G.use_fold(None, 3, 4, dev, {})
     assert not G.use_fold(locks, 3, 5, dev, {})              # too few counters: the second pass
     assert not G.use_fold(locks, 3, 4, dev, {"fold": False})
+    assert not G.use_fold(locks, 3, 4, dev, {}, default=False)   # how run() asks at M > 1
+    assert G.use_fold(locks, 3, 4, dev, {"fold": True}, default=False)
     with pytest.raises(ShapeError, match="locks"):
         G.use_fold(torch.zeros(4, dtype=torch.int64), 3, 4, dev, {})
 
