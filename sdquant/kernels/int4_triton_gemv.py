@@ -438,7 +438,7 @@ def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torc
     given (int32 on the launch's device; a wrong one is an error) and enough of them (else the second pass), and
     the config's ``"fold"`` (else ``default``) true. ``run`` folds the GEMV at M = 1 by default: on the H200 that
     was 0.3-1.9 us faster than the second pass on every Llama shape, while at M = 2 (and in the tensor-core and
-    mid-M kernels, M = 2-256) the fold's code made the kernel up to 45% slower (docs/BENCHMARKS.md, "Triton
+    mid-M kernels, M = 2-256) the kernels with the fold took 0.98-1.75x the time (docs/BENCHMARKS.md, "Triton
     split-K summed in the kernel")."""
     if split <= 1 or locks is None or not cfg.get("fold", default):
         return False

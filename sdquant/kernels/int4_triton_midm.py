@@ -198,8 +198,8 @@ def resolve(cfg: dict, m: int, n: int, k: int, gs: int, sms: int) -> dict:
 def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
         perm: Optional[torch.Tensor], gs: int, cfg: Optional[dict] = None) -> torch.Tensor:
     """y [M, N] (x2's dtype) = x2 @ W.T for row-contiguous x2 [M, K] (any M >= 1), no bias. (Its split-K always
-    takes the second pass: the GEMV's in-kernel sum, tried here, made this kernel 1-45% slower at M = 2-128 on the
-    H200, docs/BENCHMARKS.md "Triton split-K summed in the kernel".)"""
+    takes the second pass: the GEMV's in-kernel sum, tried here and in the tensor-core kernel, took 0.98-1.75x the
+    time at M = 2-256 on the H200, docs/BENCHMARKS.md "Triton split-K summed in the kernel".)"""
     m, k = x2.shape
     n = qweight.shape[1]
     c = resolve({**default_config(m), **(cfg or {})}, m, n, k, gs, small_m.num_sms(x2.device))
