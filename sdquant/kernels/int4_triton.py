@@ -201,9 +201,12 @@ SMALL_M_PLAN: dict = {1: _GV128K64W16, 2: _GV512K64Z, 4: _TC64, 8: _TC64, 16: _T
 # 4096x128256 takes it too, 92.4 us against 102-116 for the other configs of that run (the previous default's own
 # launch, split 2, was not timed there); 8192x10240 keeps the previous default's launch (split 32, the same as
 # _GV512K64Z3's): 22.0 against 22.2)
+# (2026-12-03, with the split-K sum in the GEMV at M = 1, bench/results/triton_small_m_h200_fold.json: 14336x4096 moved
+# to 256-feature tiles at 6 waves, 17.8 -> 16.9 us, and 4096x6144 to 64-K tiles at 4 waves, 11.1 -> 10.0; the other M = 1
+# entries were within 2% of that run's best)
 SHAPE_PLAN: dict = {
     (8192, 10240, 1): _GV512K64Z3,
-    (14336, 4096, 1): _GV512K64Z3, (4096, 4096, 1): _GV512K128Z, (4096, 6144, 1): _GV512K128Z,
+    (14336, 4096, 1): _GV256K64Z, (4096, 4096, 1): _GV512K128Z, (4096, 6144, 1): _GV512K64Z,
     (8192, 10240, 2): _GV256K64Z,
     (4096, 4096, 4): None, (4096, 4096, 8): None, (4096, 4096, 16): None,
     (4096, 28672, 4): None, (4096, 28672, 8): None, (14336, 4096, 4): None, (14336, 4096, 8): None,
