@@ -347,7 +347,7 @@ def main(argv=None):
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
             "dtype": a.dtype, "group_size": GS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": os.environ.get("SDQUANT_COMMIT")}
+            "commit": os.environ.get("SDQUANT_COMMIT"), "src_digest": provenance.source_digest()}
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
     def save(rows):
