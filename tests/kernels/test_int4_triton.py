@@ -99,6 +99,17 @@ def test_opcheck(monkeypatch):
                           (x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], torch.randn(64).half()))
 
 
+def test_opcheck_with_counters(interpret):
+    """The op with the layout's split-K counters (the GEMV's in-kernel sum at M = 1, under the interpreter): schema,
+    fake tensor and AOT dispatch; the counters, read and written by the kernel, are left unchanged (zero)."""
+    qw = make_qw(64, 256, 32, False, False, seed=6)
+    lay = L.repack_triton(qw, torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.sdquant.w4a16_triton,
+                          (x, lay["qweight"], lay["scales"], lay["zs"], None, None, lay["locks"]))
+    assert int(lay["locks"].abs().sum()) == 0
+
+
 def test_compile_fullgraph_traces_the_op(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     qw = make_qw(64, 128, 128, True, False, seed=5)
