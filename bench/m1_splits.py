@@ -40,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--splits", default="0,1,2,3,4,6,8")
     ap.add_argument("--configs", default="-1", help="CUDA configs (-1: the shipped choice for the shape)")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,... (default: all seven)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a one-element kernel the same way: what a launch costs in the graph by itself")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     assert torch.cuda.is_available() and int4_cuda.available(), "needs a GPU and the CUDA extension"
@@ -47,6 +49,12 @@ def main(argv=None):
     op = torch.ops.sdquant.w4a16_cuda
     rows = []
     t0 = time.time()
+    if args.floor:  # back-to-back one-element kernels in one CUDA graph, the GEMMs' method: the per-launch floor
+        bufs = [torch.zeros(1, device=dev) for _ in range(8)]
+        us = gemm.time_rotating(lambda i: bufs[i].add_(1.0), len(bufs))
+        r = {"K": 0, "N": 0, "M": 0, "config": "one-element add_", "splits": 0, "auto": True, "us": round(us, 2)}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     for (k, n) in shapes:
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
         one = int4_layout.repack_cuda(qw, dt)
@@ -75,7 +83,7 @@ def main(argv=None):
     gemm.save_rows(args.out, "m1_splits", rows)
     print("\n| K×N | M | config | auto splits: µs | best forced: splits, µs |")
     print("|---|---|---|---|---|")
-    keys = sorted({(r["K"], r["N"], r["M"], r["config"]) for r in rows}, key=lambda t: shapes.index(t[:2]))
+    keys = sorted({(r["K"], r["N"], r["M"], r["config"]) for r in rows if r["K"]}, key=lambda t: shapes.index(t[:2]))
     for key in keys:
         rs = [r for r in rows if (r["K"], r["N"], r["M"], r["config"]) == key]
         a = next(r for r in rs if r["auto"])
