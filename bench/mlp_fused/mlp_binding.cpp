@@ -13,13 +13,20 @@ struct SdqMlpParams {
   void* out;
   int m, k1, n1, n2;
   int g1_k16, g2_k16;
+  int* counters;
+  int fold;
+  int what;
 };
-extern "C" int sdq_mlp_launch(const SdqMlpParams* p, int is_bf16, cudaStream_t stream);
+extern "C" int sdq_mlp_launch(const SdqMlpParams* p, int is_bf16, int extra, cudaStream_t stream);
 
 // y [m, n2] = down(silu(gate(x)) * up(x)) over two repack_cuda layouts (gate/up blocks alternating); partial: fp32
 // scratch of at least n1 / 128 * m * n2 floats
+// counters: int32 [2], zero (left zero); fold: sum in the kernel; extra: 0 / 2; what: 3 both kernels, 1 the MLP kernel,
+// 2 the sum kernel only (timing breakdown; with 1 or 2 the output is not complete)
 torch::Tensor mlp(torch::Tensor x, torch::Tensor b1, torch::Tensor s1, torch::Tensor z1, torch::Tensor b2,
-                  torch::Tensor s2, torch::Tensor z2, torch::Tensor partial) {
+                  torch::Tensor s2, torch::Tensor z2, torch::Tensor partial, torch::Tensor counters, bool fold,
+                  int64_t extra, int64_t what) {
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= 2, "counters: int32 [2]");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x: a contiguous CUDA [M, K] matrix");
   TORCH_CHECK(b1.dim() == 4 && b2.dim() == 4 && b1.is_contiguous() && b2.is_contiguous(), "qweights: [N/64, K/16, 32, 4]");
   TORCH_CHECK(partial.scalar_type() == at::kFloat, "partial: fp32");
@@ -37,7 +44,11 @@ torch::Tensor mlp(torch::Tensor x, torch::Tensor b1, torch::Tensor s1, torch::Te
   p.m = static_cast<int>(m); p.k1 = static_cast<int>(k1); p.n1 = static_cast<int>(n1); p.n2 = static_cast<int>(n2);
   p.g1_k16 = static_cast<int>(k1 / 16 / s1.size(0));
   p.g2_k16 = static_cast<int>(n1 / 2 / 16 / s2.size(0));
-  const int rc = sdq_mlp_launch(&p, x.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream());
+  p.counters = counters.data_ptr<int>();
+  p.fold = fold ? 1 : 0;
+  p.what = static_cast<int>(what);
+  const int rc = sdq_mlp_launch(&p, x.scalar_type() == at::kBFloat16, static_cast<int>(extra),
+                                at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(rc == 0, "sdq_mlp_launch: ", rc == -1 ? "shape not supported" : cudaGetErrorString(static_cast<cudaError_t>(rc)));
   return out;
 }

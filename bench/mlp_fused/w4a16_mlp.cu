@@ -26,6 +26,9 @@ struct SdqMlpParams {
   void* out;                                       // [m, n2] activation dtype
   int m, k1, n1, n2;
   int g1_k16, g2_k16;                              // group sizes / 16 of the two layouts (>= 4, the chunk)
+  int* counters;                                   // fold: 2 ints, zero before and after a launch
+  int fold;                                        // 1: the last 64 CTAs to finish sum the partials (no second kernel)
+  int what;                                        // launch: 3 both kernels, 1 the MLP kernel only, 2 the sum only
 };
 
 namespace sdq_w4a16 {
@@ -45,10 +48,13 @@ constexpr int mlp_red_bytes() { return (C::KW - 1) * C::WNN * 16 * 32 * 4; }
 template <typename C>
 constexpr int mlp_smem() { return mlp_red_bytes<C>() + C::WNN * 8 * 64 * 4 + 8 * 64 * 2; }
 
-template <typename T, typename C>
+// EXTRA: down chunks loaded past the ring before the epilogue of phase 1 (so phase 3 has D + EXTRA in flight)
+template <typename T, typename C, int EXTRA>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const SdqMlpParams p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U, WARPS = C::WARPS;
-  static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % D == 0, "one gate block and its up block, 8 warps");
+  constexpr int R = D + EXTRA;  // phase 3's ring
+  static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % R == 0, "one gate block and its up block, 8 warps");
+  __shared__ int s_ticket;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wn = warp % WNN, kw = warp / WNN;
@@ -124,10 +130,19 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
     }
   }
   group_flush<1>(acc, accg, sf);
-  // the first two down blocks' scales (independent of h: in flight through the epilogue below)
-  uint4 s2[2], z2[2];
-  mlp_sz(p.s2, p.z2, grp2, nblk2, warp, g8, s2[0], z2[0]);
-  mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS, g8, s2[1], z2[1]);
+  // phase 3's ring: slots 0..D-1 hold down chunks 0..D-1 (the refills above), EXTRA more now; and the first D down
+  // blocks' scales (none of it depends on h: in flight through the epilogue below)
+  uint4 wr[R][U];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int kk = 0; kk < U; ++kk) {
+      if (j < D) wr[j][kk] = wq[j][kk];
+      else ldg_stream16_if(wr[j][kk], w2(j) + kk * 32, true);
+    }
+  uint4 s2[D], z2[D];  // scales D blocks ahead
+#pragma unroll
+  for (int j = 0; j < D; ++j) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * j, g8, s2[j], z2[j]);
 
   // 2. h = silu(gate) * up for the CTA's 64 features
   reduce_k_warps<1, WNN, KW>(acc, smem, kw, wn, lane);
@@ -152,27 +167,84 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
 
   // 3. down: block warp + 8 j, one chunk each, a 64-column fp32 partial each
   float* part = p.partial + static_cast<size_t>(blockIdx.x) * m * p.n2;
-  for (int base = 0; base < MLP_J; base += D) {
+  for (int base = 0; base < MLP_J; base += R) {
 #pragma unroll
-    for (int j = 0; j < D; ++j) {
+    for (int j = 0; j < R; ++j) {
       const int jj = base + j;
       const int nb2 = warp + WARPS * jj;
-      group_begin<T>(s2[j], z2[j], sf, zl, zh);
-      if (jj + D < MLP_J) mlp_sz(p.s2, p.z2, grp2, nblk2, nb2 + WARPS * D, g8, s2[j], z2[j]);
+      const bool more = jj + R < MLP_J;
+      group_begin<T>(s2[j % D], z2[j % D], sf, zl, zh);
+      if (jj + D < MLP_J) mlp_sz(p.s2, p.z2, grp2, nblk2, nb2 + WARPS * D, g8, s2[j % D], z2[j % D]);
       frag_each<1>([&](int i, int w, int e) { acc[i][w][e] = accg[i][w][e] = 0.f; });
-      const bool more = jj + D < MLP_J;
-      const uint4* nxt = w2(more ? jj + D : jj);
+      const uint4* nxt = w2(more ? jj + R : jj);
 #pragma unroll
       for (int kk = 0; kk < U; ++kk) {
-        const uint4 w = wq[j][kk];
+        const uint4 w = wr[j][kk];
         group_step<T, 1>(w, hx[kk], zl, zh, accg);
-        ldg_stream16_if(wq[j][kk], nxt + kk * 32, more);
+        ldg_stream16_if(wr[j][kk], nxt + kk * 32, more);
       }
       group_flush<1>(acc, accg, sf);
       frag_each<1>([&](int, int w, int e) {
         const int tok = 2 * t4 + (e & 1);
         if (tok < m) __stcg(part + static_cast<size_t>(tok) * p.n2 + nb2 * 64 + 16 * w + 8 * (e >> 1) + g8, acc[0][w][e]);
       });
+    }
+  }
+  if (!p.fold) return;
+  // the sum without a second kernel: the last 64 CTAs to count in each own one 64-column block of the output. They wait
+  // for the count to reach the grid (every CTA of the grid is resident: the launcher checks), then add that block's
+  // partials in CTA order (the sum kernel's order, so the same bits). The last of them to finish resets the counters.
+  const int ctas = gridDim.x, owners = nblk2;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters) : "memory");
+    s_ticket = old;
+  }
+  __syncthreads();
+  const int ob = s_ticket - (ctas - owners);
+  if (ob < 0) return;
+  if (threadIdx.x == 0) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(p.counters) : "memory");
+      if (seen < ctas) __nanosleep(32);
+    } while (seen < ctas);
+  }
+  __syncthreads();
+  {  // as mlp_sum_kernel: 8 warps over contiguous eighths of the CTAs, then warp 0 adds the eight in order
+    float2* red = reinterpret_cast<float2*>(smem);  // [8][32], free now
+    const int q0 = (ctas * warp) / 8, q1 = (ctas * (warp + 1)) / 8;
+    for (int row = 0; row < m; ++row) {
+      const float* src = p.partial + static_cast<size_t>(row) * p.n2 + ob * 64 + 2 * lane;
+      float2 sum = make_float2(0.f, 0.f);
+#pragma unroll 8
+      for (int q = q0; q < q1; ++q) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(src + static_cast<size_t>(q) * m * p.n2));
+        sum.x += v.x;
+        sum.y += v.y;
+      }
+      red[warp * 32 + lane] = sum;
+      __syncthreads();
+      if (warp == 0) {
+        float2 t = red[lane];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) {
+          t.x += red[w * 32 + lane].x;
+          t.y += red[w * 32 + lane].y;
+        }
+        *reinterpret_cast<typename Ops<T>::T2*>(reinterpret_cast<T*>(p.out) + static_cast<size_t>(row) * p.n2 +
+                                                ob * 64 + 2 * lane) = Ops<T>::pack(t.x, t.y);
+      }
+      __syncthreads();
+    }
+  }
+  if (threadIdx.x == 0) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters + 1) : "memory");
+    if (old == owners - 1) {  // every owner is past its wait: reset for the next launch
+      p.counters[0] = 0;
+      p.counters[1] = 0;
     }
   }
 }
@@ -210,29 +282,38 @@ __global__ void __launch_bounds__(256) mlp_sum_kernel(const float* __restrict__ 
 }  // namespace
 }  // namespace sdq_w4a16
 
-// 0 or a cudaError_t; -1: a shape or group the kernel cannot run
-extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, cudaStream_t stream) {
+template <typename T, int EXTRA>
+int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
   using namespace sdq_w4a16;
   using C = V38;
-  const SdqMlpParams& p = *pp;
-  if (p.m < 1 || p.m > 8 || p.n1 % 128 || p.n2 != 64 * C::WARPS * MLP_J || p.k1 % (16 * TIGHT_U * C::KW * C::D) ||
-      p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U)
-    return -1;
   constexpr int SMEM = mlp_smem<C>();
-  const dim3 grid(p.n1 / 128), block(C::THREADS);
-  cudaError_t e;
-  if (is_bf16) {
-    w4a16_mlp_kernel<__nv_bfloat16, C><<<grid, block, SMEM, stream>>>(p);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return static_cast<int>(e);
-    mlp_sum_kernel<__nv_bfloat16><<<dim3(p.n2 / 64, p.m), 256, 0, stream>>>(
-        p.partial, reinterpret_cast<__nv_bfloat16*>(p.out), p.n1 / 128, p.m, p.n2);
-  } else {
-    w4a16_mlp_kernel<half, C><<<grid, block, SMEM, stream>>>(p);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return static_cast<int>(e);
-    mlp_sum_kernel<half><<<dim3(p.n2 / 64, p.m), 256, 0, stream>>>(p.partial, reinterpret_cast<half*>(p.out),
-                                                                    p.n1 / 128, p.m, p.n2);
+  const auto kern = w4a16_mlp_kernel<T, C, EXTRA>;
+  if (p.fold) {  // the owners wait for every CTA: the whole grid must be resident at once
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, C::THREADS, SMEM);
+    if (p.n1 / 128 > sms * per_sm || p.counters == nullptr) return -1;
   }
+  if (p.what & 1) {
+    kern<<<dim3(p.n1 / 128), dim3(C::THREADS), SMEM, stream>>>(p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  if ((p.what & 2) && !p.fold)
+    mlp_sum_kernel<T><<<dim3(p.n2 / 64, p.m), 256, 0, stream>>>(p.partial, reinterpret_cast<T*>(p.out), p.n1 / 128,
+                                                                p.m, p.n2);
   return static_cast<int>(cudaGetLastError());
+}
+
+// 0 or a cudaError_t; -1: a shape, group or grid the kernel cannot run. extra: 0 or 2 (down chunks in flight past the
+// ring in phase 3)
+extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, int extra, cudaStream_t stream) {
+  using namespace sdq_w4a16;
+  const SdqMlpParams& p = *pp;
+  if (p.m < 1 || p.m > 8 || p.n1 % 128 || p.n2 != 64 * V38::WARPS * MLP_J ||
+      p.k1 % (16 * TIGHT_U * V38::KW * V38::D) || p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U || (extra != 0 && extra != 2))
+    return -1;
+  if (is_bf16) return extra ? mlp_launch_t<__nv_bfloat16, 2>(p, stream) : mlp_launch_t<__nv_bfloat16, 0>(p, stream);
+  return extra ? mlp_launch_t<half, 2>(p, stream) : mlp_launch_t<half, 0>(p, stream);
 }
