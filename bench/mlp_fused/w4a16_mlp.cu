@@ -293,7 +293,7 @@ int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, C::THREADS, SMEM);
-    if (p.n1 / 128 > sms * per_sm || p.counters == nullptr) return -1;
+    if (p.n1 / 128 > sms * per_sm || p.n1 / 128 < p.n2 / 64 || p.counters == nullptr) return -1;
   }
   if (p.what & 1) {
     kern<<<dim3(p.n1 / 128), dim3(C::THREADS), SMEM, stream>>>(p);
