@@ -46,14 +46,23 @@ __device__ __forceinline__ void mlp_sz(const void* s, const void* z, int g, int 
 template <typename C>
 constexpr int mlp_red_bytes() { return (C::KW - 1) * C::WNN * 16 * 32 * 4; }
 template <typename C>
-constexpr int mlp_smem() { return mlp_red_bytes<C>() + C::WNN * 8 * 64 * 4 + 8 * 64 * 2; }
+constexpr int mlp_base_smem() { return mlp_red_bytes<C>() + C::WNN * 8 * 64 * 4 + 8 * 64 * 2; }
+// SM > 0: after the base, down chunks D .. D + SM - 1 of every warp [WARPS][SM][U][32] uint4, then every down block's
+// scales and zeros [WARPS][MLP_J][8 g8][2] uint4, all copied by cp.async at the kernel's start
+template <typename C, int SM>
+constexpr int mlp_smem() {
+  return mlp_base_smem<C>() + (SM > 0 ? C::WARPS * SM * TIGHT_U * 32 * 16 + C::WARPS * MLP_J * 8 * 2 * 16 : 0);
+}
 
-// EXTRA: down chunks loaded past the ring before the epilogue of phase 1 (so phase 3 has D + EXTRA in flight)
-template <typename T, typename C, int EXTRA>
+// SM: down chunks of each warp staged in shared memory (cp.async at the start, with every down block's scales), so that
+// phase 3 waits on no load: chunks 0 .. D-1 come from the ring, D .. D+SM-1 from shared memory, the rest from ring
+// refills issued when chunks 0 .. D-1 are used. 0: phase 3 streams its 8 chunks through the ring of D.
+template <typename T, typename C, int SM>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const SdqMlpParams p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U, WARPS = C::WARPS;
-  constexpr int R = D + EXTRA;  // phase 3's ring
+  constexpr int R = D;  // phase 3's ring (SM = 0)
   static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % R == 0, "one gate block and its up block, 8 warps");
+  static_assert(SM == 0 || D + SM + D == MLP_J, "ring, shared memory, ring refills: the 8 down chunks");
   __shared__ int s_ticket;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -96,6 +105,23 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   uint4 s_next, z_next;
 
+  uint4* wsm = reinterpret_cast<uint4*>(smem + mlp_base_smem<C>()) + warp * SM * U * 32;  // this warp's chunks
+  uint4* ssm = reinterpret_cast<uint4*>(smem + mlp_base_smem<C>()) + WARPS * SM * U * 32 + warp * MLP_J * 8 * 2;
+  if constexpr (SM > 0) {
+#pragma unroll
+    for (int j = 0; j < SM; ++j)
+#pragma unroll
+      for (int kk = 0; kk < U; ++kk) cp_async16<false>(wsm + (j * U + kk) * 32 + lane, w2(D + j) + kk * 32, 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // lane 4 g8 + t4: blocks t4 and t4 + 4 of row g8
+      const int j = t4 + 4 * h;
+      const size_t o = (static_cast<size_t>(grp2) * nblk2 + warp + WARPS * j) * 8 + g8;
+      cp_async16<false>(ssm + (j * 8 + g8) * 2, reinterpret_cast<const uint4*>(p.s2) + o, 0);
+      cp_async16<false>(ssm + (j * 8 + g8) * 2 + 1, reinterpret_cast<const uint4*>(p.z2) + o, 0);
+    }
+    cp_async_commit();
+  }
+
   // 1. gate / up
   int grp = c0 / gc, cig = c0 % gc;
 #pragma unroll
@@ -130,19 +156,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
     }
   }
   group_flush<1>(acc, accg, sf);
-  // phase 3's ring: slots 0..D-1 hold down chunks 0..D-1 (the refills above), EXTRA more now; and the first D down
-  // blocks' scales (none of it depends on h: in flight through the epilogue below)
-  uint4 wr[R][U];
+  // the ring's slots hold down chunks 0 .. D-1 now (the refills above); the first D down blocks' scales (SM = 0: none of
+  // it depends on h, in flight through the epilogue below)
+  uint4 s2[D], z2[D];
+  if constexpr (SM == 0) {
 #pragma unroll
-  for (int j = 0; j < R; ++j)
-#pragma unroll
-    for (int kk = 0; kk < U; ++kk) {
-      if (j < D) wr[j][kk] = wq[j][kk];
-      else ldg_stream16_if(wr[j][kk], w2(j) + kk * 32, true);
-    }
-  uint4 s2[D], z2[D];  // scales D blocks ahead
-#pragma unroll
-  for (int j = 0; j < D; ++j) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * j, g8, s2[j], z2[j]);
+    for (int j = 0; j < D; ++j) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * j, g8, s2[j], z2[j]);
+  }
 
   // 2. h = silu(gate) * up for the CTA's 64 features
   reduce_k_warps<1, WNN, KW>(acc, smem, kw, wn, lane);
@@ -167,27 +187,53 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
 
   // 3. down: block warp + 8 j, one chunk each, a 64-column fp32 partial each
   float* part = p.partial + static_cast<size_t>(blockIdx.x) * m * p.n2;
-  for (int base = 0; base < MLP_J; base += R) {
+  auto down_block = [&](int jj, const uint4 (&w)[U], const uint4& s, const uint4& z) {
+    const int nb2 = warp + WARPS * jj;
+    group_begin<T>(s, z, sf, zl, zh);
+    frag_each<1>([&](int i, int ww, int e) { acc[i][ww][e] = accg[i][ww][e] = 0.f; });
+#pragma unroll
+    for (int kk = 0; kk < U; ++kk) group_step<T, 1>(w[kk], hx[kk], zl, zh, accg);
+    group_flush<1>(acc, accg, sf);
+    frag_each<1>([&](int, int ww, int e) {
+      const int tok = 2 * t4 + (e & 1);
+      if (tok < m) __stcg(part + static_cast<size_t>(tok) * p.n2 + nb2 * 64 + 16 * ww + 8 * (e >> 1) + g8, acc[0][ww][e]);
+    });
+  };
+  if constexpr (SM > 0) {
+    cp_async_wait<0>();
+    __syncwarp();  // the scales other lanes of the warp copied
+#pragma unroll
+    for (int jj = 0; jj < MLP_J; ++jj) {
+      uint4 w[U];
+      if (jj < D || jj >= D + SM) {
+        const int slot = jj < D ? jj : jj - D - SM;
+#pragma unroll
+        for (int kk = 0; kk < U; ++kk) w[kk] = wq[slot][kk];
+        if (jj < D) {  // refill the slot with chunk jj + D + SM
+#pragma unroll
+          for (int kk = 0; kk < U; ++kk) ldg_stream16_if(wq[slot][kk], w2(jj + D + SM) + kk * 32, true);
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < U; ++kk) w[kk] = wsm[((jj - D) * U + kk) * 32 + lane];
+      }
+      down_block(jj, w, ssm[(jj * 8 + g8) * 2], ssm[(jj * 8 + g8) * 2 + 1]);
+    }
+  }
+  for (int base = 0; SM == 0 && base < MLP_J; base += R) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int jj = base + j;
-      const int nb2 = warp + WARPS * jj;
       const bool more = jj + R < MLP_J;
-      group_begin<T>(s2[j % D], z2[j % D], sf, zl, zh);
-      if (jj + D < MLP_J) mlp_sz(p.s2, p.z2, grp2, nblk2, nb2 + WARPS * D, g8, s2[j % D], z2[j % D]);
-      frag_each<1>([&](int i, int w, int e) { acc[i][w][e] = accg[i][w][e] = 0.f; });
-      const uint4* nxt = w2(more ? jj + R : jj);
+      uint4 w[U];
 #pragma unroll
       for (int kk = 0; kk < U; ++kk) {
-        const uint4 w = wr[j][kk];
-        group_step<T, 1>(w, hx[kk], zl, zh, accg);
-        ldg_stream16_if(wr[j][kk], nxt + kk * 32, more);
+        w[kk] = wq[j][kk];
+        ldg_stream16_if(wq[j][kk], w2(more ? jj + R : jj) + kk * 32, more);
       }
-      group_flush<1>(acc, accg, sf);
-      frag_each<1>([&](int, int w, int e) {
-        const int tok = 2 * t4 + (e & 1);
-        if (tok < m) __stcg(part + static_cast<size_t>(tok) * p.n2 + nb2 * 64 + 16 * w + 8 * (e >> 1) + g8, acc[0][w][e]);
-      });
+      const uint4 sj = s2[j % D], zj = z2[j % D];
+      if (jj + D < MLP_J) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * (jj + D), g8, s2[j % D], z2[j % D]);
+      down_block(jj, w, sj, zj);
     }
   }
   if (!p.fold) return;
@@ -282,12 +328,17 @@ __global__ void __launch_bounds__(256) mlp_sum_kernel(const float* __restrict__ 
 }  // namespace
 }  // namespace sdq_w4a16
 
-template <typename T, int EXTRA>
+template <typename T, int SM>
 int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
   using namespace sdq_w4a16;
   using C = V38;
-  constexpr int SMEM = mlp_smem<C>();
-  const auto kern = w4a16_mlp_kernel<T, C, EXTRA>;
+  constexpr int SMEM = mlp_smem<C, SM>();
+  const auto kern = w4a16_mlp_kernel<T, C, SM>;
+  static int slot[SDQ_DEVICES] = {};
+  const int rc = per_current_device(slot, [&] {
+    return static_cast<int>(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+  });
+  if (rc != cudaSuccess) return rc;
   if (p.fold) {  // the owners wait for every CTA: the whole grid must be resident at once
     int dev = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&dev);
@@ -306,14 +357,14 @@ int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-// 0 or a cudaError_t; -1: a shape, group or grid the kernel cannot run. extra: 0 or 2 (down chunks in flight past the
-// ring in phase 3)
+// 0 or a cudaError_t; -1: a shape, group or grid the kernel cannot run. extra: 0, or 4 (the SM = 4 build: phase 3's
+// chunks 2-5 and every down scale staged in shared memory from the start)
 extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, int extra, cudaStream_t stream) {
   using namespace sdq_w4a16;
   const SdqMlpParams& p = *pp;
   if (p.m < 1 || p.m > 8 || p.n1 % 128 || p.n2 != 64 * V38::WARPS * MLP_J ||
-      p.k1 % (16 * TIGHT_U * V38::KW * V38::D) || p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U || (extra != 0 && extra != 2))
+      p.k1 % (16 * TIGHT_U * V38::KW * V38::D) || p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U || (extra != 0 && extra != 4))
     return -1;
-  if (is_bf16) return extra ? mlp_launch_t<__nv_bfloat16, 2>(p, stream) : mlp_launch_t<__nv_bfloat16, 0>(p, stream);
-  return extra ? mlp_launch_t<half, 2>(p, stream) : mlp_launch_t<half, 0>(p, stream);
+  if (is_bf16) return extra ? mlp_launch_t<__nv_bfloat16, 4>(p, stream) : mlp_launch_t<__nv_bfloat16, 0>(p, stream);
+  return extra ? mlp_launch_t<half, 4>(p, stream) : mlp_launch_t<half, 0>(p, stream);
 }
