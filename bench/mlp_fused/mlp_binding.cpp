@@ -3,25 +3,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <cuda_runtime.h>
-
-struct SdqMlpParams {
-  const void* x;
-  const void* b1; const void* s1; const void* z1;
-  const void* b2; const void* s2; const void* z2;
-  float* partial;
-  void* out;
-  int m, k1, n1, n2;
-  int g1_k16, g2_k16;
-  int* counters;
-  int fold;
-  int what;
-};
-extern "C" int sdq_mlp_launch(const SdqMlpParams* p, int is_bf16, int extra, cudaStream_t stream);
+#include "w4a16_mlp.h"
 
 // y [m, n2] = down(silu(gate(x)) * up(x)) over two repack_cuda layouts (gate/up blocks alternating); partial: fp32
 // scratch of at least n1 / 128 * m * n2 floats
-// counters: int32 [2], zero (left zero); fold: sum in the kernel; extra: 0 / 2; what: 3 both kernels, 1 the MLP kernel,
+// counters: int32 [2], zero (left zero); fold: sum in the kernel; extra: 0 / 4; what: 3 both kernels, 1 the MLP kernel,
 // 2 the sum kernel only (timing breakdown; with 1 or 2 the output is not complete)
 torch::Tensor mlp(torch::Tensor x, torch::Tensor b1, torch::Tensor s1, torch::Tensor z1, torch::Tensor b2,
                   torch::Tensor s2, torch::Tensor z2, torch::Tensor partial, torch::Tensor counters, bool fold,

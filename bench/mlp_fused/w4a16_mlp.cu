@@ -16,20 +16,7 @@
 //    fp32 partial per block into partial[cta][m][n2].
 // mlp_sum_kernel then adds the partials of every CTA in CTA order (deterministic) and rounds to the output dtype.
 #include "w4a16_kernel.cuh"
-
-struct SdqMlpParams {
-  const void* x;                                   // [m, k1] activation dtype (rows 16-byte aligned), m <= 8
-  const void* b1; const void* s1; const void* z1;  // gate/up layout (repack_cuda): K = k1, N = n1, 64-feature blocks
-                                                   // alternating gate, up
-  const void* b2; const void* s2; const void* z2;  // down layout: K = n1 / 2, N = n2
-  float* partial;                                  // [n1 / 128, m, n2] fp32
-  void* out;                                       // [m, n2] activation dtype
-  int m, k1, n1, n2;
-  int g1_k16, g2_k16;                              // group sizes / 16 of the two layouts (>= 4, the chunk)
-  int* counters;                                   // fold: 2 ints, zero before and after a launch
-  int fold;                                        // 1: the last 64 CTAs to finish sum the partials (no second kernel)
-  int what;                                        // launch: 3 both kernels, 1 the MLP kernel only, 2 the sum only
-};
+#include "w4a16_mlp.h"
 
 namespace sdq_w4a16 {
 namespace {
@@ -60,8 +47,7 @@ constexpr int mlp_smem() {
 template <typename T, typename C, int SM>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const SdqMlpParams p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U, WARPS = C::WARPS;
-  constexpr int R = D;  // phase 3's ring (SM = 0)
-  static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % R == 0, "one gate block and its up block, 8 warps");
+  static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % D == 0, "one gate block and its up block, 8 warps");
   static_assert(SM == 0 || D + SM + D == MLP_J, "ring, shared memory, ring refills: the 8 down chunks");
   __shared__ int s_ticket;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -220,16 +206,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
       down_block(jj, w, ssm[(jj * 8 + g8) * 2], ssm[(jj * 8 + g8) * 2 + 1]);
     }
   }
-  for (int base = 0; SM == 0 && base < MLP_J; base += R) {
+  for (int base = 0; SM == 0 && base < MLP_J; base += D) {  // the ring of D
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
+    for (int j = 0; j < D; ++j) {
       const int jj = base + j;
-      const bool more = jj + R < MLP_J;
+      const bool more = jj + D < MLP_J;
       uint4 w[U];
 #pragma unroll
       for (int kk = 0; kk < U; ++kk) {
         w[kk] = wq[j][kk];
-        ldg_stream16_if(wq[j][kk], w2(more ? jj + R : jj) + kk * 32, more);
+        ldg_stream16_if(wq[j][kk], w2(more ? jj + D : jj) + kk * 32, more);
       }
       const uint4 sj = s2[j % D], zj = z2[j % D];
       if (jj + D < MLP_J) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * (jj + D), g8, s2[j % D], z2[j % D]);
@@ -357,8 +343,6 @@ int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-// 0 or a cudaError_t; -1: a shape, group or grid the kernel cannot run. extra: 0, or 4 (the SM = 4 build: phase 3's
-// chunks 2-5 and every down scale staged in shared memory from the start)
 extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, int extra, cudaStream_t stream) {
   using namespace sdq_w4a16;
   const SdqMlpParams& p = *pp;
