@@ -7,12 +7,11 @@
 
 // y [m, n2] = down(silu(gate(x)) * up(x)) over two repack_cuda layouts (gate/up blocks alternating); partial: fp32
 // scratch of at least n1 / 128 * m * n2 floats
-// counters: int32 [2], zero (left zero); fold: sum in the kernel; extra: 0 / 4; what: 3 both kernels, 1 the MLP kernel,
-// 2 the sum kernel only (timing breakdown; with 1 or 2 the output is not complete)
+// sum_v: 0 / 1 (the sum kernel's two forms); pdl: programmatic dependent launch; what: 3 both kernels, 1 the MLP
+// kernel, 2 the sum kernel only (timing breakdown; with 1 or 2 the output is not complete)
 torch::Tensor mlp(torch::Tensor x, torch::Tensor b1, torch::Tensor s1, torch::Tensor z1, torch::Tensor b2,
-                  torch::Tensor s2, torch::Tensor z2, torch::Tensor partial, torch::Tensor counters, bool fold,
-                  int64_t extra, int64_t what) {
-  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= 2, "counters: int32 [2]");
+                  torch::Tensor s2, torch::Tensor z2, torch::Tensor partial, int64_t sum_v, bool pdl,
+                  int64_t what) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x: a contiguous CUDA [M, K] matrix");
   TORCH_CHECK(b1.dim() == 4 && b2.dim() == 4 && b1.is_contiguous() && b2.is_contiguous(), "qweights: [N/64, K/16, 32, 4]");
   TORCH_CHECK(partial.scalar_type() == at::kFloat, "partial: fp32");
@@ -30,11 +29,10 @@ torch::Tensor mlp(torch::Tensor x, torch::Tensor b1, torch::Tensor s1, torch::Te
   p.m = static_cast<int>(m); p.k1 = static_cast<int>(k1); p.n1 = static_cast<int>(n1); p.n2 = static_cast<int>(n2);
   p.g1_k16 = static_cast<int>(k1 / 16 / s1.size(0));
   p.g2_k16 = static_cast<int>(n1 / 2 / 16 / s2.size(0));
-  p.counters = counters.data_ptr<int>();
-  p.fold = fold ? 1 : 0;
+  p.sum_v = static_cast<int>(sum_v);
+  p.pdl = pdl ? 1 : 0;
   p.what = static_cast<int>(what);
-  const int rc = sdq_mlp_launch(&p, x.scalar_type() == at::kBFloat16, static_cast<int>(extra),
-                                at::cuda::getCurrentCUDAStream());
+  const int rc = sdq_mlp_launch(&p, x.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(rc == 0, "sdq_mlp_launch: ", rc == -1 ? "shape not supported" : cudaGetErrorString(static_cast<cudaError_t>(rc)));
   return out;
 }

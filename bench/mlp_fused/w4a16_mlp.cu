@@ -15,6 +15,11 @@
 // 3. warp w: down blocks w, w + 8, ..., one chunk (64 K) each, the group arithmetic of the tight loop, and a 64-column
 //    fp32 partial per block into partial[cta][m][n2].
 // mlp_sum_kernel then adds the partials of every CTA in CTA order (deterministic) and rounds to the output dtype.
+// Run 2 measured two more builds, both slower and removed after it (tree fd3cb40): down chunks staged in shared memory
+// from the start, and the sum folded into the kernel by the last CTAs to finish (docs/BENCHMARKS.md).
+// pdl: both launches with programmatic dependent launch -- the MLP kernel issues its first weight loads, then waits
+// (griddepcontrol.wait) before it reads x or writes a partial and lets the sum kernel launch; the sum kernel waits
+// first. sum_v: 0 the first sum (8 partials a warp in flight), 1 every partial of a warp in flight at once.
 #include "w4a16_kernel.cuh"
 #include "w4a16_mlp.h"
 
@@ -33,23 +38,12 @@ __device__ __forceinline__ void mlp_sz(const void* s, const void* z, int g, int 
 template <typename C>
 constexpr int mlp_red_bytes() { return (C::KW - 1) * C::WNN * 16 * 32 * 4; }
 template <typename C>
-constexpr int mlp_base_smem() { return mlp_red_bytes<C>() + C::WNN * 8 * 64 * 4 + 8 * 64 * 2; }
-// SM > 0: after the base, down chunks D .. D + SM - 1 of every warp [WARPS][SM][U][32] uint4, then every down block's
-// scales and zeros [WARPS][MLP_J][8 g8][2] uint4, all copied by cp.async at the kernel's start
-template <typename C, int SM>
-constexpr int mlp_smem() {
-  return mlp_base_smem<C>() + (SM > 0 ? C::WARPS * SM * TIGHT_U * 32 * 16 + C::WARPS * MLP_J * 8 * 2 * 16 : 0);
-}
+constexpr int mlp_smem() { return mlp_red_bytes<C>() + C::WNN * 8 * 64 * 4 + 8 * 64 * 2; }
 
-// SM: down chunks of each warp staged in shared memory (cp.async at the start, with every down block's scales), so that
-// phase 3 waits on no load: chunks 0 .. D-1 come from the ring, D .. D+SM-1 from shared memory, the rest from ring
-// refills issued when chunks 0 .. D-1 are used. 0: phase 3 streams its 8 chunks through the ring of D.
-template <typename T, typename C, int SM>
+template <typename T, typename C>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const SdqMlpParams p) {
   constexpr int WNN = C::WNN, KW = C::KW, D = C::D, U = TIGHT_U, WARPS = C::WARPS;
   static_assert(WNN == 2 && WARPS == 8 && D % 2 == 0 && MLP_J % D == 0, "one gate block and its up block, 8 warps");
-  static_assert(SM == 0 || D + SM + D == MLP_J, "ring, shared memory, ring refills: the 8 down chunks");
-  __shared__ int s_ticket;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wn = warp % WNN, kw = warp / WNN;
@@ -91,23 +85,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   uint4 s_next, z_next;
 
-  uint4* wsm = reinterpret_cast<uint4*>(smem + mlp_base_smem<C>()) + warp * SM * U * 32;  // this warp's chunks
-  uint4* ssm = reinterpret_cast<uint4*>(smem + mlp_base_smem<C>()) + WARPS * SM * U * 32 + warp * MLP_J * 8 * 2;
-  if constexpr (SM > 0) {
-#pragma unroll
-    for (int j = 0; j < SM; ++j)
-#pragma unroll
-      for (int kk = 0; kk < U; ++kk) cp_async16<false>(wsm + (j * U + kk) * 32 + lane, w2(D + j) + kk * 32, 0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // lane 4 g8 + t4: blocks t4 and t4 + 4 of row g8
-      const int j = t4 + 4 * h;
-      const size_t o = (static_cast<size_t>(grp2) * nblk2 + warp + WARPS * j) * 8 + g8;
-      cp_async16<false>(ssm + (j * 8 + g8) * 2, reinterpret_cast<const uint4*>(p.s2) + o, 0);
-      cp_async16<false>(ssm + (j * 8 + g8) * 2 + 1, reinterpret_cast<const uint4*>(p.z2) + o, 0);
-    }
-    cp_async_commit();
-  }
-
   // 1. gate / up
   int grp = c0 / gc, cig = c0 % gc;
 #pragma unroll
@@ -115,6 +92,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
 #pragma unroll
     for (int kk = 0; kk < U; ++kk) ldg_stream16_if(wq[j][kk], src(j) + kk * 32, true);
   mlp_sz(p.s1, p.z1, grp, nblk1, nb, g8, s_next, z_next);
+  // everything above reads weights only; x and the partials belong to the kernels around this one (no-ops when
+  // launched without programmatic dependent launch)
+  griddep_wait();
+  griddep_launch_dependents();
   load_x(0, xq[0]);
   group_begin<T>(s_next, z_next, sf, zl, zh);
   if (gc - cig < nc) mlp_sz(p.s1, p.z1, grp + 1, nblk1, nb, g8, s_next, z_next);
@@ -142,13 +123,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
     }
   }
   group_flush<1>(acc, accg, sf);
-  // the ring's slots hold down chunks 0 .. D-1 now (the refills above); the first D down blocks' scales (SM = 0: none of
-  // it depends on h, in flight through the epilogue below)
+  // the ring's slots hold down chunks 0 .. D-1 now (the refills above); the first D down blocks' scales (none of it
+  // depends on h, in flight through the epilogue below)
   uint4 s2[D], z2[D];
-  if constexpr (SM == 0) {
 #pragma unroll
-    for (int j = 0; j < D; ++j) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * j, g8, s2[j], z2[j]);
-  }
+  for (int j = 0; j < D; ++j) mlp_sz(p.s2, p.z2, grp2, nblk2, warp + WARPS * j, g8, s2[j], z2[j]);
 
   // 2. h = silu(gate) * up for the CTA's 64 features
   reduce_k_warps<1, WNN, KW>(acc, smem, kw, wn, lane);
@@ -185,28 +164,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
       if (tok < m) __stcg(part + static_cast<size_t>(tok) * p.n2 + nb2 * 64 + 16 * ww + 8 * (e >> 1) + g8, acc[0][ww][e]);
     });
   };
-  if constexpr (SM > 0) {
-    cp_async_wait<0>();
-    __syncwarp();  // the scales other lanes of the warp copied
-#pragma unroll
-    for (int jj = 0; jj < MLP_J; ++jj) {
-      uint4 w[U];
-      if (jj < D || jj >= D + SM) {
-        const int slot = jj < D ? jj : jj - D - SM;
-#pragma unroll
-        for (int kk = 0; kk < U; ++kk) w[kk] = wq[slot][kk];
-        if (jj < D) {  // refill the slot with chunk jj + D + SM
-#pragma unroll
-          for (int kk = 0; kk < U; ++kk) ldg_stream16_if(wq[slot][kk], w2(jj + D + SM) + kk * 32, true);
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < U; ++kk) w[kk] = wsm[((jj - D) * U + kk) * 32 + lane];
-      }
-      down_block(jj, w, ssm[(jj * 8 + g8) * 2], ssm[(jj * 8 + g8) * 2 + 1]);
-    }
-  }
-  for (int base = 0; SM == 0 && base < MLP_J; base += D) {  // the ring of D
+  for (int base = 0; base < MLP_J; base += D) {  // the ring of D
 #pragma unroll
     for (int j = 0; j < D; ++j) {
       const int jj = base + j;
@@ -222,81 +180,41 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_mlp_kernel(const Sd
       down_block(jj, w, sj, zj);
     }
   }
-  if (!p.fold) return;
-  // the sum without a second kernel: the last 64 CTAs to count in each own one 64-column block of the output. They wait
-  // for the count to reach the grid (every CTA of the grid is resident: the launcher checks), then add that block's
-  // partials in CTA order (the sum kernel's order, so the same bits). The last of them to finish resets the counters.
-  const int ctas = gridDim.x, owners = nblk2;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters) : "memory");
-    s_ticket = old;
-  }
-  __syncthreads();
-  const int ob = s_ticket - (ctas - owners);
-  if (ob < 0) return;
-  if (threadIdx.x == 0) {
-    int seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(p.counters) : "memory");
-      if (seen < ctas) __nanosleep(32);
-    } while (seen < ctas);
-  }
-  __syncthreads();
-  {  // as mlp_sum_kernel: 8 warps over contiguous eighths of the CTAs, then warp 0 adds the eight in order
-    float2* red = reinterpret_cast<float2*>(smem);  // [8][32], free now
-    const int q0 = (ctas * warp) / 8, q1 = (ctas * (warp + 1)) / 8;
-    for (int row = 0; row < m; ++row) {
-      const float* src = p.partial + static_cast<size_t>(row) * p.n2 + ob * 64 + 2 * lane;
-      float2 sum = make_float2(0.f, 0.f);
-#pragma unroll 8
-      for (int q = q0; q < q1; ++q) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(src + static_cast<size_t>(q) * m * p.n2));
-        sum.x += v.x;
-        sum.y += v.y;
-      }
-      red[warp * 32 + lane] = sum;
-      __syncthreads();
-      if (warp == 0) {
-        float2 t = red[lane];
-#pragma unroll
-        for (int w = 1; w < 8; ++w) {
-          t.x += red[w * 32 + lane].x;
-          t.y += red[w * 32 + lane].y;
-        }
-        *reinterpret_cast<typename Ops<T>::T2*>(reinterpret_cast<T*>(p.out) + static_cast<size_t>(row) * p.n2 +
-                                                ob * 64 + 2 * lane) = Ops<T>::pack(t.x, t.y);
-      }
-      __syncthreads();
-    }
-  }
-  if (threadIdx.x == 0) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters + 1) : "memory");
-    if (old == owners - 1) {  // every owner is past its wait: reset for the next launch
-      p.counters[0] = 0;
-      p.counters[1] = 0;
-    }
-  }
 }
 
 // out[r, c] = round(sum over CTAs q (in order) of partial[q, r, c]); one CTA of 256 threads per 64 output columns of
-// one row: 8 warps each add a contiguous eighth of the CTAs (a float2 a lane), then warp 0 adds the eight in order
-template <typename T>
+// one row: 8 warps each add a contiguous eighth of the CTAs (a float2 a lane), then warp 0 adds the eight in order.
+// ALL: every one of the warp's partials loaded before the first add (at most QMAX a warp), so the sum waits on one L2
+// round trip instead of one per 8 partials; the adds keep the same order, so the bits are the same.
+constexpr int MLP_QMAX = 32;
+template <typename T, bool ALL>
 __global__ void __launch_bounds__(256) mlp_sum_kernel(const float* __restrict__ partial, T* __restrict__ out, int ctas,
                                                        int m, int n) {
   __shared__ float2 red[8][32];
+  griddep_wait();  // a no-op without programmatic dependent launch
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.y, col = blockIdx.x * 64 + 2 * lane;
   const int q0 = (ctas * warp) / 8, q1 = (ctas * (warp + 1)) / 8;
   float2 s = make_float2(0.f, 0.f);
   const float* src = partial + static_cast<size_t>(row) * n + col;
+  if constexpr (ALL) {
+    float2 v[MLP_QMAX];
+#pragma unroll
+    for (int i = 0; i < MLP_QMAX; ++i)
+      if (q0 + i < q1) v[i] = __ldcg(reinterpret_cast<const float2*>(src + static_cast<size_t>(q0 + i) * m * n));
+#pragma unroll
+    for (int i = 0; i < MLP_QMAX; ++i)
+      if (q0 + i < q1) {
+        s.x += v[i].x;
+        s.y += v[i].y;
+      }
+  } else {
 #pragma unroll 8
-  for (int q = q0; q < q1; ++q) {
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(src + static_cast<size_t>(q) * m * n));
-    s.x += v.x;
-    s.y += v.y;
+    for (int q = q0; q < q1; ++q) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(src + static_cast<size_t>(q) * m * n));
+      s.x += v.x;
+      s.y += v.y;
+    }
   }
   red[warp][lane] = s;
   __syncthreads();
@@ -314,41 +232,54 @@ __global__ void __launch_bounds__(256) mlp_sum_kernel(const float* __restrict__ 
 }  // namespace
 }  // namespace sdq_w4a16
 
-template <typename T, int SM>
+// cudaLaunchKernelEx, with programmatic dependent launch when pdl
+template <typename K, typename... A>
+int mlp_launch_ex(K kern, dim3 grid, dim3 block, int smem, bool pdl, cudaStream_t stream, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kern, args...));
+}
+
+template <typename T>
 int mlp_launch_t(const SdqMlpParams& p, cudaStream_t stream) {
   using namespace sdq_w4a16;
   using C = V38;
-  constexpr int SMEM = mlp_smem<C, SM>();
-  const auto kern = w4a16_mlp_kernel<T, C, SM>;
+  constexpr int SMEM = mlp_smem<C>();
+  const auto kern = w4a16_mlp_kernel<T, C>;
   static int slot[SDQ_DEVICES] = {};
   const int rc = per_current_device(slot, [&] {
     return static_cast<int>(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   });
   if (rc != cudaSuccess) return rc;
-  if (p.fold) {  // the owners wait for every CTA: the whole grid must be resident at once
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, C::THREADS, SMEM);
-    if (p.n1 / 128 > sms * per_sm || p.n1 / 128 < p.n2 / 64 || p.counters == nullptr) return -1;
-  }
   if (p.what & 1) {
-    kern<<<dim3(p.n1 / 128), dim3(C::THREADS), SMEM, stream>>>(p);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return static_cast<int>(e);
+    const int e = mlp_launch_ex(kern, dim3(p.n1 / 128), dim3(C::THREADS), SMEM, p.pdl, stream, p);
+    if (e != cudaSuccess) return e;
   }
-  if ((p.what & 2) && !p.fold)
-    mlp_sum_kernel<T><<<dim3(p.n2 / 64, p.m), 256, 0, stream>>>(p.partial, reinterpret_cast<T*>(p.out), p.n1 / 128,
-                                                                p.m, p.n2);
+  if (p.what & 2) {
+    T* out = reinterpret_cast<T*>(p.out);
+    const int ctas = p.n1 / 128;
+    const auto sum = p.sum_v ? mlp_sum_kernel<T, true> : mlp_sum_kernel<T, false>;
+    const int e = mlp_launch_ex(sum, dim3(p.n2 / 64, p.m), dim3(256), 0, p.pdl, stream,
+                                static_cast<const float*>(p.partial), out, ctas, p.m, p.n2);
+    if (e != cudaSuccess) return e;
+  }
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, int extra, cudaStream_t stream) {
+extern "C" int sdq_mlp_launch(const SdqMlpParams* pp, int is_bf16, cudaStream_t stream) {
   using namespace sdq_w4a16;
   const SdqMlpParams& p = *pp;
   if (p.m < 1 || p.m > 8 || p.n1 % 128 || p.n2 != 64 * V38::WARPS * MLP_J ||
-      p.k1 % (16 * TIGHT_U * V38::KW * V38::D) || p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U || (extra != 0 && extra != 4))
+      p.k1 % (16 * TIGHT_U * V38::KW * V38::D) || p.g1_k16 % TIGHT_U || p.g2_k16 % TIGHT_U ||
+      (p.sum_v && p.n1 / 128 > 8 * MLP_QMAX))
     return -1;
-  if (is_bf16) return extra ? mlp_launch_t<__nv_bfloat16, 4>(p, stream) : mlp_launch_t<__nv_bfloat16, 0>(p, stream);
-  return extra ? mlp_launch_t<half, 4>(p, stream) : mlp_launch_t<half, 0>(p, stream);
+  return is_bf16 ? mlp_launch_t<__nv_bfloat16>(p, stream) : mlp_launch_t<half>(p, stream);
 }

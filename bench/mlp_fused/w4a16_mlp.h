@@ -12,11 +12,10 @@ struct SdqMlpParams {
   void* out;                                       // [m, n2] activation dtype
   int m, k1, n1, n2;
   int g1_k16, g2_k16;                              // group sizes / 16 of the two layouts (>= 4, the chunk)
-  int* counters;                                   // fold: 2 ints, zero before and after a launch
-  int fold;                                        // 1: the last 64 CTAs to finish sum the partials (no second kernel)
+  int sum_v;                                       // the sum kernel: 0 8 partials a warp in flight, 1 all of them
+  int pdl;                                         // 1: both launches with programmatic dependent launch
   int what;                                        // launch: 3 both kernels, 1 the MLP kernel only, 2 the sum only
 };
 
-// 0 or a cudaError_t; -1: a shape, group or grid the kernel cannot run. extra: 0, or 4 (the SM = 4 build: phase 3's
-// chunks 2-5 and every down scale staged in shared memory from the start)
-extern "C" int sdq_mlp_launch(const SdqMlpParams* p, int is_bf16, int extra, cudaStream_t stream);
+// 0 or a cudaError_t; -1: a shape or group the kernels cannot run
+extern "C" int sdq_mlp_launch(const SdqMlpParams* p, int is_bf16, cudaStream_t stream);
