@@ -73,8 +73,6 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,4,8")
     ap.add_argument("--dtypes", default="bfloat16", help="activation dtypes, comma-separated (bfloat16, float16)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--zsym", action="store_true", help="also time each new build with zsym (the symmetric layouts' "
-                                                         "zero points not read; random_int4's codes are symmetric)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--point-timeout", type=float, default=180.0,
                     help="end the run if one (shape, M, config) point takes longer than this (a hung kernel); the "
@@ -112,14 +110,11 @@ def main(argv=None):
                 call = functools.partial(call, extra=())
                 outs[name] = call(0)
             calls[name] = call
-            if args.zsym and name != "old":  # the same build told that every zero point is 8 (the layouts are symmetric)
-                calls[name + "+zsym"] = functools.partial(call, extra=(0, True))
-                outs[name + "+zsym"] = calls[name + "+zsym"](0)
         ref = outs[base].float()
         got = {"identical": all(torch.equal(outs[base], o) for o in outs.values()),
                "identical_each": {name: torch.equal(outs[base], o) for name, o in outs.items() if name != base},
                "max_rel_vs_old": max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())}
-        ts = {name: [] for name in calls}
+        ts = {name: [] for name in exts}
         for _ in range(args.rounds):
             for name, call in calls.items():
                 ts[name].append(gemm.time_rotating(call, len(lays)))
@@ -141,7 +136,7 @@ def main(argv=None):
         del lays
         torch.cuda.empty_cache()
     save(True)
-    names = [nm for nm in rows[0] if nm in exts or nm.endswith("+zsym")] if rows else list(exts)
+    names = list(exts)
     print("\n| K×N | dtype | M | config | " + " | ".join(names) + " | identical to " + base + " |")
     print("|---|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:

@@ -377,7 +377,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     t0 = time.perf_counter()
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
-                        group_size=args.group_size, symmetric=not args.asymmetric, fused=spec.get("fused"))
+                        group_size=args.group_size, fused=spec.get("fused"))
     if spec.get("no_attention"):
         for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)
             blk.attn.attend = (lambda q_size: lambda qkv, cos, sin, mask, input_pos: qkv[..., :q_size].contiguous())(rt.d.q_size)
@@ -488,8 +488,6 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--prefill-trials", type=int, default=5)
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--asymmetric", action="store_true",
-                    help="random INT4 codes with zero points (sdquant's calibration default); default symmetric")
     ap.add_argument("--kernels", default="auto", help="QuantLinear.prepare kernels= (auto, cuda, triton, torch)")
     ap.add_argument("--mode", default="default", help="torch.compile mode for the block (CUDA graph is ours)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager on CPU)")

@@ -220,10 +220,8 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
             raise RuntimeError(f"int4_cuda unavailable: {int4_cuda._STATE.get('reason')}")
         lay = int4_layout.repack_cuda(qw, dtype)
         op = torch.ops.sdquant.w4a16_cuda
-        sym = qw.zeros is None   # as QuantLinear calls it: symmetric weights' zero points are not read
         return (lambda i: {kk: (None if v is None else v.clone()) for kk, v in lay.items()},
-                lambda c, x: op(x, c["qweight"], c["scales"], c["zeros"], c["perm"], c["locks"], None, sym=sym),
-                int4_bytes)
+                lambda c, x: op(x, c["qweight"], c["scales"], c["zeros"], c["perm"], c["locks"], None), int4_bytes)
     add("sdq_cuda", cuda_int4)
 
     def fp8_triton():

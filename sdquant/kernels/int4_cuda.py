@@ -42,9 +42,6 @@
                  target: automatic split-K (stream-K: the grid) aims at target / 2 CTAs per SM (0 = the variant's
                  default). Run 4 encoded configs as variant + 16 * target; every config it set had target 0, so
                  those values mean the same here.
-        sym      every zero point is 8 (a symmetric QuantizedWeight's layout; ``QuantLinear`` passes it): the
-                 kernels of ``load_group_sz`` (direct 8-12, tight 38-44, bulk 50-61) then use the constant and skip
-                 the zeros' 2 bytes a group column (2.9% of the bytes at group 128); the result is the same bits
 
 Variants 0-61 are best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32
 runs in one launch, larger M in 32-row launches that each re-read the weights. The wgmma kernel (62-63) takes 256
@@ -435,10 +432,8 @@ def _check(x, qweight, scales, zeros, perm):
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
 def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
-               splits: int = 0, evict_first: bool = False, config: int = -1, sym: bool = False) -> torch.Tensor:
-    """y = x @ W.T + bias over the CUDA fragment layout (see module docstring). ``sym``: every zero point is 8 (the
-    layout of symmetric weights), so the kernels that can skip reading ``zeros`` (the tight, direct and bulk-copy
-    ones) do; a promise about ``zeros``, not a change of the arithmetic (False is always correct)."""
+               splits: int = 0, evict_first: bool = False, config: int = -1) -> torch.Tensor:
+    """y = x @ W.T + bias over the CUDA fragment layout (see module docstring)."""
     k, n = _check(x, qweight, scales, zeros, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -457,14 +452,14 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
     y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                  _PDL[0], _XS[0], bool(sym))
+                  _PDL[0], _XS[0])
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
 
 
 @w4a16_cuda.register_fake
-def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1, sym=False):
+def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1):
     return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))
 
 
@@ -544,11 +539,11 @@ def fused_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, silu, resid, ga
 def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      locks: torch.Tensor, rms_ss: Optional[torch.Tensor], rms_eps: float, silu: bool,
                      resid: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
-                     config: int = -1, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     config: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, y2, ss) over the CUDA fragment layout with the fused RMSNorm / SiLU / residual ends (see above). x [..., K]
     with at most ``FUSED_MAX_M`` rows; rms_ss fp32 [..., T] (T <= 256); resid [..., N_out]; gamma [N_out]; y2 and ss
     (fp32 [..., N_out / 64]) are empty without gamma. N_out = N / 2 with ``silu``. config: a tight variant
-    (+ 64 * target), -1 = ``fused_config``. sym: every zero point is 8, as in ``w4a16_cuda``."""
+    (+ 64 * target), -1 = ``fused_config``."""
     k, n = _check(x, qweight, scales, zeros, None)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -579,14 +574,14 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
             x2 = x2.clone()
         y, y2, ss = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
                                     None if s2 is None else s2.float().contiguous(), float(rms_eps), bool(silu),
-                                    cont(d2), cont(gamma), bool(sym))
+                                    cont(d2), cont(gamma))
     if gamma is None:
         return y.reshape(*lead, n_out), y2, ss
     return y.reshape(*lead, n_out), y2.reshape(*lead, n_out), ss.reshape(*lead, n_out // FUSED_BLOCK)
 
 
 @w4a16_cuda_fused.register_fake
-def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, silu, resid, gamma, config=-1, sym=False):
+def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, silu, resid, gamma, config=-1):
     n_out = qweight.shape[0] * 64 // (2 if silu else 1)
     y = x.new_empty((*x.shape[:-1], n_out))
     if gamma is None:

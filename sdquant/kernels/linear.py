@@ -361,7 +361,7 @@ class QuantLinear(_Prepared):
         """Call ``op`` with the buffers of layout ``name`` matched to its schema's argument names."""
         op, arg_names = op_args
         values = {"x": x, "bias": self.bias, "group_size": self.group_size, "bits": self.bits,
-                  "in_features": self.in_features, "out_features": self.out_features, "sym": self.zeros is None}
+                  "in_features": self.in_features, "out_features": self.out_features}
         for attr in self._layout_keys[name]:
             values[attr[len(name) + 2:]] = getattr(self, attr)
         return op(**{a: values[a] for a in arg_names if a in values})
@@ -390,8 +390,7 @@ class QuantLinear(_Prepared):
         m = x.numel() // self.in_features
         cfg = int4_cuda.fused_config(m, self.out_features, self.in_features, x.dtype) if x.is_cuda else -1
         return torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"],
-                                                  rms_ss, float(eps), bool(silu), resid, gamma, cfg,
-                                                  sym=self.zeros is None)
+                                                  rms_ss, float(eps), bool(silu), resid, gamma, cfg)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

@@ -114,8 +114,7 @@ def test_opcheck():
         args.update(kw)
         torch.library.opcheck(torch.ops.sdquant.w4a16_cuda_fused,
                               (x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"], args["rms_ss"],
-                               args["rms_eps"], args["silu"], args["resid"], args["gamma"], args["config"]),
-                              {"sym": True})   # make_qw(..., True, ...): symmetric
+                               args["rms_eps"], args["silu"], args["resid"], args["gamma"], args["config"]))
 
 
 def test_refusals():
@@ -197,37 +196,6 @@ def test_fused_block_traces_fullgraph(gpu_like):
         got = torch.compile(_fused_block_call, fullgraph=True, backend="eager")(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-
-
-@pytest.mark.parametrize("sym", [True, False])
-def test_quant_linear_tells_the_cuda_ops_when_zero_points_are_8(gpu_like, monkeypatch, sym):
-    """A symmetric layer (canonical zeros None) calls both CUDA ops with sym=True, so that the kernels may skip its
-    zero-point stream; an asymmetric one with sym=False. Both match the reference (each op's own rounding)."""
-    from sdquant.kernels.linear import QuantLinear
-    qw = make_qw(128, 256, 64, sym, False, seed=4)
-    layer = QuantLinear(qw, None).prepare("cpu", DT, kernels="cuda")
-    assert "cuda" in layer._layout_keys and (layer.zeros is None) == sym
-    seen = []
-    op, names = layer._int4_ops["cuda"]
-    assert "sym" in names
-
-    def spy(**kw):
-        seen.append(kw["sym"])
-        return op(**kw)
-    layer._int4_ops["cuda"] = (spy, names)
-    fused = torch.ops.sdquant.w4a16_cuda_fused
-
-    def fused_spy(*a, **kw):
-        seen.append(kw["sym"])
-        return fused(*a, **kw)
-    monkeypatch.setattr(torch.ops.sdquant, "w4a16_cuda_fused", fused_spy)
-    x = torch.randn(2, 256).to(DT)
-    want = int_linear(x.float(), qw.qweight, qw.scales, qw.zeros, qw.g_idx, None, 4, 64, 256)
-    with torch.no_grad():
-        y = layer(x)
-        y2 = layer.forward_fused(x)[0]
-    assert seen == [sym, sym]
-    assert _rel(y, want) < 1e-2 and _rel(y2, want) < 1e-2
 
 
 def test_fused_is_off_without_the_cuda_kernel():

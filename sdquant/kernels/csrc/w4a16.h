@@ -24,10 +24,6 @@ struct SdqW4A16Params {
                        // first (direct kernel; the cp.async kernel waits at its start) and waits
                        // (griddepcontrol.wait) before it touches activations or the output. It
                        // lets the next kernel launch after its main loop (1) or right after its wait (2)
-  int zsym;            // 1: every zero point of zs is 8 (the layout of symmetric weights): load_group_sz's kernels
-                       // (direct, tight, bulk, feed; variants 8-12, 38-44, 50-61) read group 0's zeros for every
-                       // group (L2-resident) instead of the zeros stream, 2.9% fewer DRAM bytes at group 128; the
-                       // other kernels read zs as before
 };
 
 // The fused decode-block prologue / epilogue: the tight kernel (variants 38-41 and 43-44, group % 64 == 0, m <= 8) in a

@@ -34,13 +34,12 @@ void check_layout_args(const char* op, const torch::Tensor& x, const torch::Tens
 
 // The fields every entry sets from its layout: a / c point at the launch's first row of x / out, m rows of them
 void set_layout(SdqW4A16Params& p, const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                const torch::Tensor& zeros, bool zsym, const void* a, void* c, int64_t m) {
+                const torch::Tensor& zeros, const void* a, void* c, int64_t m) {
   const int64_t k = x.size(1);
   p.a = a;
   p.b = qweight.data_ptr();
   p.s = scales.data_ptr();
   p.zs = zeros.data_ptr();
-  p.zsym = zsym ? 1 : 0;
   p.c = c;
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(qweight.size(0) * 64);
@@ -51,7 +50,7 @@ void set_layout(SdqW4A16Params& p, const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
-                    int64_t pdl, int64_t xs, bool zsym) {
+                    int64_t pdl, int64_t xs) {
   check_layout_args("w4a16_cuda", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -67,7 +66,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
                                                 x.scalar_type() == at::kBFloat16, static_cast<int>(variant),
                                                 static_cast<int>(target2));
     SdqW4A16Params p{};
-    set_layout(p, x, qweight, scales, zeros, zsym, static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size(),
+    set_layout(p, x, qweight, scales, zeros, static_cast<const char*>(x.data_ptr()) + r0 * k * x.element_size(),
                static_cast<char*>(out.data_ptr()) + r0 * n * out.element_size(), rows);
     p.locks = locks.data_ptr<int>();
     p.splits = sp;
@@ -92,8 +91,7 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
 std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                        torch::Tensor zeros, torch::Tensor locks, int64_t variant, int64_t target2,
                                        int64_t pdl, c10::optional<torch::Tensor> rms_ss, double rms_eps, bool silu,
-                                       c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma,
-                                       bool zsym) {
+                                       c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
   check_layout_args("w4a16_fused", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), n = qweight.size(0) * 64;
   TORCH_CHECK(m >= 1 && m <= 8, "w4a16_fused: M=", m, " (the fused kernel takes 1..8 rows)");
@@ -116,7 +114,7 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   auto out2 = gamma ? at::empty({m, n_out}, x.options()) : at::empty({0}, x.options());
   auto ss_out = gamma ? at::empty({m, n_out / 64}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
   SdqW4A16FusedParams p{};
-  set_layout(p, x, qweight, scales, zeros, zsym, x.data_ptr(), out.data_ptr(), m);
+  set_layout(p, x, qweight, scales, zeros, x.data_ptr(), out.data_ptr(), m);
   p.locks = locks.data_ptr<int>();
   p.variant = static_cast<int>(variant);
   p.pdl = static_cast<int>(pdl);
@@ -158,7 +156,7 @@ torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({1, 1}, x.options());
   SdqW4A16Params p{};
-  set_layout(p, x, qweight, scales, zeros, false, x.data_ptr(), out.data_ptr(), x.size(0));
+  set_layout(p, x, qweight, scales, zeros, x.data_ptr(), out.data_ptr(), x.size(0));
   p.splits = 1;
   const int rc = sdq_w4a16_probe(&p, static_cast<int>(kind), static_cast<int>(ctas), at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(rc == 0, "read_probe: launch failed (code ", rc, ")");
@@ -172,15 +170,8 @@ int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentC
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  namespace py = pybind11;
-  // zsym: every zero point is 8 (symmetric weights); the kernels that take it skip reading the zeros (w4a16.h)
-  mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)", py::arg("x"), py::arg("qweight"),
-          py::arg("scales"), py::arg("zeros"), py::arg("locks"), py::arg("splits"), py::arg("evict_first"),
-          py::arg("variant"), py::arg("target2"), py::arg("pdl"), py::arg("xs"), py::arg("zsym") = false);
-  mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)",
-          py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("locks"), py::arg("variant"),
-          py::arg("target2"), py::arg("pdl"), py::arg("rms_ss"), py::arg("rms_eps"), py::arg("silu"),
-          py::arg("resid"), py::arg("gamma"), py::arg("zsym") = false);
+  mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
+  mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");

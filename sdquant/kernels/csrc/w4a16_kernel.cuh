@@ -305,16 +305,12 @@ __device__ __forceinline__ void warp_stages(const SdqW4A16Params& p, int kw, boo
   iters = active ? b - a : 0;
 }
 
-// The scales and zeros of group g of 64-feature block nb: lane g8's 16 bytes of each ([g, n/64, 8, 8] layouts). With
-// p.zsym (every zero point is 8) the zeros of group 0 serve every group: one 128-byte row a block, read from L2 after
-// the first group, instead of a DRAM stream beside the scales (a select, not a branch: the tight kernels' 128-register
-// budget does not take a second load path).
+// The scales and zeros of group g of 64-feature block nb: lane g8's 16 bytes of each ([g, n/64, 8, 8] layouts).
 __device__ __forceinline__ void load_group_sz(const SdqW4A16Params& p, int g, int nblk, int nb, int g8, uint4& s,
                                               uint4& z) {
   const size_t o = (static_cast<size_t>(g) * nblk + nb) * 8 + g8;
-  const size_t oz = (static_cast<size_t>(p.zsym ? 0 : g) * nblk + nb) * 8 + g8;
   s = __ldg(reinterpret_cast<const uint4*>(p.s) + o);
-  z = __ldg(reinterpret_cast<const uint4*>(p.zs) + oz);
+  z = __ldg(reinterpret_cast<const uint4*>(p.zs) + o);
 }
 
 // The B fragments (activations) of KS consecutive K steps at element offset off of xsrc = (row 0) + 2 t (+ a base),
