@@ -166,10 +166,10 @@ def tinygemm_pack(qw: QuantizedWeight, dtype=torch.bfloat16):
 # --------------------------------------------------------------------------------------------- providers
 def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
     """name -> (make(copy_index) -> ctx, run(ctx, x) -> y, weight bytes). Failures become None entries."""
-    qw = random_int4(n, k, device=dev)
+    qw = random_int4(n, k, GS, device=dev)
     w_ref = qw.dequantize(dtype)                          # [N, K] the dense weight every int4 path represents
     provs = {}
-    int4_bytes = n * k // 2 + n * (k // GS) * 2 * 2
+    int4_bytes = n * k // 2 + n * (k // (k if GS == -1 else GS)) * 2 * 2
 
     def add(name, factory):
         if name not in which:
@@ -183,6 +183,8 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
     add("bf16", lambda: (lambda i: w_ref.clone(), lambda w, x: torch.nn.functional.linear(x, w), n * k * 2))
 
     def tinygemm():
+        if GS == -1:
+            raise ValueError("torch's int4 kernel takes groups of 32-256, not per channel")
         w, sz = tinygemm_pack(qw, dtype)
         return (lambda i: (w.clone(), sz.clone()), lambda c, x: torch._weight_int4pack_mm(x, c[0], GS, c[1]),
                 int4_bytes)
@@ -330,6 +332,7 @@ def table(rows, kernels) -> str:
 
 
 def main(argv=None):
+    global GS  # --group-size sets the module default that the providers and the table use
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in RUN_ORDER))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
@@ -337,7 +340,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--group-size", type=int, default=GS, help="INT4 group size of the random weights (-1: per channel)")
     a = ap.parse_args(argv)
+    GS = a.group_size
     dev = torch.device("cuda")
     dtype = getattr(torch, a.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
