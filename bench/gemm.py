@@ -164,12 +164,13 @@ def tinygemm_pack(qw: QuantizedWeight, dtype=torch.bfloat16):
 
 
 # --------------------------------------------------------------------------------------------- providers
-def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
-    """name -> (make(copy_index) -> ctx, run(ctx, x) -> y, weight bytes). Failures become None entries."""
-    qw = random_int4(n, k, GS, device=dev)
+def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int = GS):
+    """name -> (make(copy_index) -> ctx, run(ctx, x) -> y, weight bytes). Failures become None entries. gs: the
+    INT4 group size of the random weights (-1: per channel)."""
+    qw = random_int4(n, k, gs, device=dev)
     w_ref = qw.dequantize(dtype)                          # [N, K] the dense weight every int4 path represents
     provs = {}
-    int4_bytes = n * k // 2 + n * (k // (k if GS == -1 else GS)) * 2 * 2
+    int4_bytes = n * k // 2 + n * (k // (k if gs == -1 else gs)) * 2 * 2
 
     def add(name, factory):
         if name not in which:
@@ -183,10 +184,10 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log):
     add("bf16", lambda: (lambda i: w_ref.clone(), lambda w, x: torch.nn.functional.linear(x, w), n * k * 2))
 
     def tinygemm():
-        if GS == -1:
+        if gs == -1:
             raise ValueError("torch's int4 kernel takes groups of 32-256, not per channel")
         w, sz = tinygemm_pack(qw, dtype)
-        return (lambda i: (w.clone(), sz.clone()), lambda c, x: torch._weight_int4pack_mm(x, c[0], GS, c[1]),
+        return (lambda i: (w.clone(), sz.clone()), lambda c, x: torch._weight_int4pack_mm(x, c[0], gs, c[1]),
                 int4_bytes)
     add("tinygemm", tinygemm)
 
@@ -261,12 +262,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None):
+def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None, gs: int = GS):
     """Time every kernel in ``which`` at every (K, N) x M; ``on_shape(rows)`` after each shape (partial saves)."""
     rows = []
     for (k, n) in shapes:
         t0 = time.time()
-        provs, w_ref = build_providers(n, k, dev, dtype, which, log_fn)
+        provs, w_ref = build_providers(n, k, dev, dtype, which, log_fn, gs)
         ctx_cache: dict = {}
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=dtype)
@@ -332,7 +333,6 @@ def table(rows, kernels) -> str:
 
 
 def main(argv=None):
-    global GS  # --group-size sets the module default that the providers and the table use
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in RUN_ORDER))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
@@ -342,7 +342,6 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group-size", type=int, default=GS, help="INT4 group size of the random weights (-1: per channel)")
     a = ap.parse_args(argv)
-    GS = a.group_size
     dev = torch.device("cuda")
     dtype = getattr(torch, a.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -351,7 +350,7 @@ def main(argv=None):
     bw = copy_bandwidth(dev)
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
-            "dtype": a.dtype, "group_size": GS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "dtype": a.dtype, "group_size": a.group_size, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": os.environ.get("SDQUANT_COMMIT"), "src_digest": provenance.source_digest()}
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
@@ -359,7 +358,7 @@ def main(argv=None):
         tmp = Path(a.out) / "gemm.json.tmp"
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, Path(a.out) / "gemm.json")
-    rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check, on_shape=save)
+    rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check, on_shape=save, gs=a.group_size)
     save(rows)
     log(table(rows, kernels))
 

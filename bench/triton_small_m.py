@@ -216,12 +216,9 @@ def check_layout_configs(dev, configs: dict, cases, run, skip, log_fn, guard=Non
     return passing, rows, summary
 
 
-# --locks: the configs run with the layout's split-K counters, as QuantLinear calls them (the GEMV at M = 1 then sums
-# its splits in the kernel); without: the second pass
-LOCKS = [False]
-
-
-def check_configs(dev, configs: dict, dry: bool) -> tuple:
+def check_configs(dev, configs: dict, dry: bool, locks: bool = False) -> tuple:
+    """locks (--locks): the configs run with the layout's split-K counters, as QuantLinear calls them (the GEMV at
+    M = 1 then sums its splits in the kernel); without: the second pass. The same for ``sweep``."""
     from sdquant.kernels import int4_triton
     from sdquant.kernels import int4_triton_gemv as G
     cases = CHECK_CASES if not dry else [(256, 128, 64, False, True, "bfloat16", (1, 3, 16), (0, 2)),
@@ -232,7 +229,7 @@ def check_configs(dev, configs: dict, dry: bool) -> tuple:
             return int4_triton.w4a16_triton_impl(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], None,
                                                  force_path="splitk", config={"SPLIT_K": sp} if sp else None)
         return G.run(x, lay["qweight"], lay["scales"], lay["zs"], lay["perm"], g, {**cfg, "SPLIT_K": sp},
-                     lay["locks"] if LOCKS[0] else None)
+                     lay["locks"] if locks else None)
 
     def skip(name, cfg, m, ci):
         return (cfg is not None and cfg["kernel"] == "gemv" and m > 4) or \
@@ -286,7 +283,7 @@ def time_calls(calls: dict, ref, k: int, n: int, m: int, timer, copy_bw: float, 
 
 
 def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget_s: float, dry: bool,
-          on_shape=None) -> list:
+          on_shape=None, locks: bool = False) -> list:
     import torch
 
     import gemm
@@ -335,7 +332,7 @@ def sweep(dev, shapes, ms, configs: dict, use_cuda: bool, copy_bw: float, budget
 
                 def new_call(i, cfg=cfg):
                     c = tlays[i % len(tlays)]
-                    return G.run(x, c["qweight"], c["scales"], c["zs"], None, GS, cfg, c["locks"] if LOCKS[0] else None)
+                    return G.run(x, c["qweight"], c["scales"], c["zs"], None, GS, cfg, c["locks"] if locks else None)
                 calls[name] = (new_call, len(tlays), int4_bytes)
             sms = G.num_sms(dev)
             res = time_calls(calls, ref, k, n, m, timer, copy_bw, rows,
@@ -445,7 +442,6 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="comma-separated config names to check and time (default: all)")
     ap.add_argument("--locks", action="store_true", help="pass the layout's split-K counters (the op's default use)")
     a = ap.parse_args(argv)
-    LOCKS[0] = a.locks
     if a.dry:
         os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported (the library's @jit helpers)
     os.environ.setdefault("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")
@@ -483,7 +479,7 @@ def main(argv=None):
     meta["copy_TBps"] = copy_bw
     log(f"device {meta['device']} torch {torch.__version__} triton {triton.__version__} commit {meta['commit']} "
         f"copy {copy_bw:.2f} TB/s [{elapsed():.0f} s]")
-    passing, crows, csum = check_configs(dev, configs, a.dry)
+    passing, crows, csum = check_configs(dev, configs, a.dry, a.locks)
     log(f"passing configs: {passing} [{elapsed():.0f} s]")
     use_cuda = False
     if child is not None:
@@ -510,7 +506,7 @@ def main(argv=None):
     save([])
     rows = []
     try:
-        rows = sweep(dev, shapes, ms, timed, use_cuda, copy_bw, a.budget_s, a.dry, on_shape=save)
+        rows = sweep(dev, shapes, ms, timed, use_cuda, copy_bw, a.budget_s, a.dry, on_shape=save, locks=a.locks)
     except Exception as ex:  # noqa: BLE001 - keep what was measured
         import traceback
         log(f"sweep aborted: {type(ex).__name__}: {str(ex)[:300]}\n{traceback.format_exc()[-1500:]}")
