@@ -2,7 +2,7 @@
 
 ``int4_triton`` dispatches M <= 16 here (per M bucket, ``int4_triton.SMALL_M_PLAN``); nothing in this module
 registers an op. Two kernels, both split-K over every SM. The splits of an output tile are summed in a fixed
-order (deterministic) by a second pass (``_reduce_kernel``: no atomics, no scratch), or, in the GEMV at M = 1 when
+order (deterministic) by a second pass (``_reduce_kernel``: no atomics, no memset), or, in the GEMV at M = 1 when
 the caller passes split-K counters (``locks``, int32 [>= N/BLOCK_N], zero before and after a call), inside the
 kernel by the last program of the tile to finish (``_fold``: a CTA barrier, one acq_rel atomic, the partials read
 through L2; the CUDA kernels' count-in), which saves the second launch. Both sum in the same order from the same
