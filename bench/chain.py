@@ -83,18 +83,18 @@ def main(argv=None) -> int:
             return fused(L, x, **kw)
 
         def run(x):
-            m = x.shape[0]
-            xg, ss = x, ss_static.expand(m, -1).contiguous() if m > 1 else ss_static
+            ss_m = ss_static.expand(x.shape[0], -1).contiguous()
+            xg, ss = x, ss_m
             for L in layers:
                 q = gemm_of(mq, L["qkv"], xg, rms_ss=ss)[0]
                 h, hg, hss = gemm_of(mo, L["o"], q[:, :HID], resid=x, gamma=L["ffn_norm"])
                 if hg is None:
-                    hg, hss = h, ss_static
+                    hg, hss = h, ss_m
                 g = gemm_of(mg, L["gate_up"], hg, rms_ss=hss, silu=True)[0]
                 if g.shape[-1] != FFN:
                     g = g[:, :FFN]
                 x, xg2, ss2 = gemm_of(md, L["down"], g, resid=h, gamma=L["next_norm"])
-                xg, ss = (x, ss_static) if xg2 is None else (xg2, ss2)
+                xg, ss = (x, ss_m) if xg2 is None else (xg2, ss2)
             return x
         return run
 
