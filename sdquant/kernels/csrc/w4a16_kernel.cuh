@@ -773,7 +773,7 @@ struct Kern {
   static int configure() {  // once per instantiation and device: the attribute is per function, not per call
     static int slot[SDQ_DEVICES] = {};
     return per_current_device(slot, [] {
-      return static_cast<int>(cudaFuncSetAttribute(kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+      return set_smem_attrs(kernel(), SMEM);
     });
   }
   static cudaLaunchAttribute pdl_attr() {  // programmatic dependent launch
@@ -1017,7 +1017,7 @@ int launch_tight_fused(const SdqW4A16FusedParams& p, cudaStream_t stream) {
   const auto kern = w4a16_tight_kernel<T, F, 1>;
   static int slot[SDQ_DEVICES] = {};  // once per instantiation and device
   const int rc = per_current_device(slot, [&] {
-    return static_cast<int>(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    return set_smem_attrs(kern, SMEM);
   });
   if (rc != cudaSuccess) return rc;
   cudaLaunchConfig_t cfg = {};

@@ -862,7 +862,7 @@ struct WgHost {
   static int setup() {
     static int slot[SDQ_DEVICES] = {};
     return per_current_device(slot, [] {
-      return static_cast<int>(cudaFuncSetAttribute(D::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, D::SMEM));
+      return set_smem_attrs(D::kernel, D::SMEM);
     });
   }
   static int per_sm() {  // (the schedule choice asks at every launch of the 128-token tile)
