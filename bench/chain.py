@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ms", default="1")
+    ap.add_argument("--sweep", default="",
+                    help="tight variants (e.g. 38,39,40,41): the FFFF chain again with one role at a time on each")
     ap.add_argument("--modes", default="PPPP,FFFF,NNNN,FPPP,PFPP,PPFP,PPPF",
                     help="one letter a role (qkv, o, gate/up, down): P plain, F fused with its ends, N fused, no end")
     a = ap.parse_args(argv)
@@ -63,24 +65,27 @@ def main(argv=None) -> int:
     def plain(L, x):
         return torch.ops.sdquant.w4a16_cuda(x, L["qweight"], L["scales"], L["zeros"], None, L["locks"], None)
 
-    def fused(L, x, **kw):
+    def fused(L, x, cfg=-1, **kw):
         return torch.ops.sdquant.w4a16_cuda_fused(x, L["qweight"], L["scales"], L["zeros"], L["locks"],
                                                   kw.get("rms_ss"), 1e-5, kw.get("silu", False), kw.get("resid"),
-                                                  kw.get("gamma"))
+                                                  kw.get("gamma"), cfg)
 
     ss_static = int4_cuda.block_sumsq(torch.randn(1, HID, device=dev, dtype=dt), HID)
 
-    def make_chain(mode: str):
+    def make_chain(mode: str, cfgs=None):
         """mode: one letter a role (qkv, o, gate/up, down): P plain op, F fused op with its ends, N the fused build
-        with no end. A fused consumer whose producer is not fused reads a fixed statistic of the right shape."""
+        with no end. A fused consumer whose producer is not fused reads a fixed statistic of the right shape.
+        cfgs: {role: config} for the fused ops (default: ``fused_config``'s)."""
         mq, mo, mg, md = mode
+        cfgs = cfgs or {}
 
         def gemm_of(kind, L, x, **kw):
+            role = next(r for r, v in SHAPES.items() if v == (L["qweight"].shape[1] * 16, L["qweight"].shape[0] * 64))
             if kind == "P":
                 return plain(L, x), None, None
             if kind == "N":
-                return fused(L, x)[0], None, None
-            return fused(L, x, **kw)
+                return fused(L, x, cfgs.get(role, -1))[0], None, None
+            return fused(L, x, cfgs.get(role, -1), **kw)
 
         def run(x):
             ss_m = ss_static.expand(x.shape[0], -1).contiguous()
@@ -136,6 +141,9 @@ def main(argv=None) -> int:
                 for mode in modes:
                     r[mode + tag], y = graph_time(make_chain(mode), x)
                 r["PPPP" + tag + "_2"], _ = graph_time(make_chain("PPPP"), x)
+                for v in [int(t) for t in a.sweep.split(",") if t]:
+                    for role in SHAPES:
+                        r[f"FFFF_{role}{v}{tag}"], _ = graph_time(make_chain("FFFF", {role: v}), x)
                 for name, (k, n) in SHAPES.items():
                     lays = [layers[i][name] for i in range(a.layers)]
                     xi = torch.randn(m, k, device=dev, dtype=dt)
@@ -159,6 +167,16 @@ def main(argv=None) -> int:
             ch = " | ".join(str(r[md + tag]) for md in modes)
             print(f"| {r['M']} | {lab} | {r['qkv' + tag]} | {r['o' + tag]} | {r['gate_up' + tag]} | {r['down' + tag]} | "
                   f"{r['sum' + tag]} | {ch} | {r['PPPP' + tag + '_2']} |")
+    if a.sweep:
+        vs = [int(t) for t in a.sweep.split(",") if t]
+        print("\nFFFF chain, one role's fused config forced (µs a layer; default configs: "
+              + ", ".join(f"{role} {int4_cuda.fused_config(1, n, k)}" for role, (k, n) in SHAPES.items()) + ")")
+        print("| M | PDL | role | " + " | ".join(f"v{v}" for v in vs) + " |")
+        print("|---|---|---|" + "---|" * len(vs))
+        for r in rows:
+            for tag, lab in (("", "off"), ("_pdl", "on")):
+                for role in SHAPES:
+                    print(f"| {r['M']} | {lab} | {role} | " + " | ".join(str(r[f'FFFF_{role}{v}{tag}']) for v in vs) + " |")
     print(f"wall {time.time() - t0:.0f} s")
     return 0
 
