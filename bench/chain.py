@@ -11,7 +11,8 @@ CUDA graph replays the whole stack; median of ``--reps`` replays, µs a layer:
   both residual adds and the next norm's statistic), N the fused build with no end. Each GEMM reads the previous
   output (a slice where the widths differ), so the chain's dependencies are the decode step's; the attention is a
   slice of the qkv output. PPPP = the plain kernels, FFFF = the decode default, FFFP = the default less down's ends;
-- each GEMM alone, back to back with itself in a graph (bench/gemm.py's ``time_rotating``, weights rotated past L2).
+- each GEMM alone, back to back with itself in a graph (bench/gemm.py's ``time_rotating``, weights rotated past L2),
+  the plain op and the fused build with no end.
 Each with and without programmatic dependent launch (the pipeline's default, early trigger).
 """
 from __future__ import annotations
@@ -148,10 +149,12 @@ def main(argv=None) -> int:
                     lays = [layers[i][name] for i in range(a.layers)]
                     xi = torch.randn(m, k, device=dev, dtype=dt)
                     r[f"{name}{tag}"] = round(gemm.time_rotating(lambda i: plain(lays[i], xi), len(lays)), 2)
+                    r[f"{name}_n{tag}"] = round(gemm.time_rotating(lambda i: fused(lays[i], xi)[0], len(lays)), 2)
             finally:
                 int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
         for tag in ("", "_pdl"):
             r["sum" + tag] = round(sum(r[f"{name}{tag}"] for name in SHAPES), 2)
+            r["sum_n" + tag] = round(sum(r[f"{name}_n{tag}"] for name in SHAPES), 2)
         rows.append(r)
         print(json.dumps(r), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
@@ -167,6 +170,13 @@ def main(argv=None) -> int:
             ch = " | ".join(str(r[md + tag]) for md in modes)
             print(f"| {r['M']} | {lab} | {r['qkv' + tag]} | {r['o' + tag]} | {r['gate_up' + tag]} | {r['down' + tag]} | "
                   f"{r['sum' + tag]} | {ch} | {r['PPPP' + tag + '_2']} |")
+    print("\nEach GEMM alone, back to back with itself: plain / the fused build with no end (µs)")
+    print("| M | PDL | " + " | ".join(SHAPES) + " | sum |")
+    print("|---|---|" + "---|" * (len(SHAPES) + 1))
+    for r in rows:
+        for tag, lab in (("", "off"), ("_pdl", "on")):
+            print(f"| {r['M']} | {lab} | " + " | ".join(f"{r[n + tag]} / {r[n + '_n' + tag]}" for n in SHAPES)
+                  + f" | {r['sum' + tag]} / {r['sum_n' + tag]} |")
     if a.sweep:
         vs = [int(t) for t in a.sweep.split(",") if t]
         print("\nFFFF chain, one role's fused config forced (µs a layer; default configs: "
