@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     for i in range(a.layers):
         lay = {}
         for j, (name, (k, n)) in enumerate(SHAPES.items()):
-            lay[name] = int4_layout.repack_cuda(gemm.random_int4(n, k, 128, True, False, device=dev, seed=97 * i + j), dt)
+            qw = gemm.random_int4(n, k, 128, True, False, device=dev, seed=97 * i + j)
+            lay[name] = int4_layout.repack_cuda(qw, dt)
         lay["ffn_norm"] = (1 + 0.1 * torch.randn(HID, device=dev)).to(dt)
         lay["next_norm"] = (1 + 0.1 * torch.randn(HID, device=dev)).to(dt)
         layers.append(lay)
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-            "src_digest": provenance.source_digest(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "src_digest": provenance.source_digest(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
             "layers": a.layers, "reps": a.reps}
     tmp = out / "chain.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
     for r in rows:
         for tag, lab in (("", "off"), ("_pdl", "on")):
             ch = " | ".join(str(r[md + tag]) for md in modes)
-            print(f"| {r['M']} | {lab} | {r['qkv' + tag]} | {r['o' + tag]} | {r['gate_up' + tag]} | {r['down' + tag]} | "
+            print(f"| {r['M']} | {lab} | {r['qkv' + tag]} | {r['o' + tag]} | {r['gate_up' + tag]} | "
+                  f"{r['down' + tag]} | "
                   f"{r['sum' + tag]} | {ch} | {r['PPPP' + tag + '_2']} |")
     print("\nEach GEMM alone, back to back with itself: plain / the fused build with no end (µs)")
     print("| M | PDL | " + " | ".join(SHAPES) + " | sum |")
@@ -186,7 +189,8 @@ def main(argv=None) -> int:
         for r in rows:
             for tag, lab in (("", "off"), ("_pdl", "on")):
                 for role in SHAPES:
-                    print(f"| {r['M']} | {lab} | {role} | " + " | ".join(str(r[f'FFFF_{role}{v}{tag}']) for v in vs) + " |")
+                    cells = " | ".join(str(r[f"FFFF_{role}{v}{tag}"]) for v in vs)
+                    print(f"| {r['M']} | {lab} | {role} | {cells} |")
     print(f"wall {time.time() - t0:.0f} s")
     return 0
 

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import cuda_exp  # noqa: E402
 
 SRC = ROOT / "bench" / "mlp_fused"
 GS = 128
@@ -38,42 +39,6 @@ VARIANTS = [(0, False), (1, False), (1, True)]
 
 def vname(v) -> str:
     return f"mlp_s{v[0]}{'_pdl' if v[1] else ''}"
-
-
-@contextlib.contextmanager
-def pdl_on():
-    """The shipped CUDA ops launched with programmatic dependent launch (the e2e default's early trigger) inside."""
-    from sdquant.kernels import int4_cuda
-    old = int4_cuda.set_pdl(True, early_trigger=True)
-    try:
-        yield
-    finally:
-        int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
-
-
-def compile_only(out_dir: Path) -> int:
-    from sdquant.kernels import int4_cuda
-    nvcc = int4_cuda.nvcc_path()
-    if nvcc is None:
-        print("nvcc not found")
-        return 2
-    cmd = [nvcc, "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES, "-Xptxas", "-v",
-           f"-I{int4_cuda.CSRC}", str(SRC / "w4a16_mlp.cu"), "-o", str(out_dir / "w4a16_mlp.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    print(r.stdout[-3000:] + r.stderr[-6000:])
-    return r.returncode
-
-
-def build():
-    import torch
-    from torch.utils.cpp_extension import load
-
-    from sdquant.kernels import int4_cuda
-    d = Path(os.environ.get("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")) / "mlp_fused"
-    d.mkdir(parents=True, exist_ok=True)
-    return load(name="sdquant_mlp_fused_exp", sources=[str(SRC / "mlp_binding.cpp"), str(SRC / "w4a16_mlp.cu")],
-                extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=int4_cuda.NVCC_FLAGS,
-                extra_include_paths=[str(int4_cuda.CSRC)], build_directory=str(d), verbose=False), torch
 
 
 def main(argv=None) -> int:
@@ -87,9 +52,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.compile_only:
-        return compile_only(out)
+        return cuda_exp.compile_only(SRC / "w4a16_mlp.cu", out)
     t0 = time.time()
-    ext, torch = build()
+    ext, torch = cuda_exp.build("sdquant_mlp_fused_exp", [SRC / "mlp_binding.cpp", SRC / "w4a16_mlp.cu"], "mlp_fused")
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     import gemm
     import provenance
@@ -164,7 +129,7 @@ def main(argv=None) -> int:
                       ("mlp_sum1_only", exp(1, False, 2), False),
                       ("baseline_2", base, False), ("baseline_pdl_2", base, True), ("mlp_s1_pdl_2", exp(1, True), False)]
             for name, fn, pdl in timed:
-                with pdl_on() if pdl else contextlib.nullcontext():
+                with cuda_exp.pdl_on() if pdl else contextlib.nullcontext():
                     r[name] = round(gemm.time_rotating(fn, len(lays)), 2)
             # each form against the baseline launched the same way (PDL or not), the better of its two timings
             r["ratio"] = round(min(r["mlp_s1"], r["mlp_s0"]) / min(r["baseline"], r["baseline_2"]), 3)

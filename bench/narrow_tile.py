@@ -18,10 +18,8 @@ process, both ops also with programmatic dependent launch (the decode pipeline's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import cuda_exp  # noqa: E402
 
 SRC = ROOT / "bench" / "narrow"
 # variant -> (tiles a CTA, K-warps, ring depth, CTAs a SM in __launch_bounds__); must match w4a16_narrow.cu
@@ -39,7 +39,8 @@ SHAPES = [(4096, 4096), (4096, 6144), (14336, 4096), (4096, 28672), (8192, 10240
 
 # ------------------------------------------------------------------------------------------- the layout (CPU too)
 def narrow_from_cuda(layout: dict) -> dict:
-    """int4_layout.repack_cuda's layout -> the narrow one: qweight [N/16, K/64, 32, 4], scales / zeros [G, N/16, 8, 2]."""
+    """int4_layout.repack_cuda's layout -> the narrow one: qweight [N/16, K/64, 32, 4], scales / zeros
+    [G, N/16, 8, 2]."""
     q = layout["qweight"]                                                     # [NB, K/16, 32, 4 w]
     nb, kb = q.shape[0], q.shape[1]
     if kb % 4:
@@ -80,43 +81,6 @@ def dequantize_narrow(nl: dict) -> "torch.Tensor":
     return (w - z) * s
 
 
-# ------------------------------------------------------------------------------------------- build
-def compile_only(out_dir: Path) -> int:
-    from sdquant.kernels import int4_cuda
-    nvcc = int4_cuda.nvcc_path()
-    if nvcc is None:
-        print("nvcc not found")
-        return 2
-    cmd = [nvcc, "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES, "-Xptxas", "-v",
-           f"-I{int4_cuda.CSRC}", str(SRC / "w4a16_narrow.cu"), "-o", str(out_dir / "w4a16_narrow.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    print(r.stdout[-6000:] + r.stderr[-8000:])
-    return r.returncode
-
-
-def build():
-    import torch
-    from torch.utils.cpp_extension import load
-
-    from sdquant.kernels import int4_cuda
-    d = Path(os.environ.get("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")) / "narrow_tile"
-    d.mkdir(parents=True, exist_ok=True)
-    return load(name="sdquant_narrow_exp", sources=[str(SRC / "narrow_binding.cpp"), str(SRC / "w4a16_narrow.cu")],
-                extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=int4_cuda.NVCC_FLAGS,
-                extra_include_paths=[str(int4_cuda.CSRC)], build_directory=str(d), verbose=False), torch
-
-
-@contextlib.contextmanager
-def pdl_on():
-    """The shipped CUDA op launched with programmatic dependent launch (the e2e default's early trigger) inside."""
-    from sdquant.kernels import int4_cuda
-    old = int4_cuda.set_pdl(True, early_trigger=True)
-    try:
-        yield
-    finally:
-        int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
-
-
 # ------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,9 +93,10 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.compile_only:
-        return compile_only(out)
+        return cuda_exp.compile_only(SRC / "w4a16_narrow.cu", out)
     t0 = time.time()
-    ext, torch = build()
+    ext, torch = cuda_exp.build("sdquant_narrow_exp", [SRC / "narrow_binding.cpp", SRC / "w4a16_narrow.cu"],
+                                "narrow_tile")
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     import gemm
     import provenance
@@ -184,7 +149,7 @@ def main(argv=None) -> int:
             r = {"K": k, "N": n, "M": m}
             r["bf16"] = round(gemm.time_rotating(lambda i: torch.nn.functional.linear(x, wrs[i]), len(wrs)), 2)
             r["shipped"] = round(gemm.time_rotating(lambda i: op(lays[i], x), len(lays)), 2)
-            with pdl_on():
+            with cuda_exp.pdl_on():
                 r["shipped_pdl"] = round(gemm.time_rotating(lambda i: op(lays[i], x), len(lays)), 2)
             for v in variants:
                 def call(i, v=v):
@@ -217,7 +182,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|" + "---|" * len(variants) + "---|---|---|---|")
     for r in rows:
         vv = " | ".join(str(r[f"n{v}"]) for v in variants)
-        print(f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16']} | {r['shipped']} ({r['shipped_2']}) | {r['shipped_pdl']} | "
+        print(f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16']} | {r['shipped']} ({r['shipped_2']}) | "
+              f"{r['shipped_pdl']} | "
               f"{vv} | n{r['best']} | {r['best_pdl']} | {r['ratio']} | {r['ratio_pdl']} |")
     print(f"checks: {sum(c['pass'] for c in checks)}/{len(checks)} pass; wall {time.time() - t0:.0f} s")
     return 0 if all(c["pass"] for c in checks) else 1

@@ -1,0 +1,48 @@
+"""Helpers of the bench-only CUDA experiments (bench/mlp_fused.py, bench/narrow_tile.py). Each builds its own small
+torch extension from bench/<name>/ against the sdquant kernels' headers and flags, and times it beside the shipped
+op."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+
+def compile_only(src: Path, out_dir: Path) -> int:
+    """nvcc ``src`` for sm_90a with the sdquant extension's flags and ``ptxas -v`` (CI: no GPU needed); prints the
+    compiler's output (register and spill lines) and returns its exit code. The object goes to out_dir/<stem>.o."""
+    from sdquant.kernels import int4_cuda
+    nvcc = int4_cuda.nvcc_path()
+    if nvcc is None:
+        print("nvcc not found")
+        return 2
+    cmd = [nvcc, "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES, "-Xptxas", "-v",
+           f"-I{int4_cuda.CSRC}", str(src), "-o", str(out_dir / (src.stem + ".o"))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(r.stdout[-6000:] + r.stderr[-8000:])
+    return r.returncode
+
+
+def build(name: str, sources, subdir: str):
+    """(the loaded extension, torch): torch.utils.cpp_extension.load of ``sources`` into $SDQUANT_CACHE_DIR/<subdir>."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from sdquant.kernels import int4_cuda
+    d = Path(os.environ.get("SDQUANT_CACHE_DIR", "/tmp/sdq_ext")) / subdir
+    d.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=int4_cuda.NVCC_FLAGS, extra_include_paths=[str(int4_cuda.CSRC)],
+                build_directory=str(d), verbose=False), torch
+
+
+@contextlib.contextmanager
+def pdl_on():
+    """The shipped CUDA ops launched with programmatic dependent launch (the e2e default's early trigger) inside."""
+    from sdquant.kernels import int4_cuda
+    old = int4_cuda.set_pdl(True, early_trigger=True)
+    try:
+        yield
+    finally:
+        int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
