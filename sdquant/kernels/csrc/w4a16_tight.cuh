@@ -30,6 +30,9 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
+#ifndef SDQ_TIGHT_L2PF  // 1 (default): the prologue's L2 prefetch of its ring before griddep_wait (prefetch_l2_if)
+#define SDQ_TIGHT_L2PF 1
+#endif
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
@@ -69,6 +72,15 @@ constexpr int tight_smem() {
 }
 
 // 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
+// An L2 prefetch of the line holding p when `on`. The prologue issues one for each word of its ring before
+// griddep_wait, because ptxas sinks the ring's register loads below the wait in most builds (variants 38 / 39 and
+// every fused build: the wait, ACQBULK, comes first in their SASS). A load placed after the wait then starts only
+// when the previous kernel has finished, and under programmatic dependent launch the weights were meant to be in
+// flight by then (docs/BENCHMARKS.md, "Where a batch-1 layer's GEMM time goes").
+__device__ __forceinline__ void prefetch_l2_if(const void* p, bool on) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q prefetch.global.L2 [%0];\n}\n" ::"l"(p), "r"(static_cast<int>(on)));
+}
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
@@ -326,6 +338,14 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
   // they are in flight while it finishes); the activations are read only after griddep_wait.
+#if SDQ_TIGHT_L2PF
+  if (p.pdl) {
+#pragma unroll
+    for (int j = 0; j < D; ++j)
+#pragma unroll
+      for (int kk = 0; kk < U; ++kk) prefetch_l2_if(wsrc + (j * U + kk) * 32, j < nc);
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < D; ++j)
 #pragma unroll
