@@ -30,9 +30,9 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-#ifndef SDQ_TIGHT_L2PF  // 1 (default): the prologue's L2 prefetch of its ring before griddep_wait (prefetch_l2_if)
-#define SDQ_TIGHT_L2PF 1
-#endif
+#ifndef SDQ_TIGHT_L2PF  // 1: the prologue's L2 prefetch of its ring before griddep_wait (prefetch_l2_if). Off by
+#define SDQ_TIGHT_L2PF 0  // default until measured on the GPU: `bench/ab_build.py --new-defines=-DSDQ_TIGHT_L2PF=1`
+#endif                    // (docs/BENCHMARKS.md, Pending 24)
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
