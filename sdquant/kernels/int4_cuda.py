@@ -123,6 +123,21 @@ def _cache_dir() -> Path:
     return d
 
 
+def build_options() -> tuple:
+    """(module name, nvcc flags, build directory) of ``extension()``. SDQUANT_NVCC_FLAGS (environment, a measurement
+    switch: unset in normal use) appends nvcc flags such as ``-DSDQ_TIGHT_L2PF=1``, so that one device call can time a
+    compile-time switch of the kernels against the default in two processes; such a build gets a module name and a
+    directory of its own (a hash of the flags), so it never reuses or overwrites the default build."""
+    extra = os.environ.get("SDQUANT_NVCC_FLAGS", "").split()
+    if not extra:
+        return "sdquant_w4a16_sm90", list(NVCC_FLAGS), _cache_dir()
+    import hashlib
+    h = hashlib.sha1(" ".join(extra).encode()).hexdigest()[:10]
+    d = _cache_dir() / f"flags_{h}"
+    d.mkdir(parents=True, exist_ok=True)
+    return f"sdquant_w4a16_sm90_{h}", [*NVCC_FLAGS, *extra], d
+
+
 def _why_unavailable() -> Optional[str]:
     if not torch.cuda.is_available():
         return "no CUDA device"
@@ -143,9 +158,10 @@ def extension():
     if reason is None:
         try:
             from torch.utils.cpp_extension import load
-            ext = load(name="sdquant_w4a16_sm90", sources=[str(BINDING_SRC), *map(str, KERNEL_SRCS)],
-                       extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=NVCC_FLAGS,
-                       extra_include_paths=[str(CSRC)], build_directory=str(_cache_dir()), verbose=False)
+            name, flags, build_dir = build_options()
+            ext = load(name=name, sources=[str(BINDING_SRC), *map(str, KERNEL_SRCS)],
+                       extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=flags,
+                       extra_include_paths=[str(CSRC)], build_directory=str(build_dir), verbose=False)
         except Exception as e:  # a compiler/toolkit problem must not take the model down: fall back
             reason = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     if ext is None:

@@ -61,7 +61,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 
 EXPERIMENT_DEFINES = ("-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1", "-DSDQ_DIRECT_PROBE_COMPUTE=2",
-                      "-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2")
+                      "-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2", "-DSDQ_TIGHT_L2PF=1")
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,7 +104,31 @@ def test_direct_kernel_experiments_compile(define):
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[3:])
+def test_tight_l2_prefetch_build_compiles():
+    """The tight kernel's pending prologue change (docs/BENCHMARKS.md, Pending 24: an L2 prefetch of the ring before
+    griddep_wait, off in the shipped build) compiles for sm_90a without spills in all six tight variants, so that a
+    build with SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=1 or bench/ab_build.py --new-defines can time it."""
+    _experiment_compiles_without_spills("-DSDQ_TIGHT_L2PF=1", "w4a16_tight_kernel", 6)
+
+
+def test_build_options_extra_flags(monkeypatch, tmp_path):
+    """SDQUANT_NVCC_FLAGS appends nvcc flags and moves the build to a module name and directory of its own (a hash of
+    the flags), so a measurement build never reuses or overwrites the default one."""
+    monkeypatch.setenv("SDQUANT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SDQUANT_NVCC_FLAGS", raising=False)
+    name, flags, d = int4_cuda.build_options()
+    assert name == "sdquant_w4a16_sm90" and flags == list(int4_cuda.NVCC_FLAGS) and d.is_dir()
+    monkeypatch.setenv("SDQUANT_NVCC_FLAGS", "-DSDQ_TIGHT_L2PF=1")
+    name1, flags1, d1 = int4_cuda.build_options()
+    assert flags1 == [*int4_cuda.NVCC_FLAGS, "-DSDQ_TIGHT_L2PF=1"]
+    assert name1 != name and name1.isidentifier() and d1.parent == d and d1.is_dir()
+    monkeypatch.setenv("SDQUANT_NVCC_FLAGS", "-DSDQ_TIGHT_L2PF=0")
+    name2, _, d2 = int4_cuda.build_options()
+    assert name2 not in (name, name1) and d2 not in (d, d1)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[3:5])
 def test_feed_kernel_probes_compile(define):
     """The feed kernel's two probe builds (copies only; arithmetic only), with which docs/BENCHMARKS.md split its time
     into the bulk-copy stream and the arithmetic, still compile for sm_90a without spills (bf16, the measured dtype),
