@@ -64,6 +64,20 @@ EXPERIMENT_DEFINES = ("-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1",
                       "-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2", "-DSDQ_TIGHT_L2PF=1")
 
 
+def _cuobjdump():
+    """cuobjdump from PATH, or the one Triton ships (None: neither)."""
+    import shutil
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else None
+
+
 @functools.lru_cache(maxsize=1)
 def _experiment_builds() -> dict:
     """define -> CompletedProcess of the bf16 one-token-tile unit compiled with it: every experiment build at once, as
@@ -74,9 +88,13 @@ def _experiment_builds() -> dict:
 
     def one(define: str) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as d:
-            return subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
-                                   define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
-                                  capture_output=True, text=True, timeout=900)
+            r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
+                                define, "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
+                               capture_output=True, text=True, timeout=900)
+            dump = _cuobjdump()
+            r.sass = (subprocess.run([dump, "-sass", f"{d}/part.o"], capture_output=True, text=True).stdout
+                      if r.returncode == 0 and dump else None)
+            return r
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         return dict(zip(EXPERIMENT_DEFINES, pool.map(one, EXPERIMENT_DEFINES)))
 
@@ -109,6 +127,23 @@ def test_tight_l2_prefetch_build_compiles():
     griddep_wait, off in the shipped build) compiles for sm_90a without spills in all six tight variants, so that a
     build with SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=1 or bench/ab_build.py --new-defines can time it."""
     _experiment_compiles_without_spills("-DSDQ_TIGHT_L2PF=1", "w4a16_tight_kernel", 6)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None or _cuobjdump() is None, reason="nvcc or cuobjdump not installed")
+def test_tight_l2_prefetch_build_loads_weights_before_the_wait():
+    """What the SDQ_TIGHT_L2PF build is for: in the SASS of every tight variant, the ring's weight loads
+    (LDG.E.NA.128) come before griddepcontrol.wait (ACQBULK), so that under PDL the weights stream while the previous
+    kernel finishes. (In the default build ptxas puts the wait first in variants 38 / 39: docs/BENCHMARKS.md,
+    Pending 24.)"""
+    r = _experiment_builds()["-DSDQ_TIGHT_L2PF=1"]
+    assert r.returncode == 0 and r.sass, r.stderr[-2000:]
+    funcs = [f for f in r.sass.split("Function : ")[1:] if f.startswith("_") and "w4a16_tight_kernel" in f.split()[0]]
+    assert len(funcs) == 6
+    for f in funcs:
+        lines = f.splitlines()
+        wait = next(i for i, ln in enumerate(lines) if "ACQBULK" in ln)
+        load = next(i for i, ln in enumerate(lines) if "LDG.E.NA.128" in ln)
+        assert load < wait, f.split()[0]
 
 
 def test_build_options_extra_flags(monkeypatch, tmp_path):
