@@ -31,8 +31,8 @@
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
 #ifndef SDQ_TIGHT_L2PF  // 1: the prologue's L2 prefetch of its ring before griddep_wait (prefetch_l2_if). Off by
-#define SDQ_TIGHT_L2PF 0  // default until measured on the GPU: `bench/ab_build.py --new-defines=-DSDQ_TIGHT_L2PF=1`
-#endif                    // (docs/BENCHMARKS.md, Pending 24)
+#define SDQ_TIGHT_L2PF 0  // default until measured on the GPU (SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=1 builds it for
+#endif                    // bench/chain.py or bench/e2e.py; docs/BENCHMARKS.md, Pending 24)
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
@@ -71,7 +71,6 @@ constexpr int tight_smem() {
   return C::FUSED ? tight_ss_at<C, NT>() + 4 * 8 * NT * FUSED_T_MAX : tight_red_bytes<C, NT>();
 }
 
-// 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 // An L2 prefetch of the line holding p when `on`. The prologue issues one for each word of its ring before
 // griddep_wait, because ptxas sinks the ring's register loads below the wait in most builds (variants 38 / 39 and
 // every fused build: the wait, ACQBULK, comes first in their SASS). A load placed after the wait then starts only
@@ -81,6 +80,7 @@ __device__ __forceinline__ void prefetch_l2_if(const void* p, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q prefetch.global.L2 [%0];\n}\n" ::"l"(p), "r"(static_cast<int>(on)));
 }
+// 16 bytes with a non-allocating load if `on`, else r unchanged (no branch)
 __device__ __forceinline__ void ldg_stream16_if(uint4& r, const uint4* p, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
-  // they are in flight while it finishes); the activations are read only after griddep_wait.
+  // they are meant to be in flight while it finishes; ptxas places the wait before them in v38 / v39 and every fused
+  // build unless SDQ_TIGHT_L2PF); the activations are read only after griddep_wait.
 #if SDQ_TIGHT_L2PF
   if (p.pdl) {
 #pragma unroll
