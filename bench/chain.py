@@ -1,7 +1,8 @@
 """What a batch-1 decode layer's four INT4 GEMMs cost as a chain, with and without the fused decode-block ends, on the
-H200 (docs/BENCHMARKS.md, "The decode layer's GEMMs as a chain").
+H200 (docs/BENCHMARKS.md, "Where a batch-1 layer's GEMM time goes").
 
     python bench/chain.py --out DIR          # one device call, about a minute
+    python bench/chain.py --dry --out DIR    # CPU, tiny layers, no timing: the chains' plumbing (CI)
 
 A Llama-3-8B-shaped stack of ``--layers`` random INT4 layers (g128, symmetric, bf16; qkv 4096x6144, o 4096x4096, gate/up
 4096x28672, down 14336x4096, distinct weights a layer, so every step streams ~3.7 GB from DRAM), no attention. One
@@ -29,8 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-HID, FFN, QKV = 4096, 14336, 6144
-SHAPES = {"qkv": (HID, QKV), "o": (HID, HID), "gate_up": (HID, 2 * FFN), "down": (FFN, HID)}   # name: (K, N)
+DIMS = (4096, 14336, 6144)       # hidden, MLP, qkv width (Llama-3-8B)
+DRY_DIMS = (256, 512, 384)
+
+
+def shapes_of(hid: int, ffn: int, qkv: int) -> dict:
+    """role -> (K, N) of a decode layer's four GEMMs (gate/up as one GEMM of 2 x ffn features)."""
+    return {"qkv": (hid, qkv), "o": (hid, hid), "gate_up": (hid, 2 * ffn), "down": (ffn, hid)}
 
 
 def main(argv=None) -> int:
@@ -41,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default="1")
     ap.add_argument("--sweep", default="",
                     help="tight variants (e.g. 38,39,40,41): the FFFF chain again with one role at a time on each")
+    ap.add_argument("--dry", action="store_true", help="CPU, tiny layers, every chain run once untimed")
     ap.add_argument("--modes", default="PPPP,FFFF,NNNN,FPPP,PFPP,PPFP,PPPF",
                     help="one letter a role (qkv, o, gate/up, down): P plain, F fused with its ends, N fused, no end")
     a = ap.parse_args(argv)
@@ -52,15 +59,17 @@ def main(argv=None) -> int:
     import provenance
     from sdquant.kernels import int4_cuda, int4_layout
     t0 = time.time()
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    hid, ffn, qkv_n = DRY_DIMS if a.dry else DIMS
+    shapes = shapes_of(hid, ffn, qkv_n)
+    dev, dt = torch.device("cpu" if a.dry else "cuda"), torch.bfloat16
     layers = []
     for i in range(a.layers):
         lay = {}
-        for j, (name, (k, n)) in enumerate(SHAPES.items()):
+        for j, (name, (k, n)) in enumerate(shapes.items()):
             qw = gemm.random_int4(n, k, 128, True, False, device=dev, seed=97 * i + j)
             lay[name] = int4_layout.repack_cuda(qw, dt)
-        lay["ffn_norm"] = (1 + 0.1 * torch.randn(HID, device=dev)).to(dt)
-        lay["next_norm"] = (1 + 0.1 * torch.randn(HID, device=dev)).to(dt)
+        lay["ffn_norm"] = (1 + 0.1 * torch.randn(hid, device=dev)).to(dt)
+        lay["next_norm"] = (1 + 0.1 * torch.randn(hid, device=dev)).to(dt)
         layers.append(lay)
     print(f"{a.layers} layers built in {time.time() - t0:.0f} s", flush=True)
 
@@ -72,7 +81,7 @@ def main(argv=None) -> int:
                                                   kw.get("rms_ss"), 1e-5, kw.get("silu", False), kw.get("resid"),
                                                   kw.get("gamma"), cfg)
 
-    ss_static = int4_cuda.block_sumsq(torch.randn(1, HID, device=dev, dtype=dt), HID)
+    ss_static = int4_cuda.block_sumsq(torch.randn(1, hid, device=dev, dtype=dt), hid)
 
     def make_chain(mode: str, cfgs=None):
         """mode: one letter a role (qkv, o, gate/up, down): P plain op, F fused op with its ends, N the fused build
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
         cfgs = cfgs or {}
 
         def gemm_of(kind, L, x, **kw):
-            role = next(r for r, v in SHAPES.items() if v == (L["qweight"].shape[1] * 16, L["qweight"].shape[0] * 64))
+            role = next(r for r, v in shapes.items() if v == (L["qweight"].shape[1] * 16, L["qweight"].shape[0] * 64))
             if kind == "P":
                 return plain(L, x), None, None
             if kind == "N":
@@ -94,18 +103,22 @@ def main(argv=None) -> int:
             xg, ss = x, ss_m
             for L in layers:
                 q = gemm_of(mq, L["qkv"], xg, rms_ss=ss)[0]
-                h, hg, hss = gemm_of(mo, L["o"], q[:, :HID], resid=x, gamma=L["ffn_norm"])
+                h, hg, hss = gemm_of(mo, L["o"], q[:, :hid], resid=x, gamma=L["ffn_norm"])
                 if hg is None:
                     hg, hss = h, ss_m
                 g = gemm_of(mg, L["gate_up"], hg, rms_ss=hss, silu=True)[0]
-                if g.shape[-1] != FFN:
-                    g = g[:, :FFN]
+                if g.shape[-1] != ffn:
+                    g = g[:, :ffn]
                 x, xg2, ss2 = gemm_of(md, L["down"], g, resid=h, gamma=L["next_norm"])
                 xg, ss = (x, ss_m) if xg2 is None else (xg2, ss2)
             return x
         return run
 
     def graph_time(fn, x):
+        if a.dry:  # the chain once, untimed: its shapes and dependencies
+            y = fn(x)
+            assert y.shape == x.shape and torch.isfinite(y).all(), (y.shape, x.shape)
+            return 0.0, y
         fn(x)
         torch.cuda.synchronize()
         s = torch.cuda.Stream()
@@ -134,7 +147,7 @@ def main(argv=None) -> int:
         ap.error("--modes: four letters of P / F / N each, PPPP among them")
     rows = []
     for m in [int(v) for v in a.ms.split(",")]:
-        x = torch.randn(m, HID, device=dev, dtype=dt)
+        x = torch.randn(m, hid, device=dev, dtype=dt)
         r = {"M": m}
         for pdl in (False, True):
             old = int4_cuda.set_pdl(pdl, early_trigger=pdl)
@@ -144,24 +157,27 @@ def main(argv=None) -> int:
                     r[mode + tag], y = graph_time(make_chain(mode), x)
                 r["PPPP" + tag + "_2"], _ = graph_time(make_chain("PPPP"), x)
                 for v in [int(t) for t in a.sweep.split(",") if t]:
-                    for role in SHAPES:
+                    for role in shapes:
                         r[f"FFFF_{role}{v}{tag}"], _ = graph_time(make_chain("FFFF", {role: v}), x)
-                for name, (k, n) in SHAPES.items():
+                for name, (k, n) in shapes.items():
                     lays = [layers[i][name] for i in range(a.layers)]
                     xi = torch.randn(m, k, device=dev, dtype=dt)
+                    if a.dry:
+                        r[f"{name}{tag}"] = r[f"{name}_n{tag}"] = 0.0
+                        continue
                     r[f"{name}{tag}"] = round(gemm.time_rotating(lambda i: plain(lays[i], xi), len(lays)), 2)
                     r[f"{name}_n{tag}"] = round(gemm.time_rotating(lambda i: fused(lays[i], xi)[0], len(lays)), 2)
             finally:
                 int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
         for tag in ("", "_pdl"):
-            r["sum" + tag] = round(sum(r[f"{name}{tag}"] for name in SHAPES), 2)
-            r["sum_n" + tag] = round(sum(r[f"{name}_n{tag}"] for name in SHAPES), 2)
+            r["sum" + tag] = round(sum(r[f"{name}{tag}"] for name in shapes), 2)
+            r["sum_n" + tag] = round(sum(r[f"{name}_n{tag}"] for name in shapes), 2)
         rows.append(r)
         print(json.dumps(r), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-            "src_digest": provenance.source_digest(), "device": torch.cuda.get_device_name(),
+            "src_digest": provenance.source_digest(), "device": "cpu (dry)" if a.dry else torch.cuda.get_device_name(),
             "torch": torch.__version__,
-            "layers": a.layers, "reps": a.reps}
+            "layers": a.layers, "reps": a.reps, "dims": [hid, ffn, qkv_n], "modes": modes}
     tmp = out / "chain.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     os.replace(tmp, out / "chain.json")
@@ -174,21 +190,21 @@ def main(argv=None) -> int:
                   f"{r['down' + tag]} | "
                   f"{r['sum' + tag]} | {ch} | {r['PPPP' + tag + '_2']} |")
     print("\nEach GEMM alone, back to back with itself: plain / the fused build with no end (µs)")
-    print("| M | PDL | " + " | ".join(SHAPES) + " | sum |")
-    print("|---|---|" + "---|" * (len(SHAPES) + 1))
+    print("| M | PDL | " + " | ".join(shapes) + " | sum |")
+    print("|---|---|" + "---|" * (len(shapes) + 1))
     for r in rows:
         for tag, lab in (("", "off"), ("_pdl", "on")):
-            print(f"| {r['M']} | {lab} | " + " | ".join(f"{r[n + tag]} / {r[n + '_n' + tag]}" for n in SHAPES)
+            print(f"| {r['M']} | {lab} | " + " | ".join(f"{r[n + tag]} / {r[n + '_n' + tag]}" for n in shapes)
                   + f" | {r['sum' + tag]} / {r['sum_n' + tag]} |")
     if a.sweep:
         vs = [int(t) for t in a.sweep.split(",") if t]
         print("\nFFFF chain, one role's fused config forced (µs a layer; default configs: "
-              + ", ".join(f"{role} {int4_cuda.fused_config(1, n, k)}" for role, (k, n) in SHAPES.items()) + ")")
+              + ", ".join(f"{role} {int4_cuda.fused_config(1, n, k)}" for role, (k, n) in shapes.items()) + ")")
         print("| M | PDL | role | " + " | ".join(f"v{v}" for v in vs) + " |")
         print("|---|---|---|" + "---|" * len(vs))
         for r in rows:
             for tag, lab in (("", "off"), ("_pdl", "on")):
-                for role in SHAPES:
+                for role in shapes:
                     cells = " | ".join(str(r[f"FFFF_{role}{v}{tag}"]) for v in vs)
                     print(f"| {r['M']} | {lab} | {role} | {cells} |")
     print(f"wall {time.time() - t0:.0f} s")

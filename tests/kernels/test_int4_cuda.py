@@ -429,6 +429,24 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
     assert rows and all(row["v10_identical"] and row["v10_xs0"] > 0 for row in rows)
 
 
+def test_chain_dry_runs_every_mode_and_sweep_entry(tmp_path):
+    """bench/chain.py --dry (CPU op path, tiny layers): every chain mode (plain, fused with its ends, fused build with
+    no end, mixed) and every --sweep entry runs through its real op calls with the decode step's shapes and
+    dependencies, ends finite and with the input's shape (the script asserts both), and lands in the JSON."""
+    import json
+    r = _run_bench("chain.py", "--dry", "--layers", "2", "--ms", "1,3", "--modes", "PPPP,FFFF,NNNN,FPNP",
+                   "--sweep", "38,40", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "chain.json").read_text())
+    assert d["meta"]["modes"] == ["PPPP", "FFFF", "NNNN", "FPNP"] and [row["M"] for row in d["rows"]] == [1, 3]
+    for row in d["rows"]:
+        for tag in ("", "_pdl"):
+            assert all(f"{mode}{tag}" in row for mode in d["meta"]["modes"])
+            assert all(f"FFFF_{role}{v}{tag}" in row for role in ("qkv", "o", "gate_up", "down") for v in (38, 40))
+    r = _run_bench("chain.py", "--dry", "--modes", "PPPP,FFFX", "--out", str(tmp_path))
+    assert r.returncode != 0 and "--modes" in r.stderr
+
+
 def test_int4_wgmma_update_table_writes_only_the_buckets_the_op_routes_to_wgmma(tmp_path):
     """--update-table: the "cuda" column gets a run's wgmma time exactly where auto_config picks a wgmma variant;
     other buckets, columns and entries stay as they were."""
