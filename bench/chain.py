@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         mq, mo, mg, md = mode
         cfgs = cfgs or {}
 
-        def gemm_of(kind, L, x, **kw):
-            role = next(r for r, v in shapes.items() if v == (L["qweight"].shape[1] * 16, L["qweight"].shape[0] * 64))
+        def gemm_of(kind, layer, role, x, **kw):
+            L = layer[role]
             if kind == "P":
                 return plain(L, x), None, None
             if kind == "N":
@@ -102,14 +102,14 @@ def main(argv=None) -> int:
             ss_m = ss_static.expand(x.shape[0], -1).contiguous()
             xg, ss = x, ss_m
             for L in layers:
-                q = gemm_of(mq, L["qkv"], xg, rms_ss=ss)[0]
-                h, hg, hss = gemm_of(mo, L["o"], q[:, :hid], resid=x, gamma=L["ffn_norm"])
+                q = gemm_of(mq, L, "qkv", xg, rms_ss=ss)[0]
+                h, hg, hss = gemm_of(mo, L, "o", q[:, :hid], resid=x, gamma=L["ffn_norm"])
                 if hg is None:
                     hg, hss = h, ss_m
-                g = gemm_of(mg, L["gate_up"], hg, rms_ss=hss, silu=True)[0]
+                g = gemm_of(mg, L, "gate_up", hg, rms_ss=hss, silu=True)[0]
                 if g.shape[-1] != ffn:
                     g = g[:, :ffn]
-                x, xg2, ss2 = gemm_of(md, L["down"], g, resid=h, gamma=L["next_norm"])
+                x, xg2, ss2 = gemm_of(md, L, "down", g, resid=h, gamma=L["next_norm"])
                 xg, ss = (x, ss_m) if xg2 is None else (xg2, ss2)
             return x
         return run

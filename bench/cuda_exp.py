@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,13 @@ def compile_only(src: Path, out_dir: Path) -> int:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(r.stdout[-6000:] + r.stderr[-8000:])
     return r.returncode
+
+
+def ptxas_spills(text: str, kernel: str, dtype: str = "bfloat16") -> list:
+    """[(mangled name, spill-store bytes)] of every instantiation of ``kernel`` for ``dtype`` in ``ptxas -v`` output
+    (compile_only's), in the order ptxas reports them."""
+    props = re.findall(r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores", text)
+    return [(name, int(spill)) for name, _, spill in props if kernel in name and dtype in name]
 
 
 def build(name: str, sources, subdir: str):

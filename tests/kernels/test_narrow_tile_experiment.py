@@ -2,7 +2,6 @@
 CUDA layout that holds the same weight (checked against the layout's own definition, on CPU), and its CUDA source
 compiles for sm_90a with the sdquant extension's flags, the bf16 kernels without register spills but for the one
 config built for 3 CTAs a SM. It runs only on the H200 (bench/narrow_tile.py), where it checks itself."""
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from sdquant.kernels import int4_cuda, int4_layout
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import cuda_exp  # noqa: E402
 import gemm  # noqa: E402
 import narrow_tile  # noqa: E402
 
@@ -41,10 +41,8 @@ def test_narrow_experiment_compiles_for_sm90a(tmp_path):
                        capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "w4a16_narrow.o").stat().st_size > 0
-    text = r.stdout + r.stderr
-    props = re.findall(r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores", text)
-    bf16 = [(name, int(spill)) for name, _, spill in props if "w4a16_narrow_kernel" in name and "bfloat16" in name]
-    assert len(bf16) == len(narrow_tile.VARIANTS), props
+    bf16 = cuda_exp.ptxas_spills(r.stdout + r.stderr, "w4a16_narrow_kernel")
+    assert len(bf16) == len(narrow_tile.VARIANTS), r.stdout[-3000:]
     # NCfg<1, 8, 8, 3> (variant 7) is capped at 85 registers and spills a little; every other config none
     assert all(spill == 0 for name, spill in bf16 if "ILi1ELi8ELi8ELi3E" not in name), bf16
     assert max(spill for _, spill in bf16) <= 16, bf16
