@@ -30,9 +30,9 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-#ifndef SDQ_TIGHT_L2PF  // 1: the prologue's L2 prefetch of its ring before griddep_wait (prefetch_l2_if). Off by
-#define SDQ_TIGHT_L2PF 0  // default until measured on the GPU (SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=1 builds it for
-#endif                    // bench/chain.py or bench/e2e.py; docs/BENCHMARKS.md, Pending 24)
+#ifndef SDQ_TIGHT_L2PF  // 1 (default): under PDL the prologue issues an L2 prefetch of its ring before griddep_wait
+#define SDQ_TIGHT_L2PF 1  // (prefetch_l2_if); with it ptxas keeps the ring's loads ahead of the wait. 0: the earlier
+#endif                    // build, kept for A/B (docs/BENCHMARKS.md, Pending 24: -3.9 us a layer in chain, +3.5% e2e)
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
@@ -337,8 +337,8 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
-  // they are meant to be in flight while it finishes; ptxas places the wait before them in v38 / v39 and every fused
-  // build unless SDQ_TIGHT_L2PF); the activations are read only after griddep_wait.
+  // they are meant to be in flight while it finishes; without the L2 prefetch below ptxas places the wait before them
+  // in v38 / v39 and every fused build); the activations are read only after griddep_wait.
 #if SDQ_TIGHT_L2PF
   if (p.pdl) {
 #pragma unroll
