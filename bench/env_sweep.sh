@@ -3,7 +3,7 @@
 # and e2e options (the baseline variants run beside the measured one in every process).
 #   E2E_VARIANTS=bf16-compiled,int4all-compiled-pdl-early bash bench/env_sweep.sh \
 #       "SDQUANT_ATTN_PREFETCH=0" "SDQUANT_ATTN_PREFETCH=1" "SDQUANT_ATTN_PREFETCH=1 --group-size -1"
-# Outputs under $OUT/e2e_<n>/ (setting.txt, e2e.json, e2e.log); a summary of the decode lines last.
+# Outputs under $OUT/e2e_<n>/ (e2e.json, whose commit field names the setting, and e2e.log); a summary of the decode lines last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-.}"
@@ -12,7 +12,6 @@ BATCHES="${E2E_BATCHES:-1,8}"
 rc=0; i=0; summary=""
 for setting in "$@"; do
   d="$OUT/e2e_$i"; mkdir -p "$d"; i=$((i + 1))
-  echo "$setting" > "$d/setting.txt"
   envs=(); opts=()
   for w in $setting; do
     if [[ "$w" == *=* && "$w" != -* ]]; then envs+=("$w"); else opts+=("$w"); fi
