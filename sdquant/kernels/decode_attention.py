@@ -96,15 +96,6 @@ def tile_config(chunk: int) -> dict:
     return cfg
 
 
-def prefetch_line(elt_bytes: int, hd: int, pdl: int) -> int:
-    """The partial kernel's PF_LINE: elements a 128-byte line (capped at a row) when it runs under programmatic
-    dependent launch, else 0 (no prefetch: without PDL nothing runs ahead of the wait). SDQUANT_ATTN_PREFETCH=0 turns the
-    prefetch off for measurements."""
-    if not pdl or os.environ.get("SDQUANT_ATTN_PREFETCH", "1") == "0":
-        return 0
-    return min(128 // elt_bytes, hd)
-
-
 def available() -> bool:
     return triton is not None
 
@@ -126,27 +117,10 @@ def _max(a, b):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
                     NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
-        if PF_LINE > 0:
-            # Ahead of the wait, while the previous kernel finishes: an L2 prefetch of this program's first tile of
-            # keys and values, one a PF_LINE-element (128-byte) line. The position read here only aims the
-            # prefetches, and a prefetch changes no value (L2 is where every SM's stores land), so a slot the
-            # previous kernel is still writing is safe: the loads below, after the wait, read it through L2.
-            pos_a = tl.load(pos_ptr).to(tl.int32)
-            s_a = tl.maximum(sp * CHUNK_T, tl.maximum(pos_a - WINDOW + 1, 0))
-            e_a = tl.minimum(sp * CHUNK_T + CHUNK_T, pos_a + 1)
-            offs_pt = s_a + tl.arange(0, BT)
-            offs_pl = tl.arange(0, HD // PF_LINE) * PF_LINE
-            on = ((offs_pt < e_a)[:, None] & (offs_pl >= 0)[None, :]).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{\n .reg .pred p;\n setp.ne.b32 p, $3, 0;\n @p prefetch.global.L2 [$1];\n"
-                " @p prefetch.global.L2 [$2];\n mov.u32 $0, 0;\n}", "=r,l,l,r",
-                [k_ptr + bh * sk_bh + offs_pt[:, None] * sk_t + offs_pl[None, :],
-                 v_ptr + bh * sv_bh + offs_pt[:, None] * sv_t + offs_pl[None, :], on],
-                dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
             tl.extra.cuda.gdc_launch_dependents()
@@ -318,7 +292,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
-                               PF_LINE=prefetch_line(k.element_size(), hd, pdl),
                                **tile_config(chunk), **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
