@@ -2,7 +2,7 @@
 # One device call: bench/e2e.py once a setting, each in a process of its own, a setting being environment assignments
 # and e2e options (the baseline variants run beside the measured one in every process).
 #   E2E_VARIANTS=bf16-compiled,int4all-compiled-pdl-early bash bench/env_sweep.sh \
-#       "SDQUANT_ATTN_PREFETCH=0" "SDQUANT_ATTN_PREFETCH=1" "SDQUANT_ATTN_PREFETCH=1 --group-size -1"
+#       "" "SDQ_CARVEOUT=100" "--group-size -1" "SDQ_CARVEOUT=100 --group-size -1"    # "": the defaults
 # Outputs under $OUT/e2e_<n>/ (e2e.json, whose commit field names the setting, and e2e.log); a summary of the decode lines last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
