@@ -86,6 +86,11 @@ VARIANTS = {
     "int4all-compiled-pdl-early-noattn": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                               pdl="all", no_attention=True),
     "bf16-compiled-noattn": dict(linears="bf16", compiled=True, graph=True, no_attention=True),
+    # the decode step's cache write as one kernel (Transformer.set_kv_write("op"): sdquant::decode_kv_write) instead of
+    # inductor's RoPE + index_copy_ (docs/BENCHMARKS.md, Pending 26)
+    "int4all-compiled-pdl-early-kvop": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                            pdl="all", kv_op=True),
+    "bf16-compiled-kvop": dict(linears="bf16", compiled=True, graph=True, kv_op=True),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -365,7 +370,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False))
+           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_op", False))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -378,6 +383,8 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
                         group_size=args.group_size, fused=spec.get("fused"))
+    if spec.get("kv_op"):
+        rt.set_kv_write("op")
     if spec.get("no_attention"):
         for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)
             blk.attn.attend = (lambda q_size: lambda qkv, cos, sin, mask, input_pos: qkv[..., :q_size].contiguous())(rt.d.q_size)

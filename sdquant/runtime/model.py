@@ -174,6 +174,10 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm)
         self.kv_cache: Optional[KVCache] = None
         self.window: Optional[int] = None        # the block's sliding window (set by Block)
+        # decode steps with impl "triton": "index_copy" (default) writes the cache with KVCache.update (inductor
+        # compiles the key's RoPE and the write into two kernels a layer); "op" with sdquant::decode_kv_write, one
+        # kernel (Transformer.set_kv_write; unmeasured, docs/BENCHMARKS.md Pending 26)
+        self.kv_write = "index_copy"
         if impl == "triton":
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
@@ -193,10 +197,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
         impl = _resolve_attention(self.impl, qkv, d.head_dim) if s == 1 else "sdpa"
-        k = apply_rope(k, cos, sin)
+        if impl == "triton" and self.kv_write == "op":  # the key's RoPE and both cache writes in one kernel
+            torch.ops.sdquant.decode_kv_write(self.kv_cache.kv, k[:, 0], v[:, 0], input_pos, cos, sin)
+            k_all, v_all = self.kv_cache.k, self.kv_cache.v
+        else:
+            k = apply_rope(k, cos, sin)
+            k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # [B, nkv, T, hd]
         if impl != "triton":  # the Triton kernel rotates q as it loads it (no kernel of its own)
             q = apply_rope(q, cos, sin)
-        k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))   # [B, nkv, T, hd]
         if impl == "matmul":
             q = q.view(b, d.n_kv_heads, rep, d.head_dim)                                      # [B, nkv, rep, hd]
             scores = torch.matmul(q, k_all.transpose(-1, -2)).float() * d.head_dim ** -0.5    # [B, nkv, rep, T]
@@ -497,6 +505,18 @@ class Transformer(nn.Module):
                 raise ConfigError("attention", "'triton' needs the triton package")
         for blk in self.layers:
             blk.attn.impl = impl
+        return self
+
+    def set_kv_write(self, mode: str) -> "Transformer":
+        """How decode steps with the "triton" attention write the KV cache, for every layer: "index_copy" (default:
+        KVCache.update, the key's RoPE and the write compiled by inductor) or "op" (sdquant::decode_kv_write, both in
+        one kernel; a measurement switch until timed, docs/BENCHMARKS.md Pending 26)."""
+        if mode not in ("index_copy", "op"):
+            raise ConfigError("kv_write", f"must be 'index_copy' or 'op', got {mode!r}")
+        if mode == "op":
+            from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
+        for blk in self.layers:
+            blk.attn.kv_write = mode
         return self
 
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
