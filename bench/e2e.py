@@ -288,6 +288,22 @@ def check_attention(d, max_seq, dev, dtype) -> dict:
             ref = torch.softmax(s, -1) @ v.double()
             out[f"B{b}/pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
         del q, k, v
+    # sdquant::decode_kv_write (the -kvop variants' cache write) against its reference: the largest difference in
+    # units of the dtype's last place at the value (0 or 1: one rounding of the same fp32 sum)
+    hd, nkv = d["head_dim"], d["n_kv_heads"]
+    for b in (2, 32):
+        kv = torch.randn(2, b, nkv, max_seq, hd, device=dev, generator=g).to(dtype)
+        kvv = torch.randn(b, 2, nkv, hd, device=dev, generator=g).to(dtype)   # k, v as strided views of one tensor
+        ang = torch.rand(hd // 2, device=dev, generator=g) * 6.3
+        cos, sin = torch.cat([ang.cos(), ang.cos()]).to(dtype), torch.cat([ang.sin(), ang.sin()]).to(dtype)
+        for pos in (0, max_seq - 1):
+            got, want = kv.clone(), kv.clone()
+            p = torch.tensor([pos], device=dev)
+            torch.ops.sdquant.decode_kv_write(got, kvv[:, 0], kvv[:, 1], p, cos, sin)
+            decode_attention.kv_write_reference(want, kvv[:, 0], kvv[:, 1], p, cos, sin)
+            ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            out[f"kv_write B{b}/pos{pos} ulps"] = float(((got.float() - want.float()).abs() / ulp).max())
+        del kv, kvv
     return out
 
 
