@@ -203,9 +203,9 @@ def _kv_write_kernel(kv_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, NKV, skv_k
         tl.extra.cuda.gdc_wait()
         if PDL == 2:
             tl.extra.cuda.gdc_launch_dependents()
-    b = r // NKV
-    h = r % NKV
-    pos = tl.load(pos_ptr)
+    b = (r // NKV).to(tl.int64)  # 64-bit offsets: a cache may hold more than 2**31 elements
+    h = (r % NKV).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int64)
     d = tl.arange(0, HD)
     k_base = k_ptr + b * sk_b + h * sk_h
     k = tl.load(k_base + d).to(tl.float32)
