@@ -25,6 +25,15 @@ def compile_only(src: Path, out_dir: Path) -> int:
     return r.returncode
 
 
+def run_compile_only(script: str, out_dir: Path) -> subprocess.CompletedProcess:
+    """``python bench/<script> --compile-only --out out_dir`` as a CI test runs it (output captured): the experiment's
+    own command line, so its --compile-only path is what is tested."""
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "bench" / script), "--compile-only", "--out", str(out_dir)],
+                          capture_output=True, text=True, timeout=900, cwd=str(root))
+
+
 def ptxas_spills(text: str, kernel: str, dtype: str = "bfloat16") -> list:
     """[(mangled name, spill-store bytes)] of every instantiation of ``kernel`` for ``dtype`` in ``ptxas -v`` output
     (compile_only's), in the order ptxas reports them."""

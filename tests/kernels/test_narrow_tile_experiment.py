@@ -2,7 +2,6 @@
 CUDA layout that holds the same weight (checked against the layout's own definition, on CPU), and its CUDA source
 compiles for sm_90a with the sdquant extension's flags, the bf16 kernels without register spills but for the one
 config built for 3 CTAs a SM. It runs only on the H200 (bench/narrow_tile.py), where it checks itself."""
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,8 +36,7 @@ def test_narrow_layout_rejects_k_not_a_multiple_of_64():
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_narrow_experiment_compiles_for_sm90a(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "narrow_tile.py"), "--compile-only", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    r = cuda_exp.run_compile_only("narrow_tile.py", tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "w4a16_narrow.o").stat().st_size > 0
     bf16 = cuda_exp.ptxas_spills(r.stdout + r.stderr, "w4a16_narrow_kernel")
