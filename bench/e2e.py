@@ -86,11 +86,10 @@ VARIANTS = {
     "int4all-compiled-pdl-early-noattn": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                               pdl="all", no_attention=True),
     "bf16-compiled-noattn": dict(linears="bf16", compiled=True, graph=True, no_attention=True),
-    # the decode step's cache write as one kernel (Transformer.set_kv_write("op"): sdquant::decode_kv_write) instead of
-    # inductor's RoPE + index_copy_ (docs/BENCHMARKS.md, Pending 26)
-    "int4all-compiled-pdl-early-kvop": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                            pdl="all", kv_op=True),
-    "bf16-compiled-kvop": dict(linears="bf16", compiled=True, graph=True, kv_op=True),
+    # the key's and query's RoPE and the cache write in the qkv GEMM's epilogue (Transformer.set_kv_write("gemm"):
+    # sdquant::w4a16_cuda_fused_rope) instead of inductor's RoPE + index_copy_ kernels (docs/BENCHMARKS.md, Pending 26)
+    "int4all-compiled-pdl-early-kvgemm": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                              pdl="all", kv_write="gemm"),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -211,9 +210,38 @@ def check_fused(rt, args, dev, batches=(1, 8)) -> dict:
                         worst_c = max(worst_c, float((a.float() - r.float()).norm() / r.float().norm()))
                     x = ref
             out[f"B{b}"] = {"fused_vs_unfused": worst_e, "compiled_vs_eager": worst_c}
+            if rt.layers[0].attn.kv_write == "gemm":
+                out[f"B{b}"]["rope_epilogue"] = check_rope(rt, b, dev, g)
     finally:
         for blk, (a, f) in zip(rt.layers, saved):
             blk.attn_norm, blk.ffn_norm = a, f
+    return out
+
+
+def check_rope(rt, b, dev, g) -> dict:
+    """The qkv GEMM's RoPE / cache epilogue (sdquant::w4a16_cuda_fused_rope) of layer 0 against its reference at batch b,
+    positions 0 and T - 1 of a randomly filled cache: the relative errors of y and of the written slot, and whether
+    every other cache entry is unchanged."""
+    from sdquant.kernels import int4_cuda
+    blk, out = rt.layers[0], {}
+    lin, kv0 = blk.attn.wqkv, blk.attn.kv_cache.kv
+    lay = {a[len("cuda") + 2:]: getattr(lin, a) for a in lin._layout_keys["cuda"]}
+    dtype = kv0.dtype
+    x = torch.randn(b, 1, lin.in_features, device=dev, generator=g).to(dtype)
+    ss = int4_cuda.block_sumsq(torch.randn(b, 1, lin.in_features, device=dev, generator=g).to(dtype) * 3)
+    for pos in (0, kv0.shape[3] - 1):
+        p = torch.tensor([pos], device=dev)
+        cos, sin = rt.rope_cos[p], rt.rope_sin[p]
+        got = torch.randn(kv0.shape, device=dev, generator=g).to(dtype)
+        want = got.clone()
+        y = lin.forward_fused_rope(x, ss, rt.d.rms_eps, got, p, cos, sin, rt.d.q_size)
+        ref = int4_cuda.fused_rope_reference(x.reshape(b, -1), lay["qweight"], lay["scales"], lay["zeros"],
+                                             ss.reshape(b, -1), rt.d.rms_eps, want, p, cos, sin, rt.d.q_size)
+        slot = (slice(None), slice(0, b), slice(None), pos)
+        gs, ws = got[slot].float(), want[slot].float()
+        got[slot], want[slot] = 0, 0
+        out[f"pos{pos}"] = {"y": float((y.reshape(b, -1).float() - ref.float()).norm() / ref.float().norm()),
+                            "slot": float((gs - ws).norm() / ws.norm()), "rest_unchanged": bool(torch.equal(got, want))}
     return out
 
 
@@ -288,22 +316,6 @@ def check_attention(d, max_seq, dev, dtype) -> dict:
             ref = torch.softmax(s, -1) @ v.double()
             out[f"B{b}/pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
         del q, k, v
-    # sdquant::decode_kv_write (the -kvop variants' cache write) against its reference: the largest difference in
-    # units of the dtype's last place at the value (0 or 1: one rounding of the same fp32 sum)
-    hd, nkv = d["head_dim"], d["n_kv_heads"]
-    for b in (2, 32):
-        kv = torch.randn(2, b, nkv, max_seq, hd, device=dev, generator=g).to(dtype)
-        kvv = torch.randn(b, 2, nkv, hd, device=dev, generator=g).to(dtype)   # k, v as strided views of one tensor
-        ang = torch.rand(hd // 2, device=dev, generator=g) * 6.3
-        cos, sin = torch.cat([ang.cos(), ang.cos()]).to(dtype), torch.cat([ang.sin(), ang.sin()]).to(dtype)
-        for pos in (0, max_seq - 1):
-            got, want = kv.clone(), kv.clone()
-            p = torch.tensor([pos], device=dev)
-            torch.ops.sdquant.decode_kv_write(got, kvv[:, 0], kvv[:, 1], p, cos, sin)
-            decode_attention.kv_write_reference(want, kvv[:, 0], kvv[:, 1], p, cos, sin)
-            ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-            out[f"kv_write B{b}/pos{pos} ulps"] = float(((got.float() - want.float()).abs() / ulp).max())
-        del kv, kvv
     return out
 
 
@@ -386,7 +398,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_op", False))
+           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_write"))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -399,8 +411,8 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     rt = random_decoder(dims, spec["linears"], device=dev, dtype=dtype, lm_head=spec.get("lm_head", "bf16"),
                         embed=spec.get("embed", "bf16"), max_seq_len=args.max_seq, kernels=args.kernels,
                         group_size=args.group_size, fused=spec.get("fused"))
-    if spec.get("kv_op"):
-        rt.set_kv_write("op")
+    if spec.get("kv_write"):
+        rt.set_kv_write(spec["kv_write"])
     if spec.get("no_attention"):
         for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)
             blk.attn.attend = (lambda q_size: lambda qkv, cos, sin, mask, input_pos: qkv[..., :q_size].contiguous())(rt.d.q_size)

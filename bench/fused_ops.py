@@ -3,7 +3,7 @@ every tight variant, both split paths and every mode, then its time beside the p
 
     python bench/fused_ops.py --out DIR          # one H200 call; prints a table last, writes DIR/fused_ops.json
 
-Modes (Llama-3-8B decode layers): "rms" = the consumer (qkv, lm_head: the RMSNorm scale of its input row), "rms_silu" =
+Modes (Llama-3-8B decode layers; "rope": the consumer with the RoPE / KV-cache epilogue, checks only): "rms" = the consumer (qkv, lm_head: the RMSNorm scale of its input row), "rms_silu" =
 gate/up (also SiLU * up over the interleaved halves), "resid" = the producer (o, down: the residual add and the next
 norm's weight, two outputs). Times: weights rotated past L2 (bench/gemm.py's time_rotating: CUDA graphs of back-to-back
 calls, median of trials).
@@ -104,6 +104,43 @@ def main(argv=None):
                         if not ok:
                             log(f"FAIL {dtype} {k}x{n} {mode} M={m} cfg={cfg} splits={splits}: {e:.3g} {e2:.3g}")
             del lay, qw
+    # the RoPE / KV-cache epilogue (sdquant::w4a16_cuda_fused_rope) on Llama-3-8B's qkv: 32 query and 8 KV heads of 128
+    for dtype in (torch.bfloat16, torch.float16):
+        k, n, q_cols, nkv, T = 4096, 6144, 4096, 8, 64
+        qw = gemm.random_int4(n, k, device=dev, seed=7, symmetric=(dtype == torch.bfloat16))
+        lay = int4_layout.repack_cuda(qw, dtype)
+        ang = torch.rand(64, device=dev, generator=g) * 6.3
+        cos, sin = torch.cat([ang.cos(), ang.cos()]).to(dtype), torch.cat([ang.sin(), ang.sin()]).to(dtype)
+        for m in (1, 3, 8):
+            x, rx, *_ = operands(k, n, "rms", m, dev, dtype, g)
+            kv0 = torch.randn(2, 8, nkv, T, 128, device=dev, generator=g).to(dtype)
+            for pos in (0, T - 1):
+                p = torch.tensor([pos], device=dev)
+                want = kv0.clone()
+                ref = ic.fused_rope_reference(x, lay["qweight"], lay["scales"], lay["zeros"], rx, 1e-5, want, p, cos,
+                                              sin, q_cols)
+                for v in TIGHT if dtype == torch.bfloat16 else (38, 39):
+                    for target in (0, 2):
+                        cfg = v + 64 * target
+                        got = kv0.clone()
+                        y = torch.ops.sdquant.w4a16_cuda_fused_rope(x, lay["qweight"], lay["scales"], lay["zeros"],
+                                                                    lay["locks"], rx, 1e-5, got, p, cos, sin, q_cols,
+                                                                    cfg)
+                        slot = (slice(None), slice(0, m), slice(None), pos)
+                        e, e2 = rel(y, ref), rel(got[slot], want[slot])
+                        got[slot], ws = 0, want[slot].clone()
+                        want[slot] = 0
+                        rest = bool(torch.equal(got, want))
+                        want[slot] = ws
+                        ok = e < bound[dtype] and e2 < bound[dtype] and rest and int(lay["locks"].abs().sum()) == 0
+                        worst = max(worst, e, e2)
+                        fails += not ok
+                        res["checks"].append({"dtype": str(dtype)[6:], "K": k, "N": n, "mode": "rope", "M": m,
+                                              "pos": pos, "config": cfg, "err": e, "err2": e2, "rest_unchanged": rest,
+                                              "ok": ok})
+                        if not ok:
+                            log(f"FAIL rope {dtype} M={m} pos={pos} cfg={cfg}: {e:.3g} {e2:.3g} rest {rest}")
+        del lay, qw
     log(f"checks: {len(res['checks'])} points, {fails} failed, worst rel. error {worst:.3g}")
     if not args.no_time:
         dtype = torch.bfloat16

@@ -194,38 +194,12 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     tl.store(out_ptr + bh * so_bh + r * so_r + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
-def _kv_write_kernel(kv_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, NKV, skv_kv, skv_b, skv_h, skv_t,
-                     sk_b, sk_h, sv_b, sv_h, HD: tl.constexpr, PDL: tl.constexpr):
-    # one program per (batch row, KV head): the new key rotated in fp32 and rounded once, the new value copied, both
-    # stored at slot pos of the [2, B, nkv, T, hd] cache
-    r = tl.program_id(0)
-    if PDL:  # the qkv projection wrote k and v
-        tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-    b = (r // NKV).to(tl.int64)  # 64-bit offsets: a cache may hold more than 2**31 elements
-    h = (r % NKV).to(tl.int64)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    d = tl.arange(0, HD)
-    k_base = k_ptr + b * sk_b + h * sk_h
-    k = tl.load(k_base + d).to(tl.float32)
-    k_h = tl.load(k_base + (d + HD // 2) % HD).to(tl.float32)
-    sign = tl.where(d < HD // 2, -1.0, 1.0)
-    c = tl.load(cos_ptr + d).to(tl.float32)
-    sn = tl.load(sin_ptr + d).to(tl.float32)
-    if PDL:  # the attention may launch now; it waits for this grid before it reads the cache (no-op if done)
-        tl.extra.cuda.gdc_launch_dependents()
-    at = kv_ptr + b * skv_b + h * skv_h + pos * skv_t + d
-    tl.store(at, (k * c + k_h * (sign * sn)).to(kv_ptr.dtype.element_ty))
-    tl.store(at + skv_kv, tl.load(v_ptr + b * sv_b + h * sv_h + d))
-
-
 _KERNELS: dict = {}
 _PDL = [0]
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
-    """Launch this module's kernels (the attention's two, the cache write's) with programmatic dependent launch from
+    """Launch this module's kernels (the attention's two) with programmatic dependent launch from
     now on in this process (CUDA only): each may
     start while the previous kernel of the stream finishes and waits on the device (``gdc_wait``) before it reads
     that kernel's results; each lets the next kernel launch before its own stores (``early_trigger``: right after
@@ -237,10 +211,10 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
 
 
 def _kernels():
-    """(partial, merge, kv_write) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
+    """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel, _kv_write_kernel), (_add, _max))
+        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max))
     return _KERNELS[mode]
 
 
@@ -310,7 +284,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     # the interpreter computes bf16 arithmetic wrongly: evaluate it in fp32 there (CPU tests only)
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
-    partial, merge, _ = _kernels()
+    partial, merge = _kernels()
     pdl = _PDL[0] if q.is_cuda and not _interpret() else 0
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
@@ -333,44 +307,3 @@ def _(q, k, v, input_pos, window, scale, cos=None, sin=None):
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
-
-
-# ---------------------------------------------------------------------------------------------- the cache write
-def kv_write_reference(kv, k, v, input_pos, cos, sin) -> None:
-    """What ``decode_kv_write`` does, in PyTorch: kv[0, :B, :, pos] = rope(k) (fp32, rounded once), kv[1, :B, :, pos] = v."""
-    b = k.shape[0]
-    kv[0, :b].index_copy_(2, input_pos.reshape(1), rope_q(k, cos.reshape(-1), sin.reshape(-1)).to(kv.dtype).unsqueeze(2))
-    kv[1, :b].index_copy_(2, input_pos.reshape(1), v.to(kv.dtype).unsqueeze(2))
-
-
-@torch.library.custom_op("sdquant::decode_kv_write", mutates_args=("kv",))
-def decode_kv_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> None:
-    """A decode step's cache write in one kernel: the new keys k [B, nkv, hd] rotated (RoPE, HF layout, cos / sin
-    the position's hd values) and the new values v [B, nkv, hd] stored at slot input_pos of kv [2, B', nkv, T, hd]
-    (B <= B'). Under torch.compile the runtime's index_copy_ of the stacked (rope(k), v) is two kernels a layer
-    (docs/BENCHMARKS.md, Pending 26)."""
-    if kv.dim() != 5 or kv.shape[0] != 2 or k.dim() != 3 or k.shape != v.shape or \
-            (k.shape[1], k.shape[2]) != (kv.shape[2], kv.shape[4]) or k.shape[0] > kv.shape[1]:
-        raise ShapeError(f"decode_kv_write: kv must be [2, B, nkv, T, hd] and k / v [B, nkv, hd] of one shape, got kv "
-                         f"{list(kv.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    hd = k.shape[2]
-    if hd & (hd - 1) or hd < 2 or input_pos.numel() != 1 or cos.numel() != hd or sin.numel() != hd:
-        raise ShapeError(f"decode_kv_write: head_dim {hd} must be a power of two, with one position and {hd} cos / sin "
-                         f"values, got {input_pos.numel()} positions and {cos.numel()} / {sin.numel()} values")
-    if triton is None or (k.device.type == "cpu" and not _interpret()):
-        kv_write_reference(kv, k, v, input_pos, cos, sin)
-        return
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv.stride(-1) != 1:
-        raise ShapeError("decode_kv_write: k, v and kv need a unit last stride")
-    *_, kv_write = _kernels()
-    pdl = _PDL[0] if k.is_cuda and not _interpret() else 0
-    kv_write[(k.shape[0] * k.shape[1],)](kv, k, v, input_pos.reshape(1), cos.reshape(hd).contiguous(),
-                                        sin.reshape(hd).contiguous(), k.shape[1], kv.stride(0), kv.stride(1),
-                                        kv.stride(2), kv.stride(3), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                        HD=hd, PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
-
-
-@decode_kv_write.register_fake
-def _(kv, k, v, input_pos, cos, sin):
-    return None

@@ -590,7 +590,7 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
             x2 = x2.clone()
         y, y2, ss = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
                                     None if s2 is None else s2.float().contiguous(), float(rms_eps), bool(silu),
-                                    cont(d2), cont(gamma))
+                                    cont(d2), cont(gamma), None, None, None, None, 0)
     if gamma is None:
         return y.reshape(*lead, n_out), y2, ss
     return y.reshape(*lead, n_out), y2.reshape(*lead, n_out), ss.reshape(*lead, n_out // FUSED_BLOCK)
@@ -604,3 +604,83 @@ def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, silu, resid, gamma, con
         return y, x.new_empty((0,)), x.new_empty((0,), dtype=torch.float32)
     return y, x.new_empty((*x.shape[:-1], n_out)), x.new_empty((*x.shape[:-1], n_out // FUSED_BLOCK),
                                                                 dtype=torch.float32)
+
+
+# The consumer with a decode step's RoPE and KV-cache write in its epilogue (the qkv projection of a layer whose heads
+# have 128 features): y = [rope(q), rope(k), v] of the consumer's output, and rope(k), v also stored at slot input_pos
+# of the layer's cache kv [2, B, nkv, T, 128]. So no kernel runs between the qkv GEMM and the attention, which reads
+# the rotated q from y (docs/BENCHMARKS.md, Pending 26).
+ROPE_HEAD_DIM = 128
+
+
+def rope_why_not(n: int, q_cols: int, kv: torch.Tensor, m: int) -> Optional[str]:
+    """Why the RoPE epilogue cannot serve a qkv output of n columns with q_cols query columns into cache kv (None: it
+    can)."""
+    if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[4] != ROPE_HEAD_DIM:
+        return f"the cache must be [2, B, nkv, T, {ROPE_HEAD_DIM}], got {list(kv.shape)}"
+    if q_cols % ROPE_HEAD_DIM or q_cols + 2 * kv.shape[2] * ROPE_HEAD_DIM != n:
+        return f"{q_cols} query columns + 2 x {kv.shape[2]} KV heads of {ROPE_HEAD_DIM} do not make the {n} outputs"
+    if m > kv.shape[1]:
+        return f"{m} rows for a cache of batch {kv.shape[1]}"
+    return None
+
+
+def fused_rope_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, kv, input_pos, cos, sin, q_cols):
+    """The RoPE op's maths in PyTorch (CPU tensors, and the tests' reference): the consumer's rounded output, each query
+    and key head rotated in fp32 (``decode_attention.rope_q``) and rounded once; writes the cache and returns y."""
+    from sdquant.kernels.decode_attention import rope_q
+    y = fused_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, False, None, None)[0]
+    m, n, hd = y.shape[0], y.shape[1], ROPE_HEAD_DIM
+    qk = q_cols + kv.shape[2] * hd
+    rot = rope_q(y[:, :qk].reshape(m, -1, hd), cos.reshape(-1), sin.reshape(-1)).to(y.dtype).reshape(m, qk)
+    out = torch.cat([rot, y[:, qk:]], dim=1)
+    pos = input_pos.reshape(1).to(kv.device)
+    for i, part in enumerate((out[:, q_cols:qk], out[:, qk:])):
+        kv[i, :m].index_copy_(2, pos, part.reshape(m, -1, 1, hd).to(kv.dtype))
+    return out
+
+
+@torch.library.custom_op("sdquant::w4a16_cuda_fused_rope", mutates_args=("kv",))
+def w4a16_cuda_fused_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          locks: torch.Tensor, rms_ss: Optional[torch.Tensor], rms_eps: float, kv: torch.Tensor,
+                          input_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_cols: int,
+                          config: int = -1) -> torch.Tensor:
+    """The consumer (rms_ss, rms_eps: see ``w4a16_cuda_fused``) with the RoPE / KV-cache epilogue: x [B, 1, K] or
+    [B, K] (B <= ``FUSED_MAX_M``) -> y [..., N] = [rope(q), rope(k), v]; kv [2, B', nkv, T, 128] (B' >= B) gets
+    rope(k), v at slot input_pos (int64 [1]); cos / sin: that position's 128 RoPE values, x's dtype."""
+    k, n = _check(x, qweight, scales, zeros, None)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    why = fused_supported(m, n, k, k // scales.shape[0]) or rope_why_not(n, q_cols, kv, m)
+    if why is None and (input_pos.numel() != 1 or cos.numel() != ROPE_HEAD_DIM or sin.numel() != ROPE_HEAD_DIM):
+        why = f"one position and {ROPE_HEAD_DIM} cos / sin values, got {input_pos.numel()}, {cos.numel()}, {sin.numel()}"
+    if why is None and not (kv.dtype == cos.dtype == sin.dtype == x.dtype):
+        why = f"kv, cos and sin must have x's dtype {x.dtype}, got {kv.dtype}, {cos.dtype}, {sin.dtype}"
+    if why is not None:
+        raise ShapeError(f"w4a16_cuda_fused_rope: {why}")
+    if config >= 0 and config % 64 not in TIGHT_VARIANTS:
+        raise ShapeError(f"w4a16_cuda_fused_rope: config {config} is not a tight-kernel variant {TIGHT_VARIANTS}")
+    s2 = None if rms_ss is None else rms_ss.reshape(m, -1)
+    if s2 is not None and not 1 <= s2.shape[1] <= FUSED_T_MAX:
+        raise ShapeError(f"w4a16_cuda_fused_rope: rms_ss has {s2.shape[1]} partial sums a row (1..{FUSED_T_MAX})")
+    ext = extension() if x.is_cuda else None
+    if ext is None:
+        return fused_rope_reference(x2, qweight, scales, zeros, s2, rms_eps, kv, input_pos, cos, sin,
+                                    q_cols).reshape(*lead, n)
+    if config < 0:
+        config = fused_config(m, n, k, x.dtype)
+    variant, target = split_config(int(config))
+    x2 = x2.contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    y = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
+                        None if s2 is None else s2.float().contiguous(), float(rms_eps), False, None, None, kv,
+                        input_pos.reshape(1).long(), cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(),
+                        int(q_cols))[0]
+    return y.reshape(*lead, n)
+
+
+@w4a16_cuda_fused_rope.register_fake
+def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, kv, input_pos, cos, sin, q_cols, config=-1):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))

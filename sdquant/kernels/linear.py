@@ -392,6 +392,18 @@ class QuantLinear(_Prepared):
         return torch.ops.sdquant.w4a16_cuda_fused(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"],
                                                   rms_ss, float(eps), bool(silu), resid, gamma, cfg)
 
+    def forward_fused_rope(self, x: torch.Tensor, rms_ss: Optional[torch.Tensor], eps: float, kv: torch.Tensor,
+                           input_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_cols: int) -> torch.Tensor:
+        """``sdquant::w4a16_cuda_fused_rope`` on this layer's CUDA layout (a qkv projection): y = [rope(q), rope(k), v]
+        with rope(k), v written at slot input_pos of the cache kv. Check ``fused_why_not`` and
+        ``int4_cuda.rope_why_not`` first."""
+        from sdquant.kernels import int4_cuda  # noqa: F401  (registers the op)
+        lay = {attr[len("cuda") + 2:]: getattr(self, attr) for attr in self._layout_keys["cuda"]}
+        m = x.numel() // self.in_features
+        cfg = int4_cuda.fused_config(m, self.out_features, self.in_features, x.dtype) if x.is_cuda else -1
+        return torch.ops.sdquant.w4a16_cuda_fused_rope(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"],
+                                                       rms_ss, float(eps), kv, input_pos, cos, sin, int(q_cols), cfg)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.zeros is None}, kernel={self.kernel}")

@@ -175,14 +175,36 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
         self.window: Optional[int] = None        # the block's sliding window (set by Block)
         # decode steps with impl "triton": "index_copy" (default) writes the cache with KVCache.update (inductor
-        # compiles the key's RoPE and the write into two kernels a layer); "op" with sdquant::decode_kv_write, one
-        # kernel (Transformer.set_kv_write; unmeasured, docs/BENCHMARKS.md Pending 26)
+        # compiles the key's RoPE and the write into two kernels a layer); "gemm": in fused INT4 blocks the qkv GEMM's
+        # epilogue rotates q and k and writes the cache (Transformer.set_kv_write, rope_why_not)
         self.kv_write = "index_copy"
         if impl == "triton":
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
     def forward(self, x, cos, sin, mask, input_pos):
         return self.wo(self.attend(self.wqkv(x), cos, sin, mask, input_pos))
+
+    def rope_why_not(self, x: torch.Tensor, m: int) -> Optional[str]:
+        """Why a fused decode step of m rows (x: the qkv GEMM's input) does not rotate q, k and write the cache in the
+        qkv GEMM's epilogue (None: it does; then ``attend_rotated`` follows)."""
+        if self.kv_write != "gemm":
+            return f"kv_write is {self.kv_write!r}"
+        if _resolve_attention(self.impl, x, self.d.head_dim) != "triton":
+            return "the decode attention is not the triton kernel"
+        if self.q_norm is not None:
+            return "q / k norms come between the projection and the RoPE"
+        from sdquant.kernels.int4_cuda import rope_why_not
+        return rope_why_not(self.d.q_size + 2 * self.d.kv_size, self.d.q_size, self.kv_cache.kv, m)
+
+    def attend_rotated(self, qkv, input_pos):
+        """The decode attention after the qkv GEMM's RoPE epilogue: qkv [B, 1, q + 2 kv] holds rope(q) and the cache
+        this step's key and value."""
+        d = self.d
+        b = qkv.shape[0]
+        q = qkv[..., :d.q_size].view(b, d.n_kv_heads, d.n_heads // d.n_kv_heads, d.head_dim)
+        y = torch.ops.sdquant.decode_attention(q, self.kv_cache.k, self.kv_cache.v, input_pos, self.window or 0,
+                                               d.head_dim ** -0.5)                            # [B, nkv, rep, hd]
+        return y.reshape(b, 1, d.q_size)
 
     def attend(self, qkv, cos, sin, mask, input_pos):
         """qkv [B, S, q + 2 kv] (the fused projection's output) -> the attention output [B, S, nh * hd] before wo;
@@ -197,12 +219,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, d.rms_eps), rms_norm(k, self.k_norm, d.rms_eps)
         impl = _resolve_attention(self.impl, qkv, d.head_dim) if s == 1 else "sdpa"
-        if impl == "triton" and self.kv_write == "op":  # the key's RoPE and both cache writes in one kernel
-            torch.ops.sdquant.decode_kv_write(self.kv_cache.kv, k[:, 0], v[:, 0], input_pos, cos, sin)
-            k_all, v_all = self.kv_cache.k, self.kv_cache.v
-        else:
-            k = apply_rope(k, cos, sin)
-            k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # [B, nkv, T, hd]
+        k = apply_rope(k, cos, sin)
+        k_all, v_all = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # [B, nkv, T, hd]
         if impl != "triton":  # the Triton kernel rotates q as it loads it (no kernel of its own)
             q = apply_rope(q, cos, sin)
         if impl == "matmul":
@@ -303,9 +321,13 @@ class Block(nn.Module):
         and both residual adds happen in the GEMMs' prologues and epilogues. Returns (x', x' * next_norm, ss'): the
         next block's (x, xg, ss), or the final norm's."""
         eps = self.d.rms_eps
-        qkv = self.attn.wqkv.forward_fused(xg, rms_ss=ss, eps=eps)[0]
-        h, hg, hss = self.attn.wo.forward_fused(self.attn.attend(qkv, cos, sin, mask, input_pos), resid=x,
-                                                gamma=self.ffn_norm)
+        at = self.attn
+        if at.rope_why_not(xg, xg.numel() // xg.shape[-1]) is None:  # RoPE and the cache write in the qkv epilogue
+            qkv = at.wqkv.forward_fused_rope(xg, ss, eps, at.kv_cache.kv, input_pos, cos, sin, self.d.q_size)
+            y = at.attend_rotated(qkv, input_pos)
+        else:
+            y = at.attend(at.wqkv.forward_fused(xg, rms_ss=ss, eps=eps)[0], cos, sin, mask, input_pos)
+        h, hg, hss = at.wo.forward_fused(y, resid=x, gamma=self.ffn_norm)
         a = self.w13.forward_fused(hg, rms_ss=hss, eps=eps, silu=True)[0]
         return self.w2.forward_fused(a, resid=h, gamma=next_norm)
 
@@ -508,13 +530,12 @@ class Transformer(nn.Module):
         return self
 
     def set_kv_write(self, mode: str) -> "Transformer":
-        """How decode steps with the "triton" attention write the KV cache, for every layer: "index_copy" (default:
-        KVCache.update, the key's RoPE and the write compiled by inductor) or "op" (sdquant::decode_kv_write, both in
-        one kernel; a measurement switch until timed, docs/BENCHMARKS.md Pending 26)."""
-        if mode not in ("index_copy", "op"):
-            raise ConfigError("kv_write", f"must be 'index_copy' or 'op', got {mode!r}")
-        if mode == "op":
-            from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
+        """Where decode steps with the "triton" attention rotate k and write the KV cache, for every layer:
+        "index_copy" (default: KVCache.update, the key's RoPE and the write compiled by inductor) or "gemm" (in fused
+        INT4 blocks with 128-feature heads and no q / k norms, the qkv GEMM's epilogue rotates q and k and writes the
+        cache, ``sdquant::w4a16_cuda_fused_rope``; other blocks keep index_copy; docs/BENCHMARKS.md Pending 26)."""
+        if mode not in ("index_copy", "gemm"):
+            raise ConfigError("kv_write", f"must be 'index_copy' or 'gemm', got {mode!r}")
         for blk in self.layers:
             blk.attn.kv_write = mode
         return self

@@ -191,8 +191,8 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     """The per-mode clones must keep the tl.constexpr marks (a GPU launch fails without them; the interpreter
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    partial, merge, _ = da._kernels()
-    assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5 and len(da._kernels()[2].constexprs) == 2
+    partial, merge = da._kernels()
+    assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2])
@@ -204,9 +204,8 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    partial, merge, kv_write = da._kernels()
-    sigs = {kv_write: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16"] + ["i32"] * 9, dict(HD=128, PDL=pdl)),
-            partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
+    partial, merge = da._kernels()
+    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
                       dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl)),
             merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
     for fn, (types, consts) in sigs.items():
@@ -215,107 +214,6 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)}).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == bool(pdl), fn
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), fn
-
-
-# ---------------------------------------------------------------------------------------------- the cache write
-def _kv_case(dtype, b=2, cache_b=3, nkv=2, T=16, hd=32, seed=11):
-    """kv [2, cache_b, nkv, T, hd] filled, and k / v as the runtime passes them: views into a qkv output [b, 1, ...]."""
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(2, cache_b, nkv, T, hd, generator=g).to(dtype)
-    qkv = torch.randn(b, 1, (4 * nkv + 2 * nkv) * hd, generator=g).to(dtype)
-    k = qkv[..., 4 * nkv * hd:5 * nkv * hd].view(b, 1, nkv, hd)[:, 0]
-    v = qkv[..., 5 * nkv * hd:].view(b, 1, nkv, hd)[:, 0]
-    return kv, k, v
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pos", [0, 7, 15])
-def test_kv_write_kernel_matches_reference(interpret, dtype, pos):
-    """sdquant::decode_kv_write through the kernel: slot pos of the first B batch rows holds rope(k) and v, every
-    other slot (and the cache rows past B) is untouched, and the values are the reference's (fp32 RoPE, one rounding;
-    a bf16 / fp16 value may differ by the last bit where the interpreter rounds the fp32 sum differently)."""
-    kv, k, v = _kv_case(dtype)
-    assert k.stride(0) != k.shape[1] * k.stride(1)      # a strided view, as the qkv split gives
-    cos, sin = _rope_rows(k.shape[-1], pos, dtype)
-    want = kv.clone()
-    da.kv_write_reference(want, k, v, torch.tensor([pos]), cos, sin)
-    got = kv.clone()
-    torch.ops.sdquant.decode_kv_write(got, k, v, torch.tensor([pos]), cos[None], sin[None])
-    changed = (got != kv).any(-1)                        # [2, cache_b, nkv, T]
-    assert not changed[:, k.shape[0]:].any() and not changed[..., torch.arange(16) != pos].any()
-    assert torch.equal(got[1], want[1])                  # the value: a copy
-    assert torch.equal(got[:, :, :, pos][1, :k.shape[0]], v)
-    if dtype == torch.float32:
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-6)
-    # the reference is the runtime's rotation (apply_rope on [B, S, heads, hd]) in fp32
-    from sdquant.runtime.model import apply_rope
-    rot = apply_rope(k.float()[:, None], cos.float()[None], sin.float()[None])[:, 0]
-    torch.testing.assert_close(want[0, :k.shape[0], :, pos], rot.to(dtype), rtol=0, atol=0)
-
-
-def test_kv_write_refuses_bad_shapes():
-    kv, k, v = _kv_case(torch.float32)
-    cos, sin = _rope_rows(32, 3, torch.float32)
-    pos = torch.tensor([3])
-    with pytest.raises(ShapeError, match="kv must be"):
-        torch.ops.sdquant.decode_kv_write(kv[0], k, v, pos, cos, sin)
-    with pytest.raises(ShapeError, match="kv must be"):
-        torch.ops.sdquant.decode_kv_write(kv, k, v[:1], pos, cos, sin)
-    with pytest.raises(ShapeError, match="kv must be"):     # more batch rows than the cache holds
-        torch.ops.sdquant.decode_kv_write(kv[:, :1], k, v, pos, cos, sin)
-    with pytest.raises(ShapeError, match="one position"):
-        torch.ops.sdquant.decode_kv_write(kv, k, v, torch.tensor([3, 4]), cos, sin)
-    with pytest.raises(ShapeError, match="cos / sin"):
-        torch.ops.sdquant.decode_kv_write(kv, k, v, pos, cos[:16], sin)
-
-
-def test_kv_write_opcheck():
-    kv, k, v = _kv_case(torch.float32)
-    cos, sin = _rope_rows(32, 5, torch.float32)
-    torch.library.opcheck(torch.ops.sdquant.decode_kv_write.default, (kv, k.contiguous(), v.contiguous(),
-                                                                      torch.tensor([5]), cos, sin))
-
-
-def test_runtime_kv_write_op_equals_index_copy(interpret, monkeypatch):
-    """The runtime's decode steps with set_kv_write("op") (the triton attention, the cache write through the kernel)
-    give the default index_copy_ path's logits and cache exactly (fp32), eager and under torch.compile(fullgraph)."""
-    from sdquant.errors import ConfigError
-    from sdquant.runtime.testing import TINY, random_decoder
-    rt = random_decoder(TINY, "bf16", device="cpu", dtype=torch.float32, max_seq_len=96).set_attention("triton")
-    torch.manual_seed(0)
-    prompt = torch.randint(0, rt.d.vocab_size, (2, 9))
-
-    def run(step):
-        rt.setup_caches(2, 96)
-        with torch.no_grad():
-            rt(prompt, torch.arange(9))
-            ids, out = prompt[:, -1:], []
-            for i in range(9, 13):
-                logits = step(ids, torch.tensor([i]))
-                out.append(logits)
-                ids = logits.argmax(-1, keepdim=True)
-        return torch.stack(out), torch.stack([blk.attn.kv_cache.kv.clone() for blk in rt.layers])
-    base = run(rt.decode_step)
-    assert all(blk.attn.kv_write == "index_copy" for blk in rt.layers)
-    rt.set_kv_write("op")
-    partial, merge, kv_write = da._kernels()
-    calls = []
-
-    class Counted:  # the kernel, counting its launches
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kv_write[grid]
-    monkeypatch.setitem(da._KERNELS, True, (partial, merge, Counted()))
-    eager = run(rt.decode_step)
-    assert len(calls) == 4 * len(rt.layers)              # one launch a layer and decode step
-    assert torch.equal(eager[0], base[0]) and torch.equal(eager[1], base[1])
-    compiled = torch.compile(rt.decode_step, fullgraph=True, backend="aot_eager")
-    comp = run(compiled)
-    assert torch.equal(comp[0], base[0]) and torch.equal(comp[1], base[1])
-    with pytest.raises(ConfigError, match="kv_write"):
-        rt.set_kv_write("scatter")
 
 
 def test_attention_bench_dry_checks_every_setting(tmp_path):

@@ -204,3 +204,126 @@ def test_fused_is_off_without_the_cuda_kernel():
     rt = random_decoder(TINY, "int4", device="cpu", dtype=DT, max_seq_len=32)
     assert not rt.fused_decode and all(blk.gate_up_block == 0 for blk in rt.layers)
     assert rt.fused_why_not(1) == "fused decode is off"
+
+
+# ------------------------------------------------------------------------------------------ the RoPE / KV-cache epilogue
+def _rope_case(m=3, cache_b=4, nh=2, nkv=1, T=16, seed=4):
+    """A qkv weight for nh query and nkv KV heads of 128 (K = 256), its layout, a consumer's input and a filled cache."""
+    from sdquant.runtime.testing import default_rope_tables
+    g = torch.Generator().manual_seed(seed)
+    n = (nh + 2 * nkv) * 128
+    qw = make_qw(n, 256, 64, False, False, seed=seed)
+    lay = L.repack_cuda(qw, DT)
+    h = (torch.randn(m, 1, 256, generator=g) * 3).to(DT)
+    w_norm = (1 + 0.3 * torch.randn(256, generator=g)).to(DT)
+    kv = torch.randn(2, cache_b, nkv, T, 128, generator=g).to(DT)
+    cos, sin = (t.to(DT) for t in default_rope_tables(T, 128))
+    return qw, lay, h, w_norm, kv, cos, sin
+
+
+def _rope_op(lay, x, ss, kv, pos, cos, sin, q_cols, config=-1):
+    return torch.ops.sdquant.w4a16_cuda_fused_rope(x, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"], ss,
+                                                   EPS, kv, pos, cos, sin, q_cols, config)
+
+
+@pytest.mark.parametrize("pos", [0, 9, 15])
+def test_rope_epilogue_is_the_consumer_then_rope_and_the_cache_write(pos):
+    """y = [rope(q), rope(k), v] of the consumer's output (each head rotated as the runtime's apply_rope does, HF
+    layout) and rope(k), v at slot pos of the first M cache rows; every other cache entry unchanged."""
+    from sdquant.runtime.model import apply_rope
+    qw, lay, h, w_norm, kv, cos, sin = _rope_case()
+    m, q_cols = h.shape[0], 256
+    ss = int4_cuda.block_sumsq(h)
+    p = torch.tensor([pos])
+    c, s = cos[p], sin[p]                                             # [1, 128]: as the runtime passes them
+    got = kv.clone()
+    y = _rope_op(lay, h * w_norm, ss, got, p, c, s, q_cols)
+    plain = _op(h * w_norm, lay, rms_ss=ss)[0]                        # the consumer without the epilogue
+    heads = plain.view(m, 1, 4, 128)
+    want = torch.cat([apply_rope(heads[:, :, :3], c, s), heads[:, :, 3:]], dim=2).reshape(m, 1, 512)
+    assert y.shape == (m, 1, 512) and y.dtype == DT
+    assert _rel(y, want) < 1e-2                                       # bf16 rotation there, fp32 here
+    assert torch.equal(y[..., 384:], plain[..., 384:])                # v: not rotated
+    if pos:                                                           # q and k rotated (at pos 0: cos 1, sin 0)
+        assert _rel(y[..., :384], plain[..., :384]) > 0.1
+    else:
+        assert torch.equal(y[..., :384], plain[..., :384])
+    assert torch.equal(got[0, :m, 0, pos], y[:, 0, 256:384]) and torch.equal(got[1, :m, 0, pos], y[:, 0, 384:])
+    rest, before = got.clone(), kv.clone()
+    rest[:, :m, :, pos], before[:, :m, :, pos] = 0, 0
+    assert torch.equal(rest, before)
+    # the rotation is the attention kernel's rope_q, rounded once: exactly, from the consumer's rounded output
+    from sdquant.kernels.decode_attention import rope_q
+    assert torch.equal(y[..., :384].view(m, 3, 128), rope_q(plain[..., :384].view(m, 3, 128), c[0], s[0]).to(DT))
+
+
+def test_rope_epilogue_opcheck_and_refusals():
+    qw, lay, h, w_norm, kv, cos, sin = _rope_case(m=2)
+    ss = int4_cuda.block_sumsq(h)
+    p = torch.tensor([5])
+    torch.library.opcheck(torch.ops.sdquant.w4a16_cuda_fused_rope,
+                          (h * w_norm, lay["qweight"], lay["scales"], lay["zeros"], lay["locks"], ss, EPS, kv.clone(),
+                           p, cos[p], sin[p], 256, -1))
+    x = h * w_norm
+    with pytest.raises(ShapeError, match="query columns"):
+        _rope_op(lay, x, ss, kv, p, cos[p], sin[p], 128)
+    with pytest.raises(ShapeError, match=r"\[2, B, nkv, T, 128\]"):
+        _rope_op(lay, x, ss, kv[..., :64], p, cos[p], sin[p], 256)
+    with pytest.raises(ShapeError, match="cache of batch 1"):
+        _rope_op(lay, x, ss, kv[:, :1], p, cos[p], sin[p], 256)
+    with pytest.raises(ShapeError, match="one position"):
+        _rope_op(lay, x, ss, kv, torch.tensor([5, 6]), cos[p], sin[p], 256)
+    with pytest.raises(ShapeError, match="dtype"):
+        _rope_op(lay, x, ss, kv.float(), p, cos[p], sin[p], 256)
+    with pytest.raises(ShapeError, match="config 10"):
+        _rope_op(lay, x, ss, kv, p, cos[p], sin[p], 256, config=10)
+
+
+TINY128 = dict(family="llama", vocab_size=512, hidden_size=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128,
+               intermediate_size=512, rms_eps=1e-5, tie_embeddings=False)
+
+
+def test_runtime_kv_write_gemm_matches_index_copy(gpu_like, monkeypatch):
+    """Transformer.set_kv_write("gemm") on fused INT4 blocks with 128-feature heads: each decode step runs the qkv GEMM
+    with the RoPE / cache epilogue (one call a layer, no index_copy_), and its logits and caches match the default
+    path's; under torch.compile(fullgraph) too. Heads of 64 features keep the default path, and it says why."""
+    from sdquant.errors import ConfigError
+    from sdquant.runtime.testing import random_decoder
+    rt = random_decoder(TINY128, "int4", device="cpu", dtype=DT, lm_head="int4", max_seq_len=64, kernels="cuda",
+                        fused=True, group_size=64, seed=5).set_attention("triton")
+    prompt = torch.randint(0, rt.d.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def run(step):
+        rt.setup_caches(2, 32)
+        with torch.no_grad():
+            rt(prompt, torch.arange(6))
+            ids, out = prompt[:, -1:], []
+            for i in range(6, 9):
+                logits = step(ids, torch.tensor([i]))
+                out.append(logits)
+                ids = logits.argmax(-1, keepdim=True)
+        return torch.stack(out), torch.stack([blk.attn.kv_cache.kv.clone() for blk in rt.layers])
+    base = run(rt.decode_step)
+    rt.set_kv_write("gemm")
+    x = torch.zeros(2, 1, 256, dtype=DT)
+    assert all(blk.attn.rope_why_not(x, 2) is None for blk in rt.layers)
+    calls = []
+    real = torch.ops.sdquant.w4a16_cuda_fused_rope
+
+    class Counted:
+        def __call__(self, *a):
+            calls.append(a[0].shape)
+            return real(*a)
+    monkeypatch.setattr(torch.ops.sdquant, "w4a16_cuda_fused_rope", Counted())
+    eager = run(rt.decode_step)
+    assert len(calls) == 3 * len(rt.layers)
+    assert _rel(eager[0], base[0]) < 2e-2 and _rel(eager[1], base[1]) < 1e-2
+    assert torch.equal(eager[0].argmax(-1), base[0].argmax(-1))
+    monkeypatch.setattr(torch.ops.sdquant, "w4a16_cuda_fused_rope", real)
+    comp = run(torch.compile(rt.decode_step, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(comp[1], eager[1]) and _rel(comp[0], eager[0]) < 1e-3
+    with pytest.raises(ConfigError, match="kv_write"):
+        rt.set_kv_write("op")
+    small = _tiny(fused=True).set_attention("triton").set_kv_write("gemm")
+    small.setup_caches(1, 16)
+    assert "128" in small.layers[0].attn.rope_why_not(torch.zeros(1, 1, 256, dtype=DT), 1)

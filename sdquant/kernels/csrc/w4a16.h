@@ -38,6 +38,16 @@ struct SdqW4A16FusedParams : SdqW4A16Params {
   const void* gamma;    // [n_out] with c2: c2 = round(c * gamma) (the next RMSNorm's weight)
   void* c2;             // [m, n_out] second output, activation dtype
   float* ss_out;        // [m, n_out / 64] fp32 or null: the sums of squares of c's 64-column blocks (the next rms_ss)
+  // A decode step's RoPE and KV-cache write (the qkv projection, 128-feature heads; not with silu, resid or gamma), on
+  // when kv is set: columns [0, rope_q) are query heads, the next rope_kv key heads, the last rope_kv value heads. c
+  // gets [rope(q), rope(k), v], each head rotated in fp32 from its rounded value and rounded once (HF's rotate_half
+  // layout), and the keys and values also go to slot *pos of kv [2, B >= m, nkv, T, 128] (strides in elements).
+  void* kv;
+  const long long* pos;  // int64 [1]
+  const void* cos;       // [128] activation dtype: this position's RoPE row (halves duplicated)
+  const void* sin;
+  int rope_q, rope_kv;
+  long long kv_sk, kv_sb, kv_sh, kv_st;
 };
 
 // The wgmma kernel (variants 62-63): its token tile for m rows. The 128-token tile runs two warpgroups a CTA (each

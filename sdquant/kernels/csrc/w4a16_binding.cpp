@@ -91,7 +91,10 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
 std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                        torch::Tensor zeros, torch::Tensor locks, int64_t variant, int64_t target2,
                                        int64_t pdl, c10::optional<torch::Tensor> rms_ss, double rms_eps, bool silu,
-                                       c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma) {
+                                       c10::optional<torch::Tensor> resid, c10::optional<torch::Tensor> gamma,
+                                       c10::optional<torch::Tensor> kv, c10::optional<torch::Tensor> pos,
+                                       c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin,
+                                       int64_t rope_q) {
   check_layout_args("w4a16_fused", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), n = qweight.size(0) * 64;
   TORCH_CHECK(m >= 1 && m <= 8, "w4a16_fused: M=", m, " (the fused kernel takes 1..8 rows)");
@@ -109,6 +112,21 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
     TORCH_CHECK(gamma->is_cuda() && gamma->scalar_type() == x.scalar_type() && gamma->is_contiguous() &&
                     gamma->numel() == n_out && reinterpret_cast<uintptr_t>(gamma->data_ptr()) % 4 == 0,
                 "w4a16_fused: gamma must be a contiguous [", n_out, "] vector of x's dtype");
+  if (kv) {  // the RoPE / KV-cache epilogue (w4a16.h): a decode step's qkv projection, 128-feature heads
+    TORCH_CHECK(!silu && !resid && !gamma && pos && cos && sin,
+                "w4a16_fused: the RoPE epilogue takes rms_ss only, with pos, cos and sin");
+    TORCH_CHECK(kv->is_cuda() && kv->scalar_type() == x.scalar_type() && kv->dim() == 5 && kv->size(0) == 2 &&
+                    kv->size(1) >= m && kv->size(4) == 128 && kv->stride(4) == 1 &&
+                    rope_q % 128 == 0 && rope_q + 2 * kv->size(2) * 128 == n,
+                "w4a16_fused: kv must be a [2, B >= ", m, ", nkv, T, 128] cache of x's dtype with q columns (", rope_q,
+                ") + 2 nkv * 128 = ", n);
+    TORCH_CHECK(pos->is_cuda() && pos->scalar_type() == at::kLong && pos->numel() == 1,
+                "w4a16_fused: pos must be one int64 position on the GPU");
+    for (const auto* t : {&*cos, &*sin})
+      TORCH_CHECK(t->is_cuda() && t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->numel() == 128 &&
+                      reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0,
+                  "w4a16_fused: cos and sin must be 128 contiguous values of x's dtype");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n_out}, x.options());
   auto out2 = gamma ? at::empty({m, n_out}, x.options()) : at::empty({0}, x.options());
@@ -127,6 +145,18 @@ std::vector<torch::Tensor> w4a16_fused(torch::Tensor x, torch::Tensor qweight, t
   p.gamma = gamma ? gamma->data_ptr() : nullptr;
   p.c2 = gamma ? out2.data_ptr() : nullptr;
   p.ss_out = gamma ? ss_out.data_ptr<float>() : nullptr;
+  if (kv) {
+    p.kv = kv->data_ptr();
+    p.pos = reinterpret_cast<const long long*>(pos->data_ptr<int64_t>());
+    p.cos = cos->data_ptr();
+    p.sin = sin->data_ptr();
+    p.rope_q = static_cast<int>(rope_q);
+    p.rope_kv = static_cast<int>(kv->size(2) * 128);
+    p.kv_sk = kv->stride(0);
+    p.kv_sb = kv->stride(1);
+    p.kv_sh = kv->stride(2);
+    p.kv_st = kv->stride(3);
+  }
   const long long scratch = p.splits > 1 ? static_cast<long long>(p.splits) * m * n : 0;
   at::Tensor partial;
   if (scratch > 0) partial = at::empty({scratch}, x.options().dtype(at::kFloat));

@@ -75,6 +75,10 @@ extern "C" int sdq_w4a16_launch_fused(const SdqW4A16FusedParams* p, cudaStream_t
       p->splits < 1 || p->evict_first || (p->gamma == nullptr) != (p->c2 == nullptr) ||
       (p->rms_ss != nullptr && (p->rms_t < 1 || p->rms_t > 256)))
     return -1;
+  if (p->kv != nullptr && (p->pos == nullptr || p->cos == nullptr || p->sin == nullptr || p->silu || p->resid ||
+                           p->gamma || p->rope_q % 128 || p->rope_kv % 128 || p->rope_kv < 128 ||
+                           p->rope_q + 2 * p->rope_kv != p->n))
+    return -1;
   return p->is_bf16 ? sdq_w4a16_part_fused_bf16(v, p, stream) : sdq_w4a16_part_fused_f16(v, p, stream);
 }
 

@@ -134,6 +134,50 @@ __device__ __forceinline__ void ss_scales(const SdqW4A16FusedParams& p, const fl
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
 
+// The fused epilogue's RoPE / KV-cache units (SdqW4A16FusedParams::kv): a warp takes (row, 128-column head) units in
+// turn (the tight tiles are 128-aligned: WNN is even), lane l output columns 2l, 2l + 1 of each half. A query or key
+// head is rotated from its rounded values, out[d] = x[d] cos[d] - x[d + 64] sin[d], out[d + 64] = x[d + 64] cos[d + 64]
+// + x[d] sin[d] with each product and the sum rounded in fp32 (no contraction: the reference's elementwise order);
+// keys and values are also stored at slot pos of the cache.
+template <typename T, typename F>
+__device__ __forceinline__ void store_rope(const SdqW4A16FusedParams& p, int col0, int ncols, F&& fetch,
+                                           const float* s_rs, int warp, int lane, int warps) {
+  using O = Ops<T>;
+  using T2 = typename O::T2;
+  const long long pos = *p.pos;
+  const T* cs = reinterpret_cast<const T*>(p.cos);
+  const T* sn = reinterpret_cast<const T*>(p.sin);
+  const float2 ca = pair_f<T>(ldg_u32(cs + 2 * lane)), cb = pair_f<T>(ldg_u32(cs + 64 + 2 * lane));
+  const float2 sa = pair_f<T>(ldg_u32(sn + 2 * lane)), sb = pair_f<T>(ldg_u32(sn + 64 + 2 * lane));
+  const int heads = ncols / 128;
+  for (int u = warp; u < p.m * heads; u += warps) {
+    const int row = u / heads, hh = u % heads;
+    const int gc = col0 + 128 * hh;  // the head's first column
+    const float rs = p.rms_ss != nullptr ? s_rs[row] : 1.f;
+    const float2 a = fetch(row, 128 * hh + 2 * lane), b = fetch(row, 128 * hh + 64 + 2 * lane);
+    T2 ya = O::pack(a.x * rs, a.y * rs), yb = O::pack(b.x * rs, b.y * rs);
+    if (gc < p.rope_q + p.rope_kv) {
+      const float2 fa = pair_f<T>(*reinterpret_cast<const uint32_t*>(&ya));
+      const float2 fb = pair_f<T>(*reinterpret_cast<const uint32_t*>(&yb));
+      ya = O::pack(__fadd_rn(__fmul_rn(fa.x, ca.x), -__fmul_rn(fb.x, sa.x)),
+                   __fadd_rn(__fmul_rn(fa.y, ca.y), -__fmul_rn(fb.y, sa.y)));
+      yb = O::pack(__fadd_rn(__fmul_rn(fb.x, cb.x), __fmul_rn(fa.x, sb.x)),
+                   __fadd_rn(__fmul_rn(fb.y, cb.y), __fmul_rn(fa.y, sb.y)));
+    }
+    T* out = reinterpret_cast<T*>(p.c) + static_cast<size_t>(row) * p.n + gc + 2 * lane;
+    *reinterpret_cast<T2*>(out) = ya;
+    *reinterpret_cast<T2*>(out + 64) = yb;
+    if (gc >= p.rope_q) {
+      const int kc = gc - p.rope_q;
+      const int which = kc >= p.rope_kv ? 1 : 0;
+      const long long h = (kc - which * p.rope_kv) / 128;
+      T* dst = reinterpret_cast<T*>(p.kv) + which * p.kv_sk + row * p.kv_sb + h * p.kv_sh + pos * p.kv_st + 2 * lane;
+      *reinterpret_cast<T2*>(dst) = ya;
+      *reinterpret_cast<T2*>(dst + 64) = yb;
+    }
+  }
+}
+
 // store_output with the fused epilogue, one compact loop for both split cases (a per-fragment writer path made ptxas
 // schedule the main loop differently: fused_ops runs 3-5). One split: the writers' fragments go to shared memory
 // (`xs`, [WNN][8 NT rows][64]); more: fp32 partials as store_output, summed by the last CTA of the tile. Then each warp
@@ -198,6 +242,11 @@ __device__ __forceinline__ void store_fused(const SdqW4A16FusedParams& p, const 
     return s;
 #endif
   };
+  if (p.kv != nullptr) {  // RoPE and the cache write: a warp takes a (row, head) unit, both halves of the head
+    store_rope<T>(p, col0, ncols, fetch, s_rs, warp, lane, WARPS);
+    if (!one && threadIdx.x == 0) p.locks[blockIdx.x] = 0;
+    return;
+  }
   for (int u = warp; u < m * obs; u += WARPS) {
     const int row = u / obs, ob = u % obs;
     const int oc = oc0 + 64 * ob + 2 * lane;
