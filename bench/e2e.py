@@ -90,6 +90,10 @@ VARIANTS = {
     # sdquant::w4a16_cuda_fused_rope) instead of inductor's RoPE + index_copy_ kernels (docs/BENCHMARKS.md, Pending 26)
     "int4all-compiled-pdl-early-kvgemm": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                               pdl="all", kv_write="gemm"),
+    # and the attention's first tile of older slots loaded ahead of its PDL wait (decode_attention.set_preload)
+    "int4all-compiled-pdl-early-kvgemm-preload": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
+                                                      graph=True, pdl="all", kv_write="gemm", attn_preload=True),
+    "bf16-compiled-preload": dict(linears="bf16", compiled=True, graph=True, attn_preload=True),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -397,8 +401,10 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     from sdquant.kernels import decode_attention, int4_cuda
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
+    decode_attention.set_preload(bool(spec.get("attn_preload")))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
-           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_write"))
+           str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_write"),
+           spec.get("attn_preload", False))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key

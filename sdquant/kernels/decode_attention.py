@@ -117,9 +117,19 @@ def _max(a, b):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
                     NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
+    offs_d = tl.arange(0, HD)
+    if PRELOAD:  # one tile a program (CHUNK_T == BT): its keys and values of the slots before pos, which no kernel of
+        # this step writes, are loaded ahead of the wait, so under PDL they stream while the previous kernel finishes
+        pos = tl.load(pos_ptr).to(tl.int32)
+        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))
+        end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+        offs_t = start + tl.arange(0, BT)
+        old = (offs_t < end) & (offs_t < pos)
+        k_pre = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
+        v_pre = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=old[:, None], other=0.0)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
@@ -130,7 +140,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     start = tl.maximum(sp * CHUNK_T, lo)
     end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
     offs_r = tl.arange(0, REP_P)
-    offs_d = tl.arange(0, HD)
     r_mask = offs_r < REP
     q = tl.load(q_base + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
     if ROPE:  # q * cos + rotate_half(q) * sin, rotate_half(q) = [-q[hd/2:], q[:hd/2]]
@@ -148,8 +157,17 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     for t0 in range(start, end, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
-        k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        if PRELOAD:  # slot pos (this step's key and value) after the wait
+            new = t_mask & (offs_t == pos)
+            k = tl.where(new[:, None], tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :],
+                                               mask=new[:, None], other=0.0), k_pre)
+            v = tl.where(new[:, None], tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :],
+                                               mask=new[:, None], other=0.0), v_pre)
+        else:
+            k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None],
+                        other=0.0)
+            v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None],
+                        other=0.0)
         s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
@@ -196,6 +214,17 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
 
 _KERNELS: dict = {}
 _PDL = [0]
+_PRELOAD = [False]
+
+
+def set_preload(enabled: bool) -> bool:
+    """Programs of one tile load their keys and values of the slots before pos ahead of their PDL wait (slot pos, which
+    the previous kernel writes, after it), from now on in this process. Safe only where the position is not written by
+    the kernel just before the attention (the runtime's is an input of the step). Read at launch time; returns the
+    previous setting. A measurement switch (docs/BENCHMARKS.md, Pending 26)."""
+    old = _PRELOAD[0]
+    _PRELOAD[0] = bool(enabled)
+    return old
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
@@ -289,11 +318,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
+    tiles = tile_config(chunk)
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
-                               **tile_config(chunk), **launch)
+                               PRELOAD=_PRELOAD[0] and tiles["BT"] == chunk, **tiles, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)

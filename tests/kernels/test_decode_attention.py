@@ -53,6 +53,33 @@ def test_kernel_matches_reference(interpret, dtype, tol, pos, window):
     assert err < tol, float(err)
 
 
+@pytest.fixture
+def preload():
+    old = da.set_preload(True)
+    yield
+    da.set_preload(old)
+
+
+@pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
+def test_preload_gives_the_same_result(interpret, preload, pos, window):
+    """set_preload(True) (the first tile's older slots loaded ahead of the PDL wait, slot pos after it): the outputs of
+    the default kernel, bit for bit, and slots past pos or before the window still unread (NaN there changes
+    nothing)."""
+    q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
+    da.set_preload(False)
+    want = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
+    da.set_preload(True)
+    assert torch.equal(got, want)
+    k2, v2 = k.clone(), v.clone()
+    for t in (k2, v2):
+        t[:, :, pos + 1:] = float("nan")
+        if window:
+            t[:, :, :max(pos - window + 1, 0)] = float("nan")
+    assert torch.equal(torch.ops.sdquant.decode_attention(q, k2, v2, torch.tensor([pos]), window, scale), want)
+
+
 def test_chunk_rule(monkeypatch):
     """Slots per program: 64-slot tiles while the grid stays within 8 programs a SM, longer ranges beyond."""
     monkeypatch.delenv("SDQUANT_ATTN_CHUNK", raising=False)
@@ -192,7 +219,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 7 and len(merge.constexprs) == 5
+    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2])
@@ -206,7 +233,7 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
     sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
-                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl)),
+                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False)),
             merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
@@ -214,6 +241,42 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)}).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == bool(pdl), fn
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), fn
+
+
+def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
+    """With PRELOAD the partial kernel's first-tile key / value loads come before griddepcontrol.wait in the PTX (and in
+    the SASS, where cuobjdump is at hand: ptxas keeps them there); without it every load of the cache follows the
+    wait (only the position's load may precede it: none does)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    partial, _ = da._kernels()
+    types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
+    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    for pre in (True, False):
+        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre)
+        sig = dict(zip(partial.arg_names, types + ["constexpr"] * len(consts)))
+        src = ASTSource(fn=partial, signature=sig,
+                        constexprs={(partial.arg_names.index(k),): v for k, v in consts.items()})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+        lines = c.asm["ptx"].splitlines()
+        w = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+        before = sum("ld.global" in ln for ln in lines[:w])
+        assert (before > 64) if pre else before == 0, before
+        if Path(dump).exists():
+            with tempfile.TemporaryDirectory() as d:
+                (Path(d) / "k.cubin").write_bytes(c.asm["cubin"])
+                sass = subprocess.run([dump, "-sass", str(Path(d) / "k.cubin")], capture_output=True, text=True).stdout
+            ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+            acq = next(i for i, ln in enumerate(ins) if "ACQBULK" in ln)
+            assert sum("LDG" in ln for ln in ins[:acq]) == before
 
 
 def test_attention_bench_dry_checks_every_setting(tmp_path):
