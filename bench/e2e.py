@@ -86,14 +86,13 @@ VARIANTS = {
     "int4all-compiled-pdl-early-noattn": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                               pdl="all", no_attention=True),
     "bf16-compiled-noattn": dict(linears="bf16", compiled=True, graph=True, no_attention=True),
-    # the key's and query's RoPE and the cache write in the qkv GEMM's epilogue (Transformer.set_kv_write("gemm"):
-    # sdquant::w4a16_cuda_fused_rope) instead of inductor's RoPE + index_copy_ kernels (docs/BENCHMARKS.md, Pending 26)
-    "int4all-compiled-pdl-early-kvgemm": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
-                                              pdl="all", kv_write="gemm"),
-    # and the attention's first tile of older slots loaded ahead of its PDL wait (decode_attention.set_preload)
-    "int4all-compiled-pdl-early-kvgemm-preload": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
-                                                      graph=True, pdl="all", kv_write="gemm", attn_preload=True),
-    "bf16-compiled-preload": dict(linears="bf16", compiled=True, graph=True, attn_preload=True),
+    # the default's decode attention path without the qkv GEMM's RoPE / cache epilogue (Transformer.set_kv_write:
+    # inductor's RoPE + index_copy_ kernels), and with it but without the attention's preload (docs/BENCHMARKS.md,
+    # e2e runs 60-62)
+    "int4all-compiled-pdl-early-kvindex": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
+                                               pdl="all", kv_write="index_copy"),
+    "int4all-compiled-pdl-early-nopreload": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
+                                                 graph=True, pdl="all", attn_preload=False),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -214,7 +213,7 @@ def check_fused(rt, args, dev, batches=(1, 8)) -> dict:
                         worst_c = max(worst_c, float((a.float() - r.float()).norm() / r.float().norm()))
                     x = ref
             out[f"B{b}"] = {"fused_vs_unfused": worst_e, "compiled_vs_eager": worst_c}
-            if rt.layers[0].attn.kv_write == "gemm":
+            if rt.layers[0].attn.rope_why_not(x, b) is None:
                 out[f"B{b}"]["rope_epilogue"] = check_rope(rt, b, dev, g)
     finally:
         for blk, (a, f) in zip(rt.layers, saved):
@@ -401,10 +400,9 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     from sdquant.kernels import decode_attention, int4_cuda
     int4_cuda.set_pdl(pdl in ("kernels", "all-late"))
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
-    decode_attention.set_preload(bool(spec.get("attn_preload")))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
            str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_write"),
-           spec.get("attn_preload", False))
+           spec.get("attn_preload", True))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -419,7 +417,10 @@ def _run_variant(name, spec, args, dev, dtype, dims):
                         group_size=args.group_size, fused=spec.get("fused"))
     if spec.get("kv_write"):
         rt.set_kv_write(spec["kv_write"])
+    for blk in rt.layers:
+        blk.attn.attn_preload = spec.get("attn_preload", True)
     if spec.get("no_attention"):
+        rt.set_kv_write("index_copy")  # the fused blocks then call Attention.attend, replaced below
         for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)
             blk.attn.attend = (lambda q_size: lambda qkv, cos, sin, mask, input_pos: qkv[..., :q_size].contiguous())(rt.d.q_size)
     if spec.get("layouts", "one") != "one":

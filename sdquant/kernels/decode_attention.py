@@ -214,17 +214,6 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
 
 _KERNELS: dict = {}
 _PDL = [0]
-_PRELOAD = [False]
-
-
-def set_preload(enabled: bool) -> bool:
-    """Programs of one tile load their keys and values of the slots before pos ahead of their PDL wait (slot pos, which
-    the previous kernel writes, after it), from now on in this process. Safe only where the position is not written by
-    the kernel just before the attention (the runtime's is an input of the step). Read at launch time; returns the
-    previous setting. A measurement switch (docs/BENCHMARKS.md, Pending 26)."""
-    old = _PRELOAD[0]
-    _PRELOAD[0] = bool(enabled)
-    return old
 
 
 def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
@@ -289,9 +278,13 @@ def reference(q, k, v, input_pos, window: int, scale: float, cos=None, sin=None)
 
 @torch.library.custom_op("sdquant::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, window: int,
-                     scale: float, cos: Optional[torch.Tensor] = None,
-                     sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(rope(q)·kᵀ·scale over the live slots)·v; see the module docstring."""
+                     scale: float, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                     preload: bool = False) -> torch.Tensor:
+    """softmax(rope(q)·kᵀ·scale over the live slots)·v; see the module docstring. preload: programs of one tile load
+    their keys and values of the slots before pos ahead of their PDL wait (slot pos after it). Only for a caller whose
+    previous kernel writes neither the position nor those slots: the runtime's qkv GEMM with the RoPE / cache epilogue,
+    which lets the attention launch before its epilogue (e2e run 61: +1.2% at batch 1 there; behind inductor's
+    cache-write kernels in the bf16 model it cost 3.9%)."""
     _check(q, k, v, input_pos, window, cos, sin)
     if triton is None or (q.device.type == "cpu" and not _interpret()):
         return reference(q, k, v, input_pos, window, scale, cos, sin)
@@ -323,7 +316,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
-                               PRELOAD=_PRELOAD[0] and tiles["BT"] == chunk, **tiles, **launch)
+                               PRELOAD=bool(preload) and tiles["BT"] == chunk, **tiles, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
@@ -331,7 +324,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
 
 
 @decode_attention.register_fake
-def _(q, k, v, input_pos, window, scale, cos=None, sin=None):
+def _(q, k, v, input_pos, window, scale, cos=None, sin=None, preload=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -174,10 +174,13 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm)
         self.kv_cache: Optional[KVCache] = None
         self.window: Optional[int] = None        # the block's sliding window (set by Block)
-        # decode steps with impl "triton": "index_copy" (default) writes the cache with KVCache.update (inductor
-        # compiles the key's RoPE and the write into two kernels a layer); "gemm": in fused INT4 blocks the qkv GEMM's
-        # epilogue rotates q and k and writes the cache (Transformer.set_kv_write, rope_why_not)
-        self.kv_write = "index_copy"
+        # decode steps with impl "triton": "gemm" (default) in fused INT4 blocks: the qkv GEMM's epilogue rotates q and
+        # k and writes the cache (rope_why_not says where it cannot), and the attention, launched before that epilogue,
+        # loads its older slots ahead of its PDL wait (attn_preload); elsewhere, and with "index_copy", KVCache.update
+        # writes the cache (inductor compiles the key's RoPE and the write into two kernels a layer).
+        # Transformer.set_kv_write; docs/BENCHMARKS.md, e2e runs 60-62
+        self.kv_write = "gemm"
+        self.attn_preload = True
         if impl == "triton":
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
@@ -203,7 +206,7 @@ class Attention(nn.Module):
         b = qkv.shape[0]
         q = qkv[..., :d.q_size].view(b, d.n_kv_heads, d.n_heads // d.n_kv_heads, d.head_dim)
         y = torch.ops.sdquant.decode_attention(q, self.kv_cache.k, self.kv_cache.v, input_pos, self.window or 0,
-                                               d.head_dim ** -0.5)                            # [B, nkv, rep, hd]
+                                               d.head_dim ** -0.5, None, None, self.attn_preload)  # [B, nkv, rep, hd]
         return y.reshape(b, 1, d.q_size)
 
     def attend(self, qkv, cos, sin, mask, input_pos):
@@ -530,10 +533,10 @@ class Transformer(nn.Module):
         return self
 
     def set_kv_write(self, mode: str) -> "Transformer":
-        """Where decode steps with the "triton" attention rotate k and write the KV cache, for every layer:
-        "index_copy" (default: KVCache.update, the key's RoPE and the write compiled by inductor) or "gemm" (in fused
-        INT4 blocks with 128-feature heads and no q / k norms, the qkv GEMM's epilogue rotates q and k and writes the
-        cache, ``sdquant::w4a16_cuda_fused_rope``; other blocks keep index_copy; docs/BENCHMARKS.md Pending 26)."""
+        """Where decode steps with the "triton" attention rotate k and write the KV cache, for every layer: "gemm"
+        (default: in fused INT4 blocks with 128-feature heads and no q / k norms, the qkv GEMM's epilogue rotates q and
+        k and writes the cache, ``sdquant::w4a16_cuda_fused_rope``; other blocks as "index_copy") or "index_copy"
+        (KVCache.update: the key's RoPE and the write compiled by inductor)."""
         if mode not in ("index_copy", "gemm"):
             raise ConfigError("kv_write", f"must be 'index_copy' or 'gemm', got {mode!r}")
         for blk in self.layers:

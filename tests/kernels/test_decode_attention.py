@@ -53,31 +53,23 @@ def test_kernel_matches_reference(interpret, dtype, tol, pos, window):
     assert err < tol, float(err)
 
 
-@pytest.fixture
-def preload():
-    old = da.set_preload(True)
-    yield
-    da.set_preload(old)
-
-
 @pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
-def test_preload_gives_the_same_result(interpret, preload, pos, window):
-    """set_preload(True) (the first tile's older slots loaded ahead of the PDL wait, slot pos after it): the outputs of
+def test_preload_gives_the_same_result(interpret, pos, window):
+    """preload=True (the first tile's older slots loaded ahead of the PDL wait, slot pos after it): the outputs of
     the default kernel, bit for bit, and slots past pos or before the window still unread (NaN there changes
     nothing)."""
     q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
     scale = 1 / math.sqrt(q.shape[-1])
-    got = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
-    da.set_preload(False)
+    got = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
     want = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale)
-    da.set_preload(True)
     assert torch.equal(got, want)
     k2, v2 = k.clone(), v.clone()
     for t in (k2, v2):
         t[:, :, pos + 1:] = float("nan")
         if window:
             t[:, :, :max(pos - window + 1, 0)] = float("nan")
-    assert torch.equal(torch.ops.sdquant.decode_attention(q, k2, v2, torch.tensor([pos]), window, scale), want)
+    assert torch.equal(torch.ops.sdquant.decode_attention(q, k2, v2, torch.tensor([pos]), window, scale, preload=True),
+                       want)
 
 
 def test_chunk_rule(monkeypatch):
@@ -160,6 +152,8 @@ def test_opcheck():
     cos, sin = torch.randn(32), torch.randn(32)
     torch.library.opcheck(torch.ops.sdquant.decode_attention.default,
                           (q, k, v, torch.tensor([17]), 0, 0.3, cos, sin))
+    torch.library.opcheck(torch.ops.sdquant.decode_attention.default,
+                          (q, k, v, torch.tensor([17]), 0, 0.3, None, None, True))
 
 
 def _rope_rows(hd, pos, dtype=torch.float32):

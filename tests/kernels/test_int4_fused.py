@@ -284,9 +284,9 @@ TINY128 = dict(family="llama", vocab_size=512, hidden_size=256, n_layers=2, n_he
 
 
 def test_runtime_kv_write_gemm_matches_index_copy(gpu_like, monkeypatch):
-    """Transformer.set_kv_write("gemm") on fused INT4 blocks with 128-feature heads: each decode step runs the qkv GEMM
-    with the RoPE / cache epilogue (one call a layer, no index_copy_), and its logits and caches match the default
-    path's; under torch.compile(fullgraph) too. Heads of 64 features keep the default path, and it says why."""
+    """Transformer.set_kv_write("gemm") (the default) on fused INT4 blocks with 128-feature heads: each decode step runs
+    the qkv GEMM with the RoPE / cache epilogue (one call a layer, no index_copy_), and its logits and caches match the
+    index_copy path's; under torch.compile(fullgraph) too. Heads of 64 features keep index_copy, and say why."""
     from sdquant.errors import ConfigError
     from sdquant.runtime.testing import random_decoder
     rt = random_decoder(TINY128, "int4", device="cpu", dtype=DT, lm_head="int4", max_seq_len=64, kernels="cuda",
@@ -303,6 +303,8 @@ def test_runtime_kv_write_gemm_matches_index_copy(gpu_like, monkeypatch):
                 out.append(logits)
                 ids = logits.argmax(-1, keepdim=True)
         return torch.stack(out), torch.stack([blk.attn.kv_cache.kv.clone() for blk in rt.layers])
+    assert all(blk.attn.kv_write == "gemm" and blk.attn.attn_preload for blk in rt.layers)  # the default
+    rt.set_kv_write("index_copy")
     base = run(rt.decode_step)
     rt.set_kv_write("gemm")
     x = torch.zeros(2, 1, 256, dtype=DT)
