@@ -3,10 +3,11 @@ programmatic dependent launch, decode-only multi-kernel) must generate the same 
 
     python bench/compile_smoke.py [--out $OUT/compile_smoke.json]
 
-A small random Llama (hidden 512, 4 layers, 8/2 heads, MLP 1536, vocab 1024), quantized RTN W4 g128 and FP8, on the
-runtime in bf16: eager greedy tokens, then the same prompt after ``sdquant.compile`` with scope "model"
+A small random Llama (hidden 512, 4 layers, 4/2 heads of 128, MLP 1536, vocab 1024), quantized RTN W4 g128 and FP8, on
+the runtime in bf16: eager greedy tokens, then the same prompt after ``sdquant.compile`` with scope "model"
 (mode="reduce-overhead": inductor's CUDA graphs) and scope "block"; on an sm_90 GPU the INT4 decode steps run the
-fused decode blocks (Transformer.fused_decode), in the eager reference too. Tokens must be identical, except that a
+fused decode blocks (Transformer.fused_decode), in the eager reference too, with the qkv GEMM's RoPE / cache epilogue
+and, compiled under PDL, the attention's preload (heads of 128 features). Tokens must be identical, except that a
 flip is allowed after the first position where the eager top-2 logits are within 1e-2 (bf16 rounding differs
 between eager and inductor kernels). Prints PASS/FAIL per case and writes JSON.
 """
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
         for scope in ("model", "block"):
             torch.manual_seed(0)
             cfg = T.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                max_position_embeddings=512)
             model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), **quant)
             rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=torch.bfloat16)
             prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
@@ -75,9 +77,12 @@ def main(argv=None) -> int:
                                                             dtype=torch.bfloat16), ref, prompt.shape[1])
             passed = same or (first_diff is not None and first_diff >= close_at and torch.equal(out, out2))
             ok &= passed
+            rope = rt.layers[0].attn.rope_why_not(prompt, prompt.shape[0])
             rows.append(dict(quant=kind, scope=scope, pdl=rt.pdl, identical=same, first_diff=first_diff,
-                             first_near_tie=close_at, passed=passed))
-            print(f"{kind} scope={scope} pdl={rt.pdl}: identical={same} first_diff={first_diff} "
+                             first_near_tie=close_at, rope_epilogue=rope is None and rt.fused_why_not(prompt.shape[0]) is None,
+                             passed=passed))
+            print(f"{kind} scope={scope} pdl={rt.pdl} rope_epilogue={rows[-1]['rope_epilogue']}: identical={same} "
+                  f"first_diff={first_diff} "
                   f"first_near_tie={close_at} -> {'PASS' if passed else 'FAIL'}", flush=True)
             torch._dynamo.reset()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
