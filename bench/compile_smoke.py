@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "compile_smoke.json"))
     ap.add_argument("--quant", default="int4,fp8", help="the cases to run: int4, fp8 or both")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128),
+                    help="128: 4/2 heads (the INT4 blocks' RoPE / cache epilogue applies); 64: 8/2 heads (it does not)")
     args = ap.parse_args(argv)
     import transformers as T
     import sdquant
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
         for scope in ("model", "block"):
             torch.manual_seed(0)
             cfg = T.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                num_attention_heads=512 // args.head_dim, num_key_value_heads=2,
+                                head_dim=args.head_dim,
                                 max_position_embeddings=512)
             model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), **quant)
             rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=torch.bfloat16)
