@@ -122,9 +122,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     sp = tl.program_id(1)
     offs_d = tl.arange(0, HD)
     if PRELOAD:  # one tile a program (CHUNK_T == BT): its keys and values of the slots before pos, which no kernel of
-        # this step writes, are loaded ahead of the wait, so under PDL they stream while the previous kernel finishes
+        # this step writes, are loaded ahead of the wait, so under PDL they stream while the previous kernel finishes;
+        # the position too (an input of the step), so that after the wait slot pos's load needs no round trip first
         pos = tl.load(pos_ptr).to(tl.int32)
-        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))
+        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))  # WINDOW > T: no window
         end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
         offs_t = start + tl.arange(0, BT)
         old = (offs_t < end) & (offs_t < pos)
@@ -135,10 +136,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
             tl.extra.cuda.gdc_launch_dependents()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
-    pos = tl.load(pos_ptr).to(tl.int32)
-    lo = tl.maximum(pos - WINDOW + 1, 0)                                          # WINDOW > T: no window
-    start = tl.maximum(sp * CHUNK_T, lo)
-    end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+    if not PRELOAD:
+        pos = tl.load(pos_ptr).to(tl.int32)
+        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))  # WINDOW > T: no window
+        end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
     offs_r = tl.arange(0, REP_P)
     r_mask = offs_r < REP
     q = tl.load(q_base + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
