@@ -551,6 +551,34 @@ def fused_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, silu, resid, ga
     return out, (out.float() * gamma.float()).to(x2.dtype), block_sumsq(out)
 
 
+def _fused_args(name, x, qweight, scales, zeros, rms_ss, config):
+    """The fused ops' shared checks: (x2 [M, K], rms_ss as [M, T] or None, N)."""
+    k, n = _check(x, qweight, scales, zeros, None)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    why = fused_supported(m, n, k, k // scales.shape[0])
+    if why is not None:
+        raise ShapeError(f"{name}: {why}")
+    if config >= 0 and config % 64 not in TIGHT_VARIANTS:
+        raise ShapeError(f"{name}: config {config} is not a tight-kernel variant {TIGHT_VARIANTS}")
+    s2 = None if rms_ss is None else rms_ss.reshape(m, -1)
+    if s2 is not None and not 1 <= s2.shape[1] <= FUSED_T_MAX:
+        raise ShapeError(f"{name}: rms_ss has {s2.shape[1]} partial sums a row (1..{FUSED_T_MAX})")
+    return x2, s2, n
+
+
+def _fused_launch(x2, n, s2, config):
+    """The extension's leading arguments for a fused launch: (x2 contiguous and 16-byte aligned, variant, target, pdl,
+    rms_ss fp32 contiguous or None); config -1 = ``fused_config``."""
+    if config < 0:
+        config = fused_config(x2.shape[0], n, x2.shape[1], x2.dtype)
+    variant, target = split_config(int(config))
+    x2 = x2.contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2, variant, target, _PDL[0], None if s2 is None else s2.float().contiguous()
+
+
 @torch.library.custom_op("sdquant::w4a16_cuda_fused", mutates_args=())
 def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      locks: torch.Tensor, rms_ss: Optional[torch.Tensor], rms_eps: float, silu: bool,
@@ -560,19 +588,10 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     with at most ``FUSED_MAX_M`` rows; rms_ss fp32 [..., T] (T <= 256); resid [..., N_out]; gamma [N_out]; y2 and ss
     (fp32 [..., N_out / 64]) are empty without gamma. N_out = N / 2 with ``silu``. config: a tight variant
     (+ 64 * target), -1 = ``fused_config``."""
-    k, n = _check(x, qweight, scales, zeros, None)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m, n_out = x2.shape[0], (n // 2 if silu else n)
-    why = fused_supported(m, n, k, k // scales.shape[0])
-    if why is not None:
-        raise ShapeError(f"w4a16_cuda_fused: {why}")
-    if config >= 0 and config % 64 not in TIGHT_VARIANTS:
-        raise ShapeError(f"w4a16_cuda_fused: config {config} is not a tight-kernel variant {TIGHT_VARIANTS}")
-    s2 = None if rms_ss is None else rms_ss.reshape(m, -1)
+    x2, s2, n = _fused_args("w4a16_cuda_fused", x, qweight, scales, zeros, rms_ss, config)
+    lead, m = x.shape[:-1], x2.shape[0]
+    n_out = n // 2 if silu else n
     d2 = None if resid is None else resid.reshape(-1, n_out)
-    if s2 is not None and not 1 <= s2.shape[1] <= FUSED_T_MAX:
-        raise ShapeError(f"w4a16_cuda_fused: rms_ss has {s2.shape[1]} partial sums a row (1..{FUSED_T_MAX})")
     if d2 is not None and d2.shape[0] != m:
         raise ShapeError(f"w4a16_cuda_fused: resid must have the {m} rows of x")
     if gamma is not None and gamma.numel() != n_out:
@@ -581,16 +600,10 @@ def w4a16_cuda_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if ext is None:
         y, y2, ss = fused_reference(x2, qweight, scales, zeros, s2, rms_eps, silu, d2, gamma)
     else:
-        if config < 0:
-            config = fused_config(m, n, k, x.dtype)
-        variant, target = split_config(int(config))
         cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
-        x2 = x2.contiguous()
-        if x2.data_ptr() % 16:
-            x2 = x2.clone()
-        y, y2, ss = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
-                                    None if s2 is None else s2.float().contiguous(), float(rms_eps), bool(silu),
-                                    cont(d2), cont(gamma), None, None, None, None, 0)
+        xl, variant, target, pdl, sl = _fused_launch(x2, n, s2, config)
+        y, y2, ss = ext.w4a16_fused(xl, qweight, scales, zeros, locks, variant, target, pdl, sl, float(rms_eps),
+                                    bool(silu), cont(d2), cont(gamma), None, None, None, None, 0)
     if gamma is None:
         return y.reshape(*lead, n_out), y2, ss
     return y.reshape(*lead, n_out), y2.reshape(*lead, n_out), ss.reshape(*lead, n_out // FUSED_BLOCK)
@@ -630,7 +643,7 @@ def fused_rope_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, kv, input_
     and key head rotated in fp32 (``decode_attention.rope_q``) and rounded once; writes the cache and returns y."""
     from sdquant.kernels.decode_attention import rope_q
     y = fused_reference(x2, qweight, scales, zeros, rms_ss, rms_eps, False, None, None)[0]
-    m, n, hd = y.shape[0], y.shape[1], ROPE_HEAD_DIM
+    m, hd = y.shape[0], ROPE_HEAD_DIM
     qk = q_cols + kv.shape[2] * hd
     rot = rope_q(y[:, :qk].reshape(m, -1, hd), cos.reshape(-1), sin.reshape(-1)).to(y.dtype).reshape(m, qk)
     out = torch.cat([rot, y[:, qk:]], dim=1)
@@ -648,35 +661,22 @@ def w4a16_cuda_fused_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     """The consumer (rms_ss, rms_eps: see ``w4a16_cuda_fused``) with the RoPE / KV-cache epilogue: x [B, 1, K] or
     [B, K] (B <= ``FUSED_MAX_M``) -> y [..., N] = [rope(q), rope(k), v]; kv [2, B', nkv, T, 128] (B' >= B) gets
     rope(k), v at slot input_pos (int64 [1]); cos / sin: that position's 128 RoPE values, x's dtype."""
-    k, n = _check(x, qweight, scales, zeros, None)
+    x2, s2, n = _fused_args("w4a16_cuda_fused_rope", x, qweight, scales, zeros, rms_ss, config)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    why = fused_supported(m, n, k, k // scales.shape[0]) or rope_why_not(n, q_cols, kv, m)
+    why = rope_why_not(n, q_cols, kv, x2.shape[0])
     if why is None and (input_pos.numel() != 1 or cos.numel() != ROPE_HEAD_DIM or sin.numel() != ROPE_HEAD_DIM):
         why = f"one position and {ROPE_HEAD_DIM} cos / sin values, got {input_pos.numel()}, {cos.numel()}, {sin.numel()}"
     if why is None and not (kv.dtype == cos.dtype == sin.dtype == x.dtype):
         why = f"kv, cos and sin must have x's dtype {x.dtype}, got {kv.dtype}, {cos.dtype}, {sin.dtype}"
     if why is not None:
         raise ShapeError(f"w4a16_cuda_fused_rope: {why}")
-    if config >= 0 and config % 64 not in TIGHT_VARIANTS:
-        raise ShapeError(f"w4a16_cuda_fused_rope: config {config} is not a tight-kernel variant {TIGHT_VARIANTS}")
-    s2 = None if rms_ss is None else rms_ss.reshape(m, -1)
-    if s2 is not None and not 1 <= s2.shape[1] <= FUSED_T_MAX:
-        raise ShapeError(f"w4a16_cuda_fused_rope: rms_ss has {s2.shape[1]} partial sums a row (1..{FUSED_T_MAX})")
     ext = extension() if x.is_cuda else None
     if ext is None:
         return fused_rope_reference(x2, qweight, scales, zeros, s2, rms_eps, kv, input_pos, cos, sin,
                                     q_cols).reshape(*lead, n)
-    if config < 0:
-        config = fused_config(m, n, k, x.dtype)
-    variant, target = split_config(int(config))
-    x2 = x2.contiguous()
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
-    y = ext.w4a16_fused(x2, qweight, scales, zeros, locks, variant, target, _PDL[0],
-                        None if s2 is None else s2.float().contiguous(), float(rms_eps), False, None, None, kv,
-                        input_pos.reshape(1).long(), cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(),
+    xl, variant, target, pdl, sl = _fused_launch(x2, n, s2, config)
+    y = ext.w4a16_fused(xl, qweight, scales, zeros, locks, variant, target, pdl, sl, float(rms_eps), False, None, None,
+                        kv, input_pos.reshape(1).long(), cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(),
                         int(q_cols))[0]
     return y.reshape(*lead, n)
 
