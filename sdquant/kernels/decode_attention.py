@@ -105,13 +105,21 @@ def _interpret() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# Only Triton builtins and the combine functions below: see sdquant.kernels.triton_jit.
+# Only Triton builtins and the @jit helpers below (combine functions, _live_range): see sdquant.kernels.triton_jit.
 def _add(a, b):
     return a + b
 
 
 def _max(a, b):
     return tl.maximum(a, b)
+
+
+def _live_range(pos_ptr, sp, CHUNK_T: tl.constexpr, WINDOW):
+    """(pos, start, end): the position and program sp's live slots [start, end) (WINDOW > T: no window)."""
+    pos = tl.load(pos_ptr).to(tl.int32)
+    start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))
+    end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+    return pos, start, end
 
 
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
@@ -124,9 +132,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     if PRELOAD:  # one tile a program (CHUNK_T == BT): its keys and values of the slots before pos, which no kernel of
         # this step writes, are loaded ahead of the wait, so under PDL they stream while the previous kernel finishes;
         # the position too (an input of the step), so that after the wait slot pos's load needs no round trip first
-        pos = tl.load(pos_ptr).to(tl.int32)
-        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))  # WINDOW > T: no window
-        end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+        pos, start, end = _live_range(pos_ptr, sp, CHUNK_T, WINDOW)
         offs_t = start + tl.arange(0, BT)
         old = (offs_t < end) & (offs_t < pos)
         k_pre = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
@@ -137,9 +143,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
             tl.extra.cuda.gdc_launch_dependents()
     q_base = q_ptr + (bh // NKV) * sq_b + (bh % NKV) * sq_h
     if not PRELOAD:
-        pos = tl.load(pos_ptr).to(tl.int32)
-        start = tl.maximum(sp * CHUNK_T, tl.maximum(pos - WINDOW + 1, 0))  # WINDOW > T: no window
-        end = tl.minimum(sp * CHUNK_T + CHUNK_T, pos + 1)
+        pos, start, end = _live_range(pos_ptr, sp, CHUNK_T, WINDOW)
     offs_r = tl.arange(0, REP_P)
     r_mask = offs_r < REP
     q = tl.load(q_base + offs_r[:, None] * sq_r + offs_d[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
@@ -158,17 +162,15 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     for t0 in range(start, end, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
+        k_at = k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :]
+        v_at = v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :]
         if PRELOAD:  # slot pos (this step's key and value) after the wait
-            new = t_mask & (offs_t == pos)
-            k = tl.where(new[:, None], tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :],
-                                               mask=new[:, None], other=0.0), k_pre)
-            v = tl.where(new[:, None], tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :],
-                                               mask=new[:, None], other=0.0), v_pre)
+            new = (t_mask & (offs_t == pos))[:, None]
+            k = tl.where(new, tl.load(k_at, mask=new, other=0.0), k_pre)
+            v = tl.where(new, tl.load(v_at, mask=new, other=0.0), v_pre)
         else:
-            k = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None],
-                        other=0.0)
-            v = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=t_mask[:, None],
-                        other=0.0)
+            k = tl.load(k_at, mask=t_mask[:, None], other=0.0)
+            v = tl.load(v_at, mask=t_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
@@ -233,7 +235,7 @@ def _kernels():
     """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max))
+        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max, _live_range))
     return _KERNELS[mode]
 
 
