@@ -138,6 +138,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         k_pre = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
         v_pre = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=old[:, None], other=0.0)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
+        if PDL == 3:  # trigger first: the merge may launch even before this wait (it waits for this grid)
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the merge may launch now (it waits for this grid on the device)
             tl.extra.cuda.gdc_launch_dependents()
@@ -201,6 +203,9 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     s_mask = offs_s < SPLITS
     part = bh * SPLITS + offs_s
     if PDL:  # wait for the partials
+        if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run and
+            # stream its weights then; it still waits on the device for this grid, which finishes after the partials
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
             tl.extra.cuda.gdc_launch_dependents()
@@ -229,6 +234,22 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     old = _PDL[0]
     _PDL[0] = (2 if early_trigger else 1) if enabled else 0
     return old
+
+
+_TRIGGERS = ("wait", "merge-first", "first")
+
+
+def _trigger(pdl: int) -> tuple:
+    """(partial, merge) PDL modes under ``set_pdl``'s setting pdl. SDQUANT_ATTN_TRIGGER (measurements, read at launch
+    time like the other SDQUANT_ATTN_* knobs) moves the early trigger ahead of the wait: "wait" (the default: each
+    kernel lets its dependent launch right after its own wait), "merge-first" (the merge triggers before its wait, so
+    the output projection can launch while the partials run), "first" (both do)."""
+    v = os.environ.get("SDQUANT_ATTN_TRIGGER") or "wait"
+    if v not in _TRIGGERS:
+        raise ValueError(f"SDQUANT_ATTN_TRIGGER={v}: must be one of {', '.join(_TRIGGERS)}")
+    if pdl != 2 or v == "wait":
+        return pdl, pdl
+    return (3 if v == "first" else 2), 3
 
 
 def _kernels():
@@ -311,6 +332,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
     pdl = _PDL[0] if q.is_cuda and not _interpret() else 0
+    p_pdl, m_pdl = _trigger(pdl)
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
@@ -318,11 +340,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
-                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=pdl,
+                               HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=p_pdl,
                                PRELOAD=bool(preload) and tiles["BT"] == chunk, **tiles, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
-                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=pdl, num_warps=4, **launch)
+                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, num_warps=4, **launch)
     return out
 
 

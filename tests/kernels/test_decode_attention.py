@@ -216,7 +216,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
 
 
-@pytest.mark.parametrize("pdl", [0, 1, 2])
+@pytest.mark.parametrize("pdl", [0, 1, 2, 3])
 def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     """With PDL the kernels wait (griddepcontrol.wait) before their first dependent read and let the next kernel
     launch (launch_dependents); without it neither instruction is there. Compiled for sm_90 here: no GPU needed."""
@@ -235,6 +235,25 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)}).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == bool(pdl), fn
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), fn
+        if pdl:  # mode 3 (SDQUANT_ATTN_TRIGGER): the first trigger comes before the wait; modes 1-2 after it
+            lines = ptx.splitlines()
+            first = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
+            wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+            assert (first < wait) == (pdl == 3), fn
+
+
+def test_trigger_setting(monkeypatch):
+    """SDQUANT_ATTN_TRIGGER moves the early trigger ahead of the wait in the merge ("merge-first") or in both kernels
+    ("first"); it changes nothing without the early-trigger setting, and a wrong value is an error naming it."""
+    monkeypatch.delenv("SDQUANT_ATTN_TRIGGER", raising=False)
+    assert da._trigger(2) == (2, 2) and da._trigger(1) == (1, 1) and da._trigger(0) == (0, 0)
+    monkeypatch.setenv("SDQUANT_ATTN_TRIGGER", "merge-first")
+    assert da._trigger(2) == (2, 3) and da._trigger(1) == (1, 1)
+    monkeypatch.setenv("SDQUANT_ATTN_TRIGGER", "first")
+    assert da._trigger(2) == (3, 3) and da._trigger(0) == (0, 0)
+    monkeypatch.setenv("SDQUANT_ATTN_TRIGGER", "early")
+    with pytest.raises(ValueError, match="SDQUANT_ATTN_TRIGGER"):
+        da._trigger(2)
 
 
 def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
