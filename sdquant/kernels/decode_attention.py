@@ -123,10 +123,9 @@ def _live_range(pos_ptr, sp, CHUNK_T: tl.constexpr, WINDOW):
 
 
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
-                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t, cnt_ptr, out_ptr, so_bh, so_r,
+                    NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                    MERGE: tl.constexpr, REP_M: tl.constexpr, SPLITS_P: tl.constexpr, SB: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     offs_d = tl.arange(0, HD)
@@ -185,58 +184,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
-    if MERGE:  # only live programs write a partial and count in; the last of a bh to do so merges the bh's live ones
-        if start < end:
-            tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
-            tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
-            tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
-            tl.debug_barrier()  # every thread's partial stores come before the release below
-            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            lo = tl.maximum(pos - WINDOW + 1, 0) // CHUNK_T  # the bh's live splits: lo .. pos // CHUNK_T
-            n_live = pos // CHUNK_T - lo + 1
-            if done == n_live - 1:
-                tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-                _merge_live(acc_ptr, ml_ptr, out_ptr + bh * so_bh, so_r,  # out is contiguous
-                            bh * SPLITS + lo, n_live, REP, HD, REP_P, REP_M, SPLITS_P, SB)
-    else:
-        # only the REP real query rows (the merge never reads the padding rows of REP_P)
-        tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
-        tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
-        tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
-
-
-def _merge_live(acc_ptr, ml_ptr, o_ptr, so_r, p0, n_live, REP, HD: tl.constexpr, REP_P: tl.constexpr,
-                REP_M: tl.constexpr, SPLITS_P: tl.constexpr, SB: tl.constexpr):
-    """The in-kernel merge (MERGE): partials p0 .. p0 + n_live - 1 of one bh, every query row at once, into o_ptr's
-    REP rows (stride so_r). Log-sum-exp weights from every split's (m, l) first, then the accumulators SB splits at a
-    time, summed in split order (deterministic: the same whichever program merges). Reads through L2 (.cg): the
-    partials were written by other programs, ordered by the caller's acq_rel count-in."""
-    offs_m = tl.arange(0, REP_M)
-    m_mask = offs_m < REP
-    offs_d = tl.arange(0, HD)
-    offs_s = tl.arange(0, SPLITS_P)
-    sm = (offs_s < n_live)[:, None] & m_mask[None, :]
-    ps = p0 + offs_s
-    m_s = tl.load(ml_ptr + (ps[:, None] * 2) * REP_P + offs_m[None, :], mask=sm, other=float("-inf"),
-                  cache_modifier=".cg")
-    l_s = tl.load(ml_ptr + (ps[:, None] * 2 + 1) * REP_P + offs_m[None, :], mask=sm, other=0.0, cache_modifier=".cg")
-    m = tl.reduce(m_s, 0, _max)                                                    # [REP_M]
-    den = tl.reduce(l_s * tl.where(l_s > 0, tl.exp(m_s - m[None, :]), 0.0), 0, _add)
-    y = tl.full((REP_M, HD), 0.0, tl.float32)
-    for c0 in range(0, n_live, SB):
-        offs_c = c0 + tl.arange(0, SB)
-        cm = (offs_c < n_live)[:, None] & m_mask[None, :]
-        pc = p0 + offs_c
-        m_c = tl.load(ml_ptr + (pc[:, None] * 2) * REP_P + offs_m[None, :], mask=cm, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_c = tl.load(ml_ptr + (pc[:, None] * 2 + 1) * REP_P + offs_m[None, :], mask=cm, other=0.0,
-                      cache_modifier=".cg")
-        a = tl.load(acc_ptr + ((pc[:, None, None] * REP_P + offs_m[None, :, None]) * HD + offs_d[None, None, :]),
-                    mask=cm[:, :, None], other=0.0, cache_modifier=".cg")          # [SB, REP_M, HD]
-        w = tl.where(l_c > 0, tl.exp(m_c - m[None, :]), 0.0)                        # [SB, REP_M]
-        y += tl.reduce(a * w[:, :, None], 0, _add)
-    y = y / den[:, None]
-    tl.store(o_ptr + offs_m[:, None] * so_r + offs_d[None, :], y.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+    # only the REP real query rows (the merge never reads the padding rows of REP_P)
+    tl.store(acc_ptr + (part * REP_P + offs_r[:, None]) * HD + offs_d[None, :], acc, mask=r_mask[:, None])
+    tl.store(ml_ptr + (part * 2) * REP_P + offs_r, m_i)
+    tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
 
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
@@ -286,27 +237,6 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
 
 
 _TRIGGERS = ("wait", "merge-first", "first")
-MERGE_SB = 16  # splits a step of the in-kernel merge (16 x rep x head_dim fp32 in flight: 64 registers a thread at 4 / 128)
-_COUNTERS: dict = {}  # device -> int32 zeros, one counter a bh for the in-kernel merge: each call leaves them zero
-
-
-def _fused_merge() -> bool:
-    """SDQUANT_ATTN_MERGE (measurements, read at launch time): "kernel" (the default: the merge kernel) or "fused"
-    (the last live program of each bh merges its live partials, so a call runs one kernel)."""
-    v = os.environ.get("SDQUANT_ATTN_MERGE") or "kernel"
-    if v not in ("kernel", "fused"):
-        raise ValueError(f"SDQUANT_ATTN_MERGE={v}: must be 'kernel' or 'fused'")
-    return v == "fused"
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on ``device``, kept for later calls (the merging program zeroes its own). Like the INT4
-    kernels' split-K locks, one set serves one stream at a time."""
-    key = str(device)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return c
 
 
 def _trigger(pdl: int) -> tuple:
@@ -326,8 +256,7 @@ def _kernels():
     """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel),
-                                          (_add, _max, _live_range, _merge_live))
+        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max, _live_range))
     return _KERNELS[mode]
 
 
@@ -408,17 +337,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
     tiles = tile_config(chunk)
-    fused = _fused_merge()
-    cnt = _counters(q.device, b * nkv) if fused else pos
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-                               v.stride(1), v.stride(2), cnt, out, out.stride(1), out.stride(2),
+                               v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=p_pdl,
-                               PRELOAD=bool(preload) and tiles["BT"] == chunk, MERGE=fused,
-                               REP_M=triton.next_power_of_2(rep), SPLITS_P=triton.next_power_of_2(splits), SB=MERGE_SB,
-                               **tiles, **launch)
-    if fused:
-        return out
+                               PRELOAD=bool(preload) and tiles["BT"] == chunk, **tiles, **launch)
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
                                      SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, num_warps=4, **launch)

@@ -213,7 +213,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 12 and len(merge.constexprs) == 5
+    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2, 3])
@@ -226,10 +226,8 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
-                      + ["*i32", "*bf16", "i32", "i32"],
-                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False,
-                           MERGE=False, REP_M=4, SPLITS_P=64, SB=16)),
+    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
+                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False)),
             merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
@@ -242,37 +240,6 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
             first = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
             wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
             assert (first < wait) == (pdl == 3), fn
-
-
-@pytest.mark.parametrize("chunk", [None, "128"])
-@pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (199, 0), (180, 50), (20, 50), (299, 0)])
-def test_fused_merge_matches_reference(interpret, monkeypatch, chunk, pos, window):
-    """SDQUANT_ATTN_MERGE=fused (the last live program of each bh merges the live partials, no merge kernel): the
-    reference's result at every position, window and program size, over more live splits than one merge step takes
-    (T = 1100: up to 18 live 64-slot splits, MERGE_SB = 16), with NaN in the dead slots; the counters are zero again
-    after each call (a second call gives the same output)."""
-    monkeypatch.setenv("SDQUANT_ATTN_MERGE", "fused")
-    if chunk:
-        monkeypatch.setenv("SDQUANT_ATTN_CHUNK", chunk)
-    T = 1100 if pos == 299 else 300
-    pos = 1099 if pos == 299 else pos
-    q, k, v = _case(b=2, nkv=2, rep=3, T=T, seed=pos + window)
-    ref = _masked_full(q, k, v, pos, window, 0.2)
-    for t in (k, v):
-        t[:, :, pos + 1:] = float("nan")
-        if window:
-            t[:, :, :max(pos - window + 1, 0)] = float("nan")
-    y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, 0.2)
-    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
-    assert int(da._counters(y.device, 4)[:4].abs().sum()) == 0
-    assert torch.equal(torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, 0.2), y)
-
-
-def test_fused_merge_setting_is_checked(interpret, monkeypatch):
-    monkeypatch.setenv("SDQUANT_ATTN_MERGE", "both")
-    q, k, v = _case(T=64)
-    with pytest.raises(ValueError, match="SDQUANT_ATTN_MERGE"):
-        torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([3]), 0, 0.1)
 
 
 def test_trigger_setting(monkeypatch):
@@ -304,12 +271,10 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
     from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, _ = da._kernels()
-    types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12 + \
-        ["*i32", "*bf16", "i32", "i32"]
+    types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
     dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     for pre in (True, False):
-        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre,
-                      MERGE=False, REP_M=4, SPLITS_P=64, SB=16)
+        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre)
         sig = dict(zip(partial.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=partial, signature=sig,
                         constexprs={(partial.arg_names.index(k),): v for k, v in consts.items()})
