@@ -93,9 +93,6 @@ VARIANTS = {
                                                pdl="all", kv_write="index_copy"),
     "int4all-compiled-pdl-early-nopreload": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
                                                  graph=True, pdl="all", attn_preload=False),
-    # the attention's merge kernel prefetching wo's weights into L2 while the partials run (Attention.attn_prefetch)
-    "int4all-compiled-pdl-early-prefetch": dict(linears="int4", lm_head="int4", embed="int4", compiled=True,
-                                                graph=True, pdl="all", attn_prefetch=True),
     "int4all-compiled-pdl-early-tuned": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                              pdl="all", tuned=True),
 }
@@ -405,7 +402,7 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     decode_attention.set_pdl(pdl in ("kernels", "all-late"))
     key = (spec["linears"], Fp8Linear.fuse_act_quant, pdl in ("inductor", "all-late", "all"), spec.get("layouts", "one"),
            str(spec.get("inductor")), spec.get("fused"), spec.get("no_attention", False), spec.get("kv_write"),
-           spec.get("attn_preload", True), spec.get("attn_prefetch", False))
+           spec.get("attn_preload", True))
     if spec["compiled"] and _LAST_BLOCK["linears"] != key:
         torch._dynamo.reset()
         _LAST_BLOCK["linears"] = key
@@ -422,7 +419,6 @@ def _run_variant(name, spec, args, dev, dtype, dims):
         rt.set_kv_write(spec["kv_write"])
     for blk in rt.layers:
         blk.attn.attn_preload = spec.get("attn_preload", True)
-        blk.attn.attn_prefetch = spec.get("attn_prefetch", False)
     if spec.get("no_attention"):
         rt.set_kv_write("index_copy")  # the fused blocks then call Attention.attend, replaced below
         for blk in rt.layers:   # an instance attribute shadows Attention.attend (prefill keeps working: same shapes)

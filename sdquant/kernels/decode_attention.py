@@ -190,9 +190,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
 
 
-def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r, pf_ptr, PF_LAST,
+def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
                   HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
-                  PDL: tl.constexpr, PF_LINES: tl.constexpr):
+                  PDL: tl.constexpr):
     # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
     # trip), then combined with the log-sum-exp weights in a fixed order
     pid = tl.program_id(0)
@@ -206,12 +206,6 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r, pf_ptr, PF
         if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run and
             # stream its weights then; it still waits on the device for this grid, which finishes after the partials
             tl.extra.cuda.gdc_launch_dependents()
-        if PF_LINES > 0:  # an L2 prefetch of the next kernel's weights (bytes [0, 128 PF_LAST + 128) of pf_ptr), this
-            # program's PF_LINES lines, while the partials leave the memory system idle; no register is written
-            line = (pid * tl.num_programs(1) + tl.program_id(1)) * PF_LINES + tl.arange(0, PF_LINES)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [pf_ptr + tl.minimum(line, PF_LAST).to(tl.int64) * 128], dtype=tl.int32,
-                                      is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
             tl.extra.cuda.gdc_launch_dependents()
@@ -235,8 +229,8 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     now on in this process (CUDA only): each may
     start while the previous kernel of the stream finishes and waits on the device (``gdc_wait``) before it reads
     that kernel's results; each lets the next kernel launch before its own stores (``early_trigger``: before its
-    wait, see ``_trigger``). Read at launch time, so set it before a CUDA graph is captured. Returns the previous setting (0 off,
-    1 on, 2 on with the early trigger)."""
+    wait, see ``_trigger``). Read at launch time, so set it before a CUDA graph is captured. Returns the previous
+    setting (0 off, 1 on, 2 on with the early trigger)."""
     old = _PDL[0]
     _PDL[0] = (2 if early_trigger else 1) if enabled else 0
     return old
@@ -248,8 +242,9 @@ _TRIGGERS = ("wait", "merge-first", "first")
 def _trigger(pdl: int) -> tuple:
     """(partial, merge) PDL modes under ``set_pdl``'s setting pdl. With the early trigger both kernels let their
     dependent launch before their own wait (mode 3), so the output projection's GEMM is launched while the partials
-    run and streams its weights then (e2e runs 65-66, H200, INT4 decode: +1.4% at batch 1, +1.2% at 8, +0.5% at 32;
-    bf16 level). Each dependent still waits on the device for the whole grid before it reads. SDQUANT_ATTN_TRIGGER
+    run: its CTAs take the SMs as the partials leave and its prologue (weights in flight, its own wait) is done when
+    the merge finishes (e2e runs 65-66, H200, INT4 decode: +1.4% at batch 1, +1.2% at 8, +0.5% at 32; bf16 level;
+    an L2 prefetch of its weights from the merge kernel on top cost 0.5%, run 67). Each dependent still waits on the device for the whole grid before it reads. SDQUANT_ATTN_TRIGGER
     (measurements, read at launch time like the other SDQUANT_ATTN_* knobs): "first" (the default), "merge-first"
     (only the merge triggers before its wait: +1.0% at batch 1) or "wait" (each kernel triggers right after its wait:
     the setting before)."""
@@ -312,14 +307,12 @@ def reference(q, k, v, input_pos, window: int, scale: float, cos=None, sin=None)
 @torch.library.custom_op("sdquant::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, window: int,
                      scale: float, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
-                     preload: bool = False, prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     preload: bool = False) -> torch.Tensor:
     """softmax(rope(q)·kᵀ·scale over the live slots)·v; see the module docstring. preload: programs of one tile load
     their keys and values of the slots before pos ahead of their PDL wait (slot pos after it). Only for a caller whose
     previous kernel writes neither the position nor those slots: the runtime's qkv GEMM with the RoPE / cache epilogue,
     which lets the attention launch before its epilogue (e2e run 61: +1.2% at batch 1 there; behind inductor's
-    cache-write kernels in the bf16 model it cost 3.9%). prefetch: a tensor the next kernel reads (the output
-    projection's weights): under PDL with the early trigger the merge kernel issues an L2 prefetch of its bytes before
-    its wait, while the partials run; ignored elsewhere. It changes no value."""
+    cache-write kernels in the bf16 model it cost 3.9%)."""
     _check(q, k, v, input_pos, window, cos, sin)
     if triton is None or (q.device.type == "cpu" and not _interpret()):
         return reference(q, k, v, input_pos, window, scale, cos, sin)
@@ -354,19 +347,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=p_pdl,
                                PRELOAD=bool(preload) and tiles["BT"] == chunk, **tiles, **launch)
     bd = min(hd, 32)
-    grid = (b * nkv * rep, hd // bd)
-    pf_lines, pf_last, pf = 0, 0, out
-    if prefetch is not None and m_pdl == 3 and prefetch.is_cuda and prefetch.is_contiguous():
-        lines = -(-prefetch.numel() * prefetch.element_size() // 128)
-        pf_lines, pf_last = triton.next_power_of_2(-(-lines // (grid[0] * grid[1]))), lines - 1
-        pf = prefetch.reshape(-1).view(torch.uint8)  # byte addresses
-    merge[grid](acc, ml, out, rep, splits, out.stride(1), out.stride(2), pf, pf_last, HD=hd, REP_P=rep_p,
-                SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, PF_LINES=pf_lines, num_warps=4, **launch)
+    merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
+                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, num_warps=4, **launch)
     return out
 
 
 @decode_attention.register_fake
-def _(q, k, v, input_pos, window, scale, cos=None, sin=None, preload=False, prefetch=None):
+def _(q, k, v, input_pos, window, scale, cos=None, sin=None, preload=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

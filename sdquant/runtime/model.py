@@ -181,9 +181,6 @@ class Attention(nn.Module):
         # Transformer.set_kv_write; docs/BENCHMARKS.md, e2e runs 60-62
         self.kv_write = "gemm"
         self.attn_preload = True
-        # on that path, the attention's merge kernel also prefetches wo's INT4 weights into L2 while the partials run
-        # (decode_attention's prefetch); A/B switch for bench/e2e.py
-        self.attn_prefetch = False
         if impl == "triton":
             from sdquant.kernels import decode_attention  # noqa: F401  (registers the op)
 
@@ -208,9 +205,8 @@ class Attention(nn.Module):
         d = self.d
         b = qkv.shape[0]
         q = qkv[..., :d.q_size].view(b, d.n_kv_heads, d.n_heads // d.n_kv_heads, d.head_dim)
-        pf = getattr(self.wo, "_cuda_qweight", None) if self.attn_prefetch else None
         y = torch.ops.sdquant.decode_attention(q, self.kv_cache.k, self.kv_cache.v, input_pos, self.window or 0,
-                                               d.head_dim ** -0.5, None, None, self.attn_preload, pf)  # [B, nkv, rep, hd]
+                                               d.head_dim ** -0.5, None, None, self.attn_preload)  # [B, nkv, rep, hd]
         return y.reshape(b, 1, d.q_size)
 
     def attend(self, qkv, cos, sin, mask, input_pos):

@@ -213,7 +213,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 6
+    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2, 3])
@@ -228,8 +228,7 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     partial, merge = da._kernels()
     sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
                       dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False)),
-            merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4 + ["*u8", "i32"],
-                    dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, PF_LINES=0))}
+            merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -241,37 +240,6 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
             first = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
             wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
             assert (first < wait) == (pdl == 3), fn
-
-
-def test_merge_prefetch_for_hopper_without_a_gpu(monkeypatch):
-    """With PF_LINES the merge kernel issues its L2 prefetches (the next kernel's weights) between its trigger and its
-    wait, PF_LINES / 128 a thread; ptxas accepts them (cubin built here, no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _, merge = da._kernels()
-    types = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 4 + ["*u8", "i32"]
-    for lines in (0, 512):
-        consts = dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=3, PF_LINES=lines)
-        sig = dict(zip(merge.arg_names, types + ["constexpr"] * len(consts)))
-        src = ASTSource(fn=merge, signature=sig, constexprs={(merge.arg_names.index(k),): v for k, v in consts.items()})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
-        lines_ptx = c.asm["ptx"].splitlines()
-        pf = [i for i, ln in enumerate(lines_ptx) if "prefetch.global.L2" in ln]
-        wait = next(i for i, ln in enumerate(lines_ptx) if "griddepcontrol.wait" in ln)
-        trig = next(i for i, ln in enumerate(lines_ptx) if "griddepcontrol.launch_dependents" in ln)
-        assert len(pf) == lines // 128 and all(trig < i < wait for i in pf), (lines, len(pf))
-        assert c.asm["cubin"]
-
-
-def test_prefetch_changes_nothing(interpret):
-    """The prefetch argument is a hint: the same output with and without it (CPU: ignored, no PDL)."""
-    q, k, v = _case(T=300)
-    w = torch.randint(0, 2 ** 31 - 1, (64, 33), dtype=torch.int32)
-    a = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([170]), 0, 0.2)
-    b = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([170]), 0, 0.2, None, None, False, w)
-    assert torch.equal(a, b)
 
 
 def test_trigger_setting(monkeypatch):
