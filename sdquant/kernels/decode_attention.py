@@ -125,7 +125,8 @@ def _live_range(pos_ptr, sp, CHUNK_T: tl.constexpr, WINDOW):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_ptr, scale, T, REP, WINDOW, SPLITS,
                     NKV, sq_b, sq_h, sq_r, sk_bh, sk_t, sv_bh, sv_t,
                     HD: tl.constexpr, REP_P: tl.constexpr, CHUNK_T: tl.constexpr, BT: tl.constexpr,
-                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                    CDT: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+                    LIVE: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     offs_d = tl.arange(0, HD)
@@ -133,6 +134,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         # this step writes, are loaded ahead of the wait, so under PDL they stream while the previous kernel finishes;
         # the position too (an input of the step), so that after the wait slot pos's load needs no round trip first
         pos, start, end = _live_range(pos_ptr, sp, CHUNK_T, WINDOW)
+        if LIVE:  # a program without live slots leaves at once, before the wait, and writes nothing: the merge
+            if start >= end:  # reads only the live splits, and the SMs are free for the kernels launched next
+                return
         offs_t = start + tl.arange(0, BT)
         old = (offs_t < end) & (offs_t < pos)
         k_pre = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
@@ -190,9 +194,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
 
 
-def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
+def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, WINDOW,
                   HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, LIVE: tl.constexpr, CHUNK_T: tl.constexpr):
     # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
     # trip), then combined with the log-sum-exp weights in a fixed order
     pid = tl.program_id(0)
@@ -201,6 +205,10 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, REP, SPLITS, so_bh, so_r,
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     s_mask = offs_s < SPLITS
+    if LIVE:  # the partial kernel ran with PRELOAD: only the live splits wrote partials (the position is an input of
+        # the step there, read before the wait as the partials did)
+        pos = tl.load(pos_ptr).to(tl.int32)
+        s_mask = s_mask & (offs_s >= tl.maximum(pos - WINDOW + 1, 0) // CHUNK_T) & (offs_s <= pos // CHUNK_T)
     part = bh * SPLITS + offs_s
     if PDL:  # wait for the partials
         if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run and
@@ -265,6 +273,11 @@ def _kernels():
 
 
 # ---------------------------------------------------------------------------------------------- the op
+def _workspace(shape, device) -> torch.Tensor:
+    """The partials' fp32 scratch (uninitialized: a program writes the partial it owns before the merge reads it)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def _check(q, k, v, input_pos, window, cos=None, sin=None):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ShapeError(f"decode_attention: q must be [B, nkv, rep, hd] and k/v [B, nkv, T, hd] of one shape, "
@@ -328,8 +341,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     rep_p = max(16, triton.next_power_of_2(rep))
     chunk = chunk_for(b * nkv, T, _sms(q.device))
     splits = triton.cdiv(T, chunk)
-    acc = torch.empty((b * nkv, splits, rep_p, hd), dtype=torch.float32, device=q.device)
-    ml = torch.empty((b * nkv, splits, 2, rep_p), dtype=torch.float32, device=q.device)
+    acc = _workspace((b * nkv, splits, rep_p, hd), q.device)
+    ml = _workspace((b * nkv, splits, 2, rep_p), q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # contiguous, whatever q's strides
     # the interpreter computes bf16 arithmetic wrongly: evaluate it in fp32 there (CPU tests only)
     cdt = tl.float32 if (_interpret() and q.dtype == torch.bfloat16) or q.dtype == torch.float32 else (
@@ -341,14 +354,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1
     tiles = tile_config(chunk)
+    pre = bool(preload) and tiles["BT"] == chunk
+    live = pre and os.environ.get("SDQUANT_ATTN_LIVE", "1") != "0"  # 0: dead programs wait and write (A/B only)
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
                                HD=hd, REP_P=rep_p, CHUNK_T=chunk, CDT=cdt, ROPE=rope, PDL=p_pdl,
-                               PRELOAD=bool(preload) and tiles["BT"] == chunk, **tiles, **launch)
+                               PRELOAD=pre, LIVE=live, **tiles, **launch)
     bd = min(hd, 32)
-    merge[(b * nkv * rep, hd // bd)](acc, ml, out, rep, splits, out.stride(1), out.stride(2), HD=hd, REP_P=rep_p,
-                                     SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, num_warps=4, **launch)
+    merge[(b * nkv * rep, hd // bd)](acc, ml, out, pos, rep, splits, out.stride(1), out.stride(2), win, HD=hd,
+                                     REP_P=rep_p, SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, LIVE=live,
+                                     CHUNK_T=chunk, num_warps=4, **launch)
     return out
 
 

@@ -269,6 +269,15 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     return old
 
 
+def _pdl_mode() -> int:
+    """The launch's PDL mode: set_pdl's, or 3 (the tight kernel triggers before its prologue; the others as 2) with
+    the early trigger and SDQUANT_GEMM_TRIGGER=first (measurements, read at launch time)."""
+    v = os.environ.get("SDQUANT_GEMM_TRIGGER") or "wait"
+    if v not in ("wait", "first"):
+        raise ValueError(f"SDQUANT_GEMM_TRIGGER={v}: must be 'wait' or 'first'")
+    return 3 if _PDL[0] == 2 and v == "first" else _PDL[0]
+
+
 # Activations of the direct kernel (variants 8-12) staged in shared memory (1) or read through L1 every K step (0,
 # the measured default). bench/read_order.py --factors (H200, 2026-12-01) found the M = 1 activation reads alone
 # taking the bare weight stream from 29.7 to 52.3 us on 8192x28672.
@@ -468,7 +477,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
     y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                  _PDL[0], _XS[0])
+                  _pdl_mode(), _XS[0])
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
@@ -576,7 +585,7 @@ def _fused_launch(x2, n, s2, config):
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    return x2, variant, target, _PDL[0], None if s2 is None else s2.float().contiguous()
+    return x2, variant, target, _pdl_mode(), None if s2 is None else s2.float().contiguous()
 
 
 @torch.library.custom_op("sdquant::w4a16_cuda_fused", mutates_args=())

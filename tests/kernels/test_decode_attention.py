@@ -72,6 +72,17 @@ def test_preload_gives_the_same_result(interpret, pos, window):
                        want)
 
 
+@pytest.mark.parametrize("pos,window", [(0, 0), (64, 0), (199, 0), (180, 50)])
+def test_preload_dead_programs_write_nothing(interpret, monkeypatch, pos, window):
+    """With the preload, programs without live slots leave before their wait and write no partial; the merge reads
+    only the live splits. Scratch filled with NaN (what an uninitialized buffer may hold) changes nothing."""
+    q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
+    want = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, 0.2)
+    monkeypatch.setattr(da, "_workspace", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    assert torch.equal(torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, 0.2, preload=True),
+                       want)
+
+
 def test_chunk_rule(monkeypatch):
     """Slots per program: 64-slot tiles while the grid stays within 8 programs a SM, longer ranges beyond."""
     monkeypatch.delenv("SDQUANT_ATTN_CHUNK", raising=False)
@@ -213,7 +224,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 8 and len(merge.constexprs) == 5
+    assert len(partial.constexprs) == 9 and len(merge.constexprs) == 7
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2, 3])
@@ -227,8 +238,10 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
     sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
-                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False)),
-            merge: (["*fp32", "*fp32", "*bf16"] + ["i32"] * 4, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl))}
+                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False,
+                           LIVE=False)),
+            merge: (["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5,
+                    dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, LIVE=False, CHUNK_T=64))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -275,7 +288,7 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
     types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
     dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     for pre in (True, False):
-        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre)
+        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre, LIVE=pre)
         sig = dict(zip(partial.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=partial, signature=sig,
                         constexprs={(partial.arg_names.index(k),): v for k, v in consts.items()})

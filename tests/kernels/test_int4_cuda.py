@@ -378,6 +378,25 @@ def test_pdl_kernels_wait_before_reading_activations():
                 assert b.index("griddepcontrol.wait") < b.index("ld.global.nc.u32")
 
 
+def test_gemm_trigger_setting(monkeypatch):
+    """SDQUANT_GEMM_TRIGGER=first turns set_pdl's early trigger (2) into mode 3 (the tight kernel triggers before its
+    prologue); it changes nothing without the early trigger, and a wrong value is an error naming the variable."""
+    old = int4_cuda._PDL[0]
+    try:
+        monkeypatch.delenv("SDQUANT_GEMM_TRIGGER", raising=False)
+        int4_cuda.set_pdl(True, early_trigger=True)
+        assert int4_cuda._pdl_mode() == 2
+        monkeypatch.setenv("SDQUANT_GEMM_TRIGGER", "first")
+        assert int4_cuda._pdl_mode() == 3
+        int4_cuda.set_pdl(True)
+        assert int4_cuda._pdl_mode() == 1
+        monkeypatch.setenv("SDQUANT_GEMM_TRIGGER", "early")
+        with pytest.raises(ValueError, match="SDQUANT_GEMM_TRIGGER"):
+            int4_cuda._pdl_mode()
+    finally:
+        int4_cuda._PDL[0] = old
+
+
 def test_int4_tune_dry_proposes_every_bucket_up_to_32(tmp_path):
     """bench/int4_tune.py --dry (CPU op path, tiny shapes): the sweep, confirm pass and proposal run end to end and
     cover M = 17-32 with configs that exist there (variant 0 or NT4_VARIANTS); the JSON loads with tuned_configs."""

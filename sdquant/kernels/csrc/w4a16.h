@@ -23,7 +23,8 @@ struct SdqW4A16Params {
                        // kernel may start while the previous kernel of the stream finishes; it reads weights
                        // first (direct kernel; the cp.async kernel waits at its start) and waits
                        // (griddepcontrol.wait) before it touches activations or the output. It
-                       // lets the next kernel launch after its main loop (1) or right after its wait (2)
+                       // lets the next kernel launch after its main loop (1), right after its wait (2), or
+                       // (tight kernel; the others as 2) before its prologue (3, SDQUANT_GEMM_TRIGGER=first)
 };
 
 // The fused decode-block prologue / epilogue: the tight kernel (variants 38-41 and 43-44, group % 64 == 0, m <= 8) in a

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
   bool first = true;
   if (iters > 0) load_sz(grp);
   griddep_wait();  // activations (and the output) belong to the previous kernel of the stream
-  if (p.pdl == 2) griddep_launch_dependents();
+  if (p.pdl >= 2) griddep_launch_dependents();
   uint32_t xq[KS][NT][2];
   if (iters > 0) issue_x(0, xq);
   uint32_t probe = 0;
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_bulk_
   if (lane == 0) ring_start<R>(bar0, nchunks, issue);
   __syncwarp();
   griddep_wait();  // activations (and the output) belong to the previous kernel of the stream
-  if (p.pdl == 2) griddep_launch_dependents();
+  if (p.pdl >= 2) griddep_launch_dependents();
 
   int slot = 0, off = 0, c = 0;
   uint32_t phase = 0, probe = 0;

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     if (j < iters) issue_w(j, wq[j]);
   if (iters > 0) load_sz(grp);
   griddep_wait();
-  if (p.pdl == 2) griddep_launch_dependents();  // early trigger: the next kernel may launch now (and wait)
+  if (p.pdl >= 2) griddep_launch_dependents();  // early trigger: the next kernel may launch now (and wait)
   if (xs_on) {  // the CTA's activation range, 16 bytes a thread at a time
     const int cpr = xrange / 8;
     const T* x0 = reinterpret_cast<const T*>(p.a) + static_cast<size_t>(cst0) * KS * 16;

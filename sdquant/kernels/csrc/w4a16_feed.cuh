@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
   int nb = static_cast<int>(u0 / spb), sib = static_cast<int>(u0 % spb);
   int g = (sib * SK + wk) / gk;
   griddep_wait();  // activations, the output and the partials belong to the stream's order
-  if (p.pdl == 2) griddep_launch_dependents();
+  if (p.pdl >= 2) griddep_launch_dependents();
   load_x(sib, xn);
   load_group_sz(p, g, nblk, nb, g8, s_next, z_next);
   int grp = -1;  // the group whose scales are unpacked (-1: none; a new block always starts one)

@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(C::THREADS) w4a16_kernel(const SdqW4A16Params 
   __shared__ int s_last;
 
   griddep_wait();  // programmatic dependent launch (p.pdl): the previous kernel's output is visible from here
-  if (p.pdl == 2) griddep_launch_dependents();
+  if (p.pdl >= 2) griddep_launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wn = warp % WNN, kw = warp / WNN;
   const int g8 = lane / 4, t4 = lane % 4;

@@ -388,6 +388,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
   // they are meant to be in flight while it finishes; without the L2 prefetch below ptxas places the wait before them
   // in v38 / v39 and every fused build); the activations are read only after griddep_wait.
+  if (p.pdl == 3) griddep_launch_dependents();  // trigger first: the next kernel may launch before this one's wait
 #if SDQ_TIGHT_L2PF
   if (p.pdl) {
 #pragma unroll
