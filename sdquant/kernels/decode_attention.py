@@ -168,23 +168,42 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     for t0 in range(start, end, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_mask = offs_t < end
-        k_at = k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :]
-        v_at = v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :]
-        if PRELOAD:  # slot pos (this step's key and value) after the wait
-            new = (t_mask & (offs_t == pos))[:, None]
-            k = tl.where(new, tl.load(k_at, mask=new, other=0.0), k_pre)
-            v = tl.where(new, tl.load(v_at, mask=new, other=0.0), v_pre)
+        if PRELOAD == 2:  # the preloaded tile with slot pos masked out of it, and slot pos (this step's key and value,
+            # loaded after the wait by the program that holds it) as one row scored on its own: no second full-tile
+            # load and select (PRELOAD 1), so the tile's registers are not held twice (166 registers, no spill)
+            own = end > pos
+            n_mask = offs_d < HD * own.to(tl.int32)                              # all or nothing
+            kn = tl.load(k_ptr + bh * sk_bh + pos * sk_t + offs_d, mask=n_mask, other=0.0)
+            vn = tl.load(v_ptr + bh * sv_bh + pos * sv_t + offs_d, mask=n_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k_pre.to(CDT)))                               # [REP_P, BT] fp32
+            s = tl.where((t_mask & (offs_t < pos))[None, :], s, float("-inf"))
+            sn = tl.where(own, tl.reduce(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1, _add), float("-inf"))
+            m_new = tl.maximum(tl.maximum(m_i, tl.reduce(s, 1, _max)), sn)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            pn = tl.exp(sn - m_new)                                              # [REP_P]; 0 where not own
+            l_i = l_i * alpha + tl.reduce(p, 1, _add) + pn
+            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v_pre.to(CDT)) + \
+                pn.to(CDT).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+            m_i = m_new
         else:
-            k = tl.load(k_at, mask=t_mask[:, None], other=0.0)
-            v = tl.load(v_at, mask=t_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(CDT)))                                       # [REP_P, BT] fp32
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
-        m_i = m_new
+            k_at = k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :]
+            v_at = v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :]
+            if PRELOAD:  # slot pos (this step's key and value) after the wait
+                new = (t_mask & (offs_t == pos))[:, None]
+                k = tl.where(new, tl.load(k_at, mask=new, other=0.0), k_pre)
+                v = tl.where(new, tl.load(v_at, mask=new, other=0.0), v_pre)
+            else:
+                k = tl.load(k_at, mask=t_mask[:, None], other=0.0)
+                v = tl.load(v_at, mask=t_mask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(CDT)))                                   # [REP_P, BT] fp32
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, _add)
+            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT))
+            m_i = m_new
     if PDL:  # the merge may launch now; it waits for this grid before it reads the partials (no-op if done)
         tl.extra.cuda.gdc_launch_dependents()
     part = bh * SPLITS + sp
@@ -355,7 +374,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     win = int(window) if window > 0 else T + 1
     tiles = tile_config(chunk)
     pre = bool(preload) and tiles["BT"] == chunk
-    live = pre and os.environ.get("SDQUANT_ATTN_LIVE", "1") != "0"  # 0: dead programs wait and write (A/B only)
+    if pre:  # SDQUANT_ATTN_NEWROW (measurements): slot pos as part of the tile ("tile", the default) or as one row
+        v_row = os.environ.get("SDQUANT_ATTN_NEWROW") or "tile"
+        if v_row not in ("tile", "row"):
+            raise ValueError(f"SDQUANT_ATTN_NEWROW={v_row}: must be 'tile' or 'row'")
+        pre = 2 if v_row == "row" else 1
+    live = bool(pre) and os.environ.get("SDQUANT_ATTN_LIVE", "1") != "0"  # 0: dead programs wait and write (A/B)
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),

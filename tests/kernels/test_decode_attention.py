@@ -83,6 +83,29 @@ def test_preload_dead_programs_write_nothing(interpret, monkeypatch, pos, window
                        want)
 
 
+@pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
+def test_preload_new_row(interpret, monkeypatch, pos, window):
+    """SDQUANT_ATTN_NEWROW=row (slot pos scored as one row beside the preloaded tile): the reference's result, the
+    tile form's within the rounding of a sum in another order, NaN in dead slots and scratch changing nothing; a
+    wrong value is an error naming the variable."""
+    q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
+    scale = 1 / math.sqrt(q.shape[-1])
+    tile = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
+    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "row")
+    monkeypatch.setattr(da, "_workspace", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    for t in (k, v):
+        t[:, :, pos + 1:] = float("nan")
+        if window:
+            t[:, :, :max(pos - window + 1, 0)] = float("nan")
+    row = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
+    ref = _masked_full(q, torch.nan_to_num(k), torch.nan_to_num(v), pos, window, scale)
+    assert float((row.double() - ref).norm() / ref.norm()) < 1e-2
+    assert float((row.double() - tile.double()).abs().max()) <= 2 ** -7 * float(tile.double().abs().max())
+    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "rows")
+    with pytest.raises(ValueError, match="SDQUANT_ATTN_NEWROW"):
+        torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
+
+
 def test_chunk_rule(monkeypatch):
     """Slots per program: 64-slot tiles while the grid stays within 8 programs a SM, longer ranges beyond."""
     monkeypatch.delenv("SDQUANT_ATTN_CHUNK", raising=False)
@@ -287,8 +310,9 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
     partial, _ = da._kernels()
     types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
     dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    for pre in (True, False):
-        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre, LIVE=pre)
+    for pre in (1, 2, False):  # 2: slot pos as one row (SDQUANT_ATTN_NEWROW=row)
+        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre,
+                      LIVE=bool(pre))
         sig = dict(zip(partial.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=partial, signature=sig,
                         constexprs={(partial.arg_names.index(k),): v for k, v in consts.items()})
@@ -304,6 +328,8 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
             ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
             acq = next(i for i, ln in enumerate(ins) if "ACQBULK" in ln)
             assert sum("LDG" in ln for ln in ins[:acq]) == before
+            if pre == 2:  # the row form holds the tile once: no spill (the tile form spills 216 bytes a thread here)
+                assert not any(t in ln for ln in ins for t in ("STL", "LDL")), "the row form spills"
 
 
 def test_attention_bench_dry_checks_every_setting(tmp_path):
