@@ -312,12 +312,26 @@ def check_attention(d, max_seq, dev, dtype) -> dict:
         k = torch.randn(b, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
         v = torch.randn(b, d["n_kv_heads"], max_seq, d["head_dim"], device=dev, generator=g).to(dtype)
         for pos in (0, max_seq // 2, max_seq - 1):
-            y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0,
-                                                   d["head_dim"] ** -0.5)
             s = (q.double() @ k.double().transpose(-1, -2)) * d["head_dim"] ** -0.5
             s[..., pos + 1:] = float("-inf")
             ref = torch.softmax(s, -1) @ v.double()
-            out[f"B{b}/pos{pos}"] = float((y.double() - ref).norm() / ref.norm())
+            # batch 2 has one-tile programs: also the preload forms (the runtime's path after the qkv epilogue: dead
+            # programs write no partial, slot pos in the tile or as one row, SDQUANT_ATTN_NEWROW)
+            forms = (("", False, None), ("/preload", True, "tile"), ("/preload-row", True, "row")) if b == 2 else \
+                (("", False, None),)
+            for tag, pre, row in forms:
+                old = os.environ.get("SDQUANT_ATTN_NEWROW")
+                if row:
+                    os.environ["SDQUANT_ATTN_NEWROW"] = row
+                try:
+                    y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0,
+                                                           d["head_dim"] ** -0.5, None, None, pre)
+                finally:
+                    if old is None:
+                        os.environ.pop("SDQUANT_ATTN_NEWROW", None)
+                    else:
+                        os.environ["SDQUANT_ATTN_NEWROW"] = old
+                out[f"B{b}/pos{pos}{tag}"] = float((y.double() - ref).norm() / ref.norm())
         del q, k, v
     return out
 
