@@ -22,9 +22,15 @@ Kernels (flash-decoding): ``_partial_kernel`` runs a grid (B·nkv, SPLITS); prog
 at large batch), and walks the live ones in BLOCK_T tiles: scores = q·kᵀ on the tensor cores (the rep
 query rows padded to 16), an online softmax in fp32, acc += p·v; it writes its partial (acc, running max,
 running sum), or an empty partial when its range holds no live slot. ``_merge_kernel`` combines the SPLITS
-partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). CPU tensors run a PyTorch reference of the
-same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them). ``set_pdl`` launches both with
-programmatic dependent launch (``Transformer.compile_decode`` does on Hopper).
+partials of each (bh, query row) in one load and a fixed order (deterministic, no atomics). With ``preload`` (one-tile
+programs after the runtime's qkv epilogue) a program loads its older slots before its PDL wait, and a program
+without live slots returns at once and writes nothing: the merge then reads only the live splits (LIVE). CPU tensors
+run a PyTorch reference of the same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them).
+``set_pdl`` launches both with programmatic dependent launch (``Transformer.compile_decode`` does on Hopper).
+
+Measurement switches (read at launch time; docs/BENCHMARKS.md): SDQUANT_ATTN_CHUNK / _BT / _WARPS / _STAGES (tiles),
+SDQUANT_ATTN_TRIGGER (where the early PDL trigger goes), SDQUANT_ATTN_LIVE=0 (dead programs wait and write empty
+partials), SDQUANT_ATTN_NEWROW=row (with the preload, slot pos scored as one row beside the preloaded tile).
 """
 from __future__ import annotations
 
