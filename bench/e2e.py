@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -320,17 +321,9 @@ def check_attention(d, max_seq, dev, dtype) -> dict:
             forms = (("", False, None), ("/preload", True, "tile"), ("/preload-row", True, "row")) if b == 2 else \
                 (("", False, None),)
             for tag, pre, row in forms:
-                old = os.environ.get("SDQUANT_ATTN_NEWROW")
-                if row:
-                    os.environ["SDQUANT_ATTN_NEWROW"] = row
-                try:
+                with mock.patch.dict(os.environ, {"SDQUANT_ATTN_NEWROW": row} if row else {}):
                     y = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos], device=dev), 0,
                                                            d["head_dim"] ** -0.5, None, None, pre)
-                finally:
-                    if old is None:
-                        os.environ.pop("SDQUANT_ATTN_NEWROW", None)
-                    else:
-                        os.environ["SDQUANT_ATTN_NEWROW"] = old
                 out[f"B{b}/pos{pos}{tag}"] = float((y.double() - ref).norm() / ref.norm())
         del q, k, v
     return out

@@ -176,7 +176,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         t_mask = offs_t < end
         if PRELOAD == 2:  # the preloaded tile with slot pos masked out of it, and slot pos (this step's key and value,
             # loaded after the wait by the program that holds it) as one row scored on its own: no second full-tile
-            # load and select (PRELOAD 1), so the tile's registers are not held twice (166 registers, no spill)
+            # load and select (PRELOAD 1), so the tile's registers are not held twice (173 registers, no spill)
             own = end > pos
             n_mask = offs_d < HD * own.to(tl.int32)                              # all or nothing
             kn = tl.load(k_ptr + bh * sk_bh + pos * sk_t + offs_d, mask=n_mask, other=0.0)
@@ -236,8 +236,8 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, W
         s_mask = s_mask & (offs_s >= tl.maximum(pos - WINDOW + 1, 0) // CHUNK_T) & (offs_s <= pos // CHUNK_T)
     part = bh * SPLITS + offs_s
     if PDL:  # wait for the partials
-        if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run and
-            # stream its weights then; it still waits on the device for this grid, which finishes after the partials
+        if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run;
+            # it still waits on the device for this grid, which finishes after the partials
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
@@ -277,10 +277,10 @@ def _trigger(pdl: int) -> tuple:
     dependent launch before their own wait (mode 3), so the output projection's GEMM is launched while the partials
     run: its CTAs take the SMs as the partials leave and its prologue (weights in flight, its own wait) is done when
     the merge finishes (e2e runs 65-66, H200, INT4 decode: +1.4% at batch 1, +1.2% at 8, +0.5% at 32; bf16 level;
-    an L2 prefetch of its weights from the merge kernel on top cost 0.5%, run 67). Each dependent still waits on the device for the whole grid before it reads. SDQUANT_ATTN_TRIGGER
-    (measurements, read at launch time like the other SDQUANT_ATTN_* knobs): "first" (the default), "merge-first"
-    (only the merge triggers before its wait: +1.0% at batch 1) or "wait" (each kernel triggers right after its wait:
-    the setting before)."""
+    an L2 prefetch of its weights from the merge kernel on top cost 0.5%, run 67). Each dependent still waits on the
+    device for the whole grid before it reads. SDQUANT_ATTN_TRIGGER (measurements, read at launch time like the other
+    SDQUANT_ATTN_* knobs): "first" (the default), "merge-first" (only the merge triggers before its wait: +1.0% at
+    batch 1) or "wait" (each kernel triggers right after its wait: the setting before)."""
     v = os.environ.get("SDQUANT_ATTN_TRIGGER") or "first"
     if v not in _TRIGGERS:
         raise ValueError(f"SDQUANT_ATTN_TRIGGER={v}: must be one of {', '.join(_TRIGGERS)}")
