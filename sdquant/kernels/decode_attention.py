@@ -147,6 +147,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         old = (offs_t < end) & (offs_t < pos)
         k_pre = tl.load(k_ptr + bh * sk_bh + offs_t[:, None] * sk_t + offs_d[None, :], mask=old[:, None], other=0.0)
         v_pre = tl.load(v_ptr + bh * sv_bh + offs_t[:, None] * sv_t + offs_d[None, :], mask=old[:, None], other=0.0)
+        if PRELOAD == 2:  # the tiles in the products' operand layouts before the wait: a product with zeros here
+            # makes the layout conversions (through shared memory) happen now, not after the wait beside the real ones
+            k_t = tl.trans(k_pre.to(CDT))
+            v_c = v_pre.to(CDT)
+            s0 = tl.dot(tl.full((REP_P, HD), 0.0, CDT), k_t)                    # zeros [REP_P, BT]
+            a0 = tl.dot(tl.full((REP_P, BT), 0.0, CDT), v_c)                    # zeros [REP_P, HD]
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels that wrote q and the cache
         if PDL == 3:  # trigger first: the merge may launch even before this wait (it waits for this grid)
             tl.extra.cuda.gdc_launch_dependents()
@@ -181,7 +187,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
             n_mask = offs_d < HD * own.to(tl.int32)                              # all or nothing
             kn = tl.load(k_ptr + bh * sk_bh + pos * sk_t + offs_d, mask=n_mask, other=0.0)
             vn = tl.load(v_ptr + bh * sv_bh + pos * sv_t + offs_d, mask=n_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k_pre.to(CDT)))                               # [REP_P, BT] fp32
+            s = tl.dot(q, k_t, s0)                                               # [REP_P, BT] fp32
             s = tl.where((t_mask & (offs_t < pos))[None, :], s, float("-inf"))
             sn = tl.where(own, tl.reduce(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1, _add), float("-inf"))
             m_new = tl.maximum(tl.maximum(m_i, tl.reduce(s, 1, _max)), sn)
@@ -189,7 +195,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
             p = tl.exp(s - m_new[:, None])
             pn = tl.exp(sn - m_new)                                              # [REP_P]; 0 where not own
             l_i = l_i * alpha + tl.reduce(p, 1, _add) + pn
-            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v_pre.to(CDT)) + \
+            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v_c, a0) + \
                 pn.to(CDT).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
             m_i = m_new
         else:
