@@ -182,7 +182,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
         t_mask = offs_t < end
         if PRELOAD == 2:  # the preloaded tile with slot pos masked out of it, and slot pos (this step's key and value,
             # loaded after the wait by the program that holds it) as one row scored on its own: no second full-tile
-            # load and select (PRELOAD 1), so the tile's registers are not held twice (173 registers, no spill)
+            # load and select (PRELOAD 1), so the tile's registers are not held twice (167 registers, no spill)
             own = end > pos
             n_mask = offs_d < HD * own.to(tl.int32)                              # all or nothing
             kn = tl.load(k_ptr + bh * sk_bh + pos * sk_t + offs_d, mask=n_mask, other=0.0)
@@ -227,7 +227,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
 
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, WINDOW,
                   HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
-                  PDL: tl.constexpr, LIVE: tl.constexpr, CHUNK_T: tl.constexpr):
+                  PDL: tl.constexpr, LIVE: tl.constexpr, CHUNK_T: tl.constexpr, EARLY: tl.constexpr):
     # one program per (bh, query row, BD columns): every split's partial is loaded at once (one memory round
     # trip), then combined with the log-sum-exp weights in a fixed order
     pid = tl.program_id(0)
@@ -241,6 +241,10 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, W
         pos = tl.load(pos_ptr).to(tl.int32)
         s_mask = s_mask & (offs_s >= tl.maximum(pos - WINDOW + 1, 0) // CHUNK_T) & (offs_s <= pos // CHUNK_T)
     part = bh * SPLITS + offs_s
+    if EARLY:  # (with the row form, untimed) the addresses computed before the wait, where the source puts them: the
+        # offline sm_90 build then runs 374 instructions after the wait instead of 492
+        m_at = ml_ptr + (part * 2) * REP_P + r
+        a_at = acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :]
     if PDL:  # wait for the partials
         if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run;
             # it still waits on the device for this grid, which finishes after the partials
@@ -248,9 +252,14 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, W
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
             tl.extra.cuda.gdc_launch_dependents()
-    m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
-    a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    if EARLY:
+        m_s = tl.load(m_at, mask=s_mask, other=float("-inf"))
+        l_s = tl.load(m_at + REP_P, mask=s_mask, other=0.0)
+        a_s = tl.load(a_at, mask=s_mask[:, None], other=0.0)
+    else:
+        m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
+        l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
+        a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
@@ -400,7 +409,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     bd = min(hd, 32)
     merge[(b * nkv * rep, hd // bd)](acc, ml, out, pos, rep, splits, out.stride(1), out.stride(2), win, HD=hd,
                                      REP_P=rep_p, SPLITS_P=triton.next_power_of_2(splits), BD=bd, PDL=m_pdl, LIVE=live,
-                                     CHUNK_T=chunk, num_warps=4, **launch)
+                                     CHUNK_T=chunk, EARLY=pre == 2, num_warps=4, **launch)
     return out
 
 

@@ -247,7 +247,7 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
     does not notice). Jitting for the compiled mode needs no GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    assert len(partial.constexprs) == 9 and len(merge.constexprs) == 7
+    assert len(partial.constexprs) == 9 and len(merge.constexprs) == 8
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2, 3])
@@ -264,7 +264,7 @@ def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
                       dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False,
                            LIVE=False)),
             merge: (["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5,
-                    dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, LIVE=False, CHUNK_T=64))}
+                    dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, LIVE=False, CHUNK_T=64, EARLY=False))}
     for fn, (types, consts) in sigs.items():
         sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -330,6 +330,38 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
             assert sum("LDG" in ln for ln in ins[:acq]) == before
             if pre == 2:  # the row form holds the tile once: no spill (the tile form spills 216 bytes a thread here)
                 assert not any(t in ln for ln in ins for t in ("STL", "LDL")), "the row form spills"
+
+
+def test_merge_early_addresses_for_hopper_without_a_gpu(monkeypatch):
+    """The merge kernel with EARLY (the row form's bundle) computes its load addresses before griddepcontrol.wait: fewer
+    instructions after the wait in the sm_90 SASS than without it, and the same loads (cuobjdump needed)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    if not Path(dump).exists():
+        pytest.skip("cuobjdump not available")
+    _, merge = da._kernels()
+    types = ["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5
+    after, loads = {}, {}
+    for early in (False, True):
+        consts = dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=3, LIVE=True, CHUNK_T=64, EARLY=early)
+        sig = dict(zip(merge.arg_names, types + ["constexpr"] * len(consts)))
+        src = ASTSource(fn=merge, signature=sig, constexprs={(merge.arg_names.index(k),): v for k, v in consts.items()})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "k.cubin").write_bytes(c.asm["cubin"])
+            sass = subprocess.run([dump, "-sass", str(Path(d) / "k.cubin")], capture_output=True, text=True).stdout
+        ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+        acq = next(i for i, ln in enumerate(ins) if "ACQBULK" in ln)
+        after[early], loads[early] = len(ins) - acq, sum("LDG" in ln for ln in ins[acq:])
+    assert after[True] < 0.9 * after[False] and loads[True] == loads[False], (after, loads)
 
 
 def test_attention_bench_dry_checks_every_setting(tmp_path):
