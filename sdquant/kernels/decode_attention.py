@@ -287,19 +287,28 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
 _TRIGGERS = ("wait", "merge-first", "first")
 
 
-def _trigger(pdl: int) -> tuple:
-    """(partial, merge) PDL modes under ``set_pdl``'s setting pdl. With the early trigger both kernels let their
-    dependent launch before their own wait (mode 3), so the output projection's GEMM is launched while the partials
-    run: its CTAs take the SMs as the partials leave and its prologue (weights in flight, its own wait) is done when
-    the merge finishes (e2e runs 65-66, H200, INT4 decode: +1.4% at batch 1, +1.2% at 8, +0.5% at 32; bf16 level;
-    an L2 prefetch of its weights from the merge kernel on top cost 0.5%, run 67). Each dependent still waits on the
-    device for the whole grid before it reads. SDQUANT_ATTN_TRIGGER (measurements, read at launch time like the other
-    SDQUANT_ATTN_* knobs): "first" (the default), "merge-first" (only the merge triggers before its wait: +1.0% at
-    batch 1) or "wait" (each kernel triggers right after its wait: the setting before)."""
+def _trigger(pdl: int, preload: bool = True) -> tuple:
+    """(partial, merge) PDL modes under ``set_pdl``'s setting pdl, for a call with or without ``preload``.
+
+    With the early trigger and the preload, both kernels let their dependent launch before their own wait (mode 3).
+    The o projection's GEMM is then launched while the partials run: its CTAs take the SMs as the partials leave, and
+    its prologue (weights in flight, its own wait) is done when the merge finishes. e2e runs 65-66 (H200, INT4 decode):
+    +1.4% at batch 1, +1.2% at batch 8; bf16 level; an L2 prefetch of its weights from the merge on top cost 0.5%
+    (run 67). Each dependent still waits on the device for the whole grid before it reads.
+
+    Only the preload's caller gets it: the runtime's fused path, whose kernel after the merge is the fused o GEMM, and
+    that GEMM waits before it reads anything written in the step. An inductor kernel with PDL skips its wait when its
+    predecessor did not write what it reads, assuming the kernels before that predecessor have finished. A merge that
+    triggered before its own wait breaks that assumption, so every other call keeps mode 2 (at batch 32 the runtime
+    takes that path; run 66 measured +0.5% there with mode 3).
+
+    SDQUANT_ATTN_TRIGGER (measurements, read at launch time like the other SDQUANT_ATTN_* knobs): "first" (the
+    default), "merge-first" (only the merge triggers before its wait: +1.0% at batch 1) or "wait" (each kernel
+    triggers right after its wait, the setting before)."""
     v = os.environ.get("SDQUANT_ATTN_TRIGGER") or "first"
     if v not in _TRIGGERS:
         raise ValueError(f"SDQUANT_ATTN_TRIGGER={v}: must be one of {', '.join(_TRIGGERS)}")
-    if pdl != 2 or v == "wait":
+    if pdl != 2 or v == "wait" or not preload:
         return pdl, pdl
     return (3 if v == "first" else 2), 3
 
@@ -389,7 +398,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     partial, merge = _kernels()
     pdl = _PDL[0] if q.is_cuda and not _interpret() else 0
-    p_pdl, m_pdl = _trigger(pdl)
+    p_pdl, m_pdl = _trigger(pdl, bool(preload))
     launch = {"launch_pdl": True} if pdl else {}
     pos = input_pos.reshape(1)
     win = int(window) if window > 0 else T + 1

@@ -284,6 +284,7 @@ def test_trigger_setting(monkeypatch):
     nothing changes, and a wrong value is an error naming the variable."""
     monkeypatch.delenv("SDQUANT_ATTN_TRIGGER", raising=False)
     assert da._trigger(2) == (3, 3) and da._trigger(1) == (1, 1) and da._trigger(0) == (0, 0)
+    assert da._trigger(2, preload=False) == (2, 2)  # only the runtime's fused path (the preload's caller) gets mode 3
     monkeypatch.setenv("SDQUANT_ATTN_TRIGGER", "wait")
     assert da._trigger(2) == (2, 2)
     monkeypatch.setenv("SDQUANT_ATTN_TRIGGER", "merge-first")
