@@ -33,6 +33,38 @@ def _masked_full(q, k, v, pos, window, scale):
     return (torch.softmax(s, -1) @ v.double())
 
 
+# sm_90 builds of the kernels without a GPU (Triton compiles and runs ptxas here; cuobjdump ships with Triton)
+PARTIAL_ARGS = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
+MERGE_ARGS = ["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5
+
+
+def _sm90(fn, types, consts, pdl=True):
+    """``fn`` (a kernel from ``da._kernels()``, built with TRITON_INTERPRET unset) compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)})
+
+
+def _sass(compiled):
+    """The build's SASS instruction lines, or None where cuobjdump is not at hand."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    import triton
+    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    if not Path(dump).exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cubin").write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([dump, "-sass", str(Path(d) / "k.cubin")], capture_output=True, text=True).stdout
+    return [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+
+
 @pytest.mark.parametrize("pos,window", [(0, 0), (7, 0), (127, 0), (128, 0), (199, 0), (150, 40), (30, 40)])
 def test_reference_is_masked_attention(pos, window):
     q, k, v = _case()
@@ -254,21 +286,15 @@ def test_kernels_keep_their_constexpr_parameters(monkeypatch):
 def test_pdl_builds_for_hopper_without_a_gpu(monkeypatch, pdl):
     """With PDL the kernels wait (griddepcontrol.wait) before their first dependent read and let the next kernel
     launch (launch_dependents); without it neither instruction is there. Compiled for sm_90 here: no GPU needed."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, merge = da._kernels()
-    sigs = {partial: (["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12,
-                      dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl, PRELOAD=False,
-                           LIVE=False)),
-            merge: (["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5,
-                    dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, LIVE=False, CHUNK_T=64, EARLY=False))}
+    sigs = {partial: (PARTIAL_ARGS, dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=True, PDL=pdl,
+                                         PRELOAD=False, LIVE=False)),
+            merge: (MERGE_ARGS, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=pdl, LIVE=False, CHUNK_T=64,
+                                     EARLY=False))}
     for fn, (types, consts) in sigs.items():
-        sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(pdl)}).asm["ptx"]
+        ptx = _sm90(fn, types, consts, pdl=pdl).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == bool(pdl), fn
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), fn
         if pdl:  # mode 3 (SDQUANT_ATTN_TRIGGER): the first trigger comes before the wait; modes 1-2 after it
@@ -298,35 +324,18 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
     """With PRELOAD the partial kernel's first-tile key / value loads come before griddepcontrol.wait in the PTX (and in
     the SASS, where cuobjdump is at hand: ptxas keeps them there); without it every load of the cache follows the
     wait (only the position's load may precede it: none does)."""
-    import re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     partial, _ = da._kernels()
-    types = ["*bf16"] * 3 + ["*i64", "*bf16", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 12
-    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     for pre in (1, 2, False):  # 2: slot pos as one row (SDQUANT_ATTN_NEWROW=row)
-        consts = dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2, PRELOAD=pre,
-                      LIVE=bool(pre))
-        sig = dict(zip(partial.arg_names, types + ["constexpr"] * len(consts)))
-        src = ASTSource(fn=partial, signature=sig,
-                        constexprs={(partial.arg_names.index(k),): v for k, v in consts.items()})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+        c = _sm90(partial, PARTIAL_ARGS, dict(HD=128, REP_P=16, CHUNK_T=64, BT=64, CDT=tl.bfloat16, ROPE=False, PDL=2,
+                                              PRELOAD=pre, LIVE=bool(pre)))
         lines = c.asm["ptx"].splitlines()
         w = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
         before = sum("ld.global" in ln for ln in lines[:w])
         assert (before > 64) if pre else before == 0, before
-        if Path(dump).exists():
-            with tempfile.TemporaryDirectory() as d:
-                (Path(d) / "k.cubin").write_bytes(c.asm["cubin"])
-                sass = subprocess.run([dump, "-sass", str(Path(d) / "k.cubin")], capture_output=True, text=True).stdout
-            ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+        ins = _sass(c)
+        if ins is not None:
             acq = next(i for i, ln in enumerate(ins) if "ACQBULK" in ln)
             assert sum("LDG" in ln for ln in ins[:acq]) == before
             if pre == 2:  # the row form holds the tile once: no spill (the tile form spills 216 bytes a thread here)
@@ -336,30 +345,14 @@ def test_preload_loads_ahead_of_the_wait_for_hopper_without_a_gpu(monkeypatch):
 def test_merge_early_addresses_for_hopper_without_a_gpu(monkeypatch):
     """The merge kernel with EARLY (the row form's bundle) computes its load addresses before griddepcontrol.wait: fewer
     instructions after the wait in the sm_90 SASS than without it, and the same loads (cuobjdump needed)."""
-    import re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    if not Path(dump).exists():
-        pytest.skip("cuobjdump not available")
     _, merge = da._kernels()
-    types = ["*fp32", "*fp32", "*bf16", "*i64"] + ["i32"] * 5
     after, loads = {}, {}
     for early in (False, True):
-        consts = dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=3, LIVE=True, CHUNK_T=64, EARLY=early)
-        sig = dict(zip(merge.arg_names, types + ["constexpr"] * len(consts)))
-        src = ASTSource(fn=merge, signature=sig, constexprs={(merge.arg_names.index(k),): v for k, v in consts.items()})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "k.cubin").write_bytes(c.asm["cubin"])
-            sass = subprocess.run([dump, "-sass", str(Path(d) / "k.cubin")], capture_output=True, text=True).stdout
-        ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+        ins = _sass(_sm90(merge, MERGE_ARGS, dict(HD=128, REP_P=16, SPLITS_P=64, BD=32, PDL=3, LIVE=True, CHUNK_T=64,
+                                                  EARLY=early)))
+        if ins is None:
+            pytest.skip("cuobjdump not available")
         acq = next(i for i, ln in enumerate(ins) if "ACQBULK" in ln)
         after[early], loads[early] = len(ins) - acq, sum("LDG" in ln for ln in ins[acq:])
     assert after[True] < 0.9 * after[False] and loads[True] == loads[False], (after, loads)
