@@ -225,6 +225,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, acc_ptr, ml_
     tl.store(ml_ptr + (part * 2 + 1) * REP_P + offs_r, l_i)
 
 
+def _merge_at(acc_ptr, ml_ptr, part, r, offs_d, HD: tl.constexpr, REP_P: tl.constexpr):
+    """The merge's addresses of query row r in partials ``part``: (running maxima; the sums are REP_P further on, the
+    accumulators' columns offs_d)."""
+    return ml_ptr + (part * 2) * REP_P + r, acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :]
+
+
 def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, WINDOW,
                   HD: tl.constexpr, REP_P: tl.constexpr, SPLITS_P: tl.constexpr, BD: tl.constexpr,
                   PDL: tl.constexpr, LIVE: tl.constexpr, CHUNK_T: tl.constexpr, EARLY: tl.constexpr):
@@ -243,8 +249,7 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, W
     part = bh * SPLITS + offs_s
     if EARLY:  # (with the row form, untimed) the addresses computed before the wait, where the source puts them: the
         # offline sm_90 build then runs 374 instructions after the wait instead of 492
-        m_at = ml_ptr + (part * 2) * REP_P + r
-        a_at = acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :]
+        m_at, a_at = _merge_at(acc_ptr, ml_ptr, part, r, offs_d, HD, REP_P)
     if PDL:  # wait for the partials
         if PDL == 3:  # trigger first: the next kernel (the output projection) may launch while the partials run;
             # it still waits on the device for this grid, which finishes after the partials
@@ -252,14 +257,11 @@ def _merge_kernel(acc_ptr, ml_ptr, out_ptr, pos_ptr, REP, SPLITS, so_bh, so_r, W
         tl.extra.cuda.gdc_wait()
         if PDL == 2:  # early trigger: the next kernel may launch now and wait for this grid on the device
             tl.extra.cuda.gdc_launch_dependents()
-    if EARLY:
-        m_s = tl.load(m_at, mask=s_mask, other=float("-inf"))
-        l_s = tl.load(m_at + REP_P, mask=s_mask, other=0.0)
-        a_s = tl.load(a_at, mask=s_mask[:, None], other=0.0)
-    else:
-        m_s = tl.load(ml_ptr + (part * 2) * REP_P + r, mask=s_mask, other=float("-inf"))
-        l_s = tl.load(ml_ptr + (part * 2 + 1) * REP_P + r, mask=s_mask, other=0.0)
-        a_s = tl.load(acc_ptr + (part[:, None] * REP_P + r) * HD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    if not EARLY:
+        m_at, a_at = _merge_at(acc_ptr, ml_ptr, part, r, offs_d, HD, REP_P)
+    m_s = tl.load(m_at, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(m_at + REP_P, mask=s_mask, other=0.0)
+    a_s = tl.load(a_at, mask=s_mask[:, None], other=0.0)
     m = tl.reduce(m_s, 0, _max)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)                                   # empty partials weigh 0
     y = tl.reduce(a_s * w[:, None], 0, _add) / tl.reduce(l_s * w, 0, _add)
@@ -284,7 +286,16 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> int:
     return old
 
 
-_TRIGGERS = ("wait", "merge-first", "first")
+def _switch(name: str, choices: tuple) -> str:
+    """A measurement switch read at launch time: the environment variable ``name``, one of ``choices`` (unset or empty:
+    the first, the default); any other value is an error naming the variable."""
+    v = os.environ.get(name) or choices[0]
+    if v not in choices:
+        raise ValueError(f"{name}={v}: must be one of {', '.join(choices)}")
+    return v
+
+
+_TRIGGERS = ("first", "merge-first", "wait")
 
 
 def _trigger(pdl: int, preload: bool = True) -> tuple:
@@ -305,9 +316,7 @@ def _trigger(pdl: int, preload: bool = True) -> tuple:
     SDQUANT_ATTN_TRIGGER (measurements, read at launch time like the other SDQUANT_ATTN_* knobs): "first" (the
     default), "merge-first" (only the merge triggers before its wait: +1.0% at batch 1) or "wait" (each kernel
     triggers right after its wait, the setting before)."""
-    v = os.environ.get("SDQUANT_ATTN_TRIGGER") or "first"
-    if v not in _TRIGGERS:
-        raise ValueError(f"SDQUANT_ATTN_TRIGGER={v}: must be one of {', '.join(_TRIGGERS)}")
+    v = _switch("SDQUANT_ATTN_TRIGGER", _TRIGGERS)
     if pdl != 2 or v == "wait" or not preload:
         return pdl, pdl
     return (3 if v == "first" else 2), 3
@@ -317,7 +326,8 @@ def _kernels():
     """(partial, merge) jitted for the current interpreter mode, on first use (importing starts no compiler)."""
     mode = _interpret()
     if mode not in _KERNELS:
-        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel), (_add, _max, _live_range))
+        _KERNELS[mode] = jit_in_namespace(globals(), (_partial_kernel, _merge_kernel),
+                                          (_add, _max, _live_range, _merge_at))
     return _KERNELS[mode]
 
 
@@ -404,12 +414,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_po
     win = int(window) if window > 0 else T + 1
     tiles = tile_config(chunk)
     pre = bool(preload) and tiles["BT"] == chunk
-    if pre:  # SDQUANT_ATTN_NEWROW (measurements): slot pos as part of the tile ("tile", the default) or as one row
-        v_row = os.environ.get("SDQUANT_ATTN_NEWROW") or "tile"
-        if v_row not in ("tile", "row"):
-            raise ValueError(f"SDQUANT_ATTN_NEWROW={v_row}: must be 'tile' or 'row'")
-        pre = 2 if v_row == "row" else 1
-    live = bool(pre) and os.environ.get("SDQUANT_ATTN_LIVE", "1") != "0"  # 0: dead programs wait and write (A/B)
+    if pre:  # slot pos as part of the tile (the default) or as one row
+        pre = 2 if _switch("SDQUANT_ATTN_NEWROW", ("tile", "row")) == "row" else 1
+    live = bool(pre) and _switch("SDQUANT_ATTN_LIVE", ("1", "0")) == "1"  # 0: dead programs wait and write (A/B)
     partial[(b * nkv, splits)](q, k, v, pos, cos if rope else q, sin if rope else q, acc, ml, float(scale), T, rep,
                                win, splits, nkv, q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                v.stride(1), v.stride(2),
