@@ -290,6 +290,77 @@ def profile_step(rt, args, dev, batch=1, n=3):
     return {"kernel_us_per_step": total, "top": [{"us": t, "count": c, "kernel": k} for t, c, k in rows[:40]]}
 
 
+def timeline_of(events: list) -> dict:
+    """timeline_step's arithmetic on a Chrome trace's events: kernels split into replays at gaps > 5 ms; per replay the
+    span and each kernel's advance of the running end; the last replay's advances and busy times summed by name."""
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    replays, cur, end = [], [], None
+    for e in ks:
+        if cur and e["ts"] - end > 5000:
+            replays.append(cur)
+            cur = []
+        end = e["ts"] + e["dur"] if not cur else max(end, e["ts"] + e["dur"])
+        cur.append(e)
+    if cur:
+        replays.append(cur)
+    out = {"kernels": len(ks), "replays": [], "by_name": []}
+    for r in replays:
+        t0 = r[0]["ts"]
+        end, rows = t0, []
+        for e in r:
+            e_end = e["ts"] + e["dur"]
+            rows.append({"name": e["name"][:160], "start_us": e["ts"] - t0, "dur_us": e["dur"],
+                         "advance_us": max(0.0, e_end - end)})
+            end = max(end, e_end)
+        out["replays"].append({"span_us": end - t0, "kernels": rows})
+    if out["replays"]:
+        by = {}
+        for k in out["replays"][-1]["kernels"]:
+            a = by.setdefault(k["name"][:90], {"name": k["name"][:90], "count": 0, "advance_us": 0.0, "busy_us": 0.0})
+            a["count"] += 1
+            a["advance_us"] += k["advance_us"]
+            a["busy_us"] += k["dur_us"]
+        out["by_name"] = sorted(by.values(), key=lambda a: -a["advance_us"])
+    return out
+
+
+def timeline_step(rt, args, dev, batch=1, n=3):
+    """Each kernel of the decode step as its CUDA graph replays (what ``bench_decode`` times, PDL overlap included):
+    CUPTI's start and end of every kernel of n replays (torch.profiler), 50 ms apart. Per replay: the span from the
+    first kernel's start to the last one's end, and per kernel the advance of the running end, max(end) - the previous
+    max(end), which partitions the span (a kernel overlapped by the one before advances it by less than it lasts),
+    summed by kernel name (``timeline_of``). GPU only; the profiler's own tracing can slow the replay a little."""
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    rt.setup_caches(batch, args.max_seq)
+    step = lambda idx, pos: rt.decode_step(idx, pos).argmax(-1, keepdim=True)  # noqa: E731
+    runner = CUDAGraphStep(step, batch, dev)
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.tensor([args.max_seq // 2], device=dev)
+    with torch.no_grad():
+        for _ in range(3):
+            runner(tok, pos)
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                runner(tok, pos)
+                sync(dev)
+                time.sleep(0.05)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    del runner
+    out = {"batch": batch, **timeline_of(events)}
+    print(f"  timeline B={batch}: {out['kernels']} kernels in {len(out['replays'])} replays, spans "
+          f"{[round(r['span_us'], 1) for r in out['replays']]} us", flush=True)
+    for row in out["by_name"][:16]:
+        print(f"    advance {row['advance_us']:8.1f} us  busy {row['busy_us']:8.1f} us  x{row['count']:<4d} {row['name']}",
+              flush=True)
+    return out
+
+
 def kernel_labels(rt):
     """Which kernel each quantized layer kind runs, from the layers' dispatch plans."""
     out = {}
@@ -494,6 +565,11 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     rt.set_attention(args.attention[0])
     if name == args.profile_variant:
         res["profile"] = profile_step(rt, args, dev, batch=args.profile_batch)
+    if name in args.timeline and graph:
+        try:
+            res["timeline"] = [timeline_step(rt, args, dev, batch=b) for b in args.timeline_batches]
+        except Exception as e:
+            res["timeline"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     if args.prefill:
         try:
             res["prefill"] = bench_prefill(rt, args, dev)
@@ -547,6 +623,9 @@ def main(argv=None):
                     help="time every attention implementation at every batch size (same-run baselines)")
     ap.add_argument("--profile-variant", default=None, help="profile one decode step of this variant")
     ap.add_argument("--profile-batch", type=int, default=1, help="the batch size of that profile")
+    ap.add_argument("--timeline", default="", help="variants (comma-separated) whose CUDA-graph decode step is traced "
+                    "kernel by kernel (timeline_step)")
+    ap.add_argument("--timeline-batches", default="1", help="the batch sizes of those traces")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--int4-tuned", default=None, help="a bench/int4_tune.py JSON: its proposed CUDA kernel configs "
@@ -556,6 +635,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.attention = [a for a in args.attention.split(",") if a]
+    args.timeline = [v for v in args.timeline.split(",") if v]
+    args.timeline_batches = [int(b) for b in args.timeline_batches.split(",") if b]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = TINY if args.tiny else LLAMA3_8B
     if args.tiny:
