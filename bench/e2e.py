@@ -124,10 +124,18 @@ def timed(fn, dev, n):
     return time.perf_counter() - t
 
 
+def greedy_step(rt, args):
+    """The timed step, idx [B, 1] -> the next token [B, 1]: the runtime's greedy decode step (the argmax inside the
+    compiled step, as ``generate`` runs it), or with --argmax eager the logits' argmax as an eager op after the step
+    (the harness before 2026-12-04)."""
+    if args.argmax == "eager":
+        return lambda idx, pos: rt.decode_step(idx, pos).argmax(-1, keepdim=True)
+    return lambda idx, pos: rt.decode_step(idx, pos, greedy=True)[:, None]
+
+
 def bench_decode(rt, batch, args, dev, graph):
     rt.setup_caches(batch, args.max_seq)
-    step = lambda idx, pos: rt.decode_step(idx, pos).argmax(-1, keepdim=True)  # noqa: E731  [B, 1]
-    runner = CUDAGraphStep(step, batch, dev) if graph else step
+    runner = CUDAGraphStep(greedy_step(rt, args), batch, dev) if graph else greedy_step(rt, args)
     state = {"tok": torch.randint(0, rt.d.vocab_size, (batch, 1), device=dev), "i": 0}
     start = args.max_seq // 2
     pos = torch.arange(start, start + args.steps + args.warmup + 8, device=dev)
@@ -333,8 +341,7 @@ def timeline_step(rt, args, dev, batch=1, n=3):
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     rt.setup_caches(batch, args.max_seq)
-    step = lambda idx, pos: rt.decode_step(idx, pos).argmax(-1, keepdim=True)  # noqa: E731
-    runner = CUDAGraphStep(step, batch, dev)
+    runner = CUDAGraphStep(greedy_step(rt, args), batch, dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     pos = torch.tensor([args.max_seq // 2], device=dev)
     with torch.no_grad():
@@ -530,6 +537,8 @@ def _run_variant(name, spec, args, dev, dtype, dims):
     if spec["compiled"]:
         rt.compile_decode(mode=args.mode, fullgraph=True, backend=args.backend, scope="block", pdl=pdl == "all",
                           options=spec.get("inductor"))
+        if args.glue == "eager":
+            rt._embed_fn = rt._head_fn = None
         try:
             res["compiled_vs_eager_rel_err"] = check_compiled(rt, args, dev)
         except Exception as e:
@@ -625,6 +634,12 @@ def main(argv=None):
     ap.add_argument("--profile-batch", type=int, default=1, help="the batch size of that profile")
     ap.add_argument("--timeline", default="", help="variants (comma-separated) whose CUDA-graph decode step is traced "
                     "kernel by kernel (timeline_step)")
+    ap.add_argument("--argmax", choices=("step", "eager"), default="step",
+                    help="the greedy argmax inside the decode step (default) or an eager op after it (the harness "
+                         "before 2026-12-04)")
+    ap.add_argument("--glue", choices=("compiled", "eager"), default="compiled",
+                    help="a decode step's glue before the first block and after the last as compile_decode compiles "
+                         "it (default) or eager (the runtime before 2026-12-04; with --argmax eager: that harness)")
     ap.add_argument("--timeline-batches", default="1", help="the batch sizes of those traces")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")

@@ -364,6 +364,34 @@ def _fused_block_call(block: Block, x, xg, ss, cos, sin, mask, input_pos, next_n
     return block.forward_fused(x, xg, ss, cos, sin, mask, input_pos, next_norm)
 
 
+def _embed_call(rt: "Transformer", idx, input_pos, fused: bool):
+    """A step's inputs to its first block: (x, cos, sin, the masks in ``rt.masks``' order, and for the fused blocks
+    the first RMSNorm's weighted input and statistic, else None, None)."""
+    x = rt.tok(idx)                                                                           # [B, S, H]
+    cos, sin = rt.rope_cos[input_pos], rt.rope_sin[input_pos]                                 # [S, hd]
+    masks = tuple(m[input_pos] for m in rt.masks.values())                                    # [S, T] each
+    if not fused:
+        return x, cos, sin, masks, None, None
+    from sdquant.kernels.int4_cuda import block_sumsq
+    return x, cos, sin, masks, x * rt.layers[0].attn_norm, block_sumsq(x, x.shape[-1])
+
+
+def _head_call(rt: "Transformer", x, pending, xg, ss, last_only: bool, greedy: bool):
+    """The last block's outputs -> logits (float32) or, greedy, their argmax. pending: the unfused blocks' deferred
+    MLP output (None after fused blocks, whose xg, ss are the last RMSNorm's input and statistic)."""
+    from sdquant.kernels.linear import QuantLinear
+    head = rt.lm_head
+    if pending is None and isinstance(head, QuantLinear) and head.fused_why_not(x.shape[0] * x.shape[1]) is None:
+        logits = head.forward_fused(xg, rms_ss=ss, eps=rt.d.rms_eps)[0].float()
+    else:
+        if pending is not None:
+            x = x + pending
+        if last_only:
+            x = x[:, -1:]
+        logits = head(rms_norm(x, rt.norm, rt.d.rms_eps)).float()
+    return logits.argmax(-1) if greedy else logits
+
+
 def _interleave_w13(w13: nn.Module, inter: int) -> Optional[nn.Module]:
     """w13 (a QuantLinear of gate rows then up rows) with its rows in the fused kernel's interleaved order, or None
     where that does not apply (not one QuantLinear, or features not a multiple of 64)."""
@@ -395,6 +423,7 @@ class Transformer(nn.Module):
         self._block_fn = _block_call
         self._prefill_block_fn = None   # compile_decode(scope="block") may give prompts (S > 1) their own compile
         self._fused_block_fn = _fused_block_call
+        self._embed_fn = self._head_fn = None  # compile_decode(scope="block"): a decode step's glue, compiled
         self.fused_decode = False       # from_spec(fused=...): decode steps through Block.forward_fused where it runs
         self._decode = self.forward
 
@@ -471,27 +500,37 @@ class Transformer(nn.Module):
             self.masks[w] = causal & (idx[None, :] > idx[:, None] - w)
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
+                greedy: bool = False) -> torch.Tensor:
         """idx [B, S] token ids at cache slots input_pos [S] -> logits [B, S, V] (float32); last_only: the
-        logits of the last position only ([B, 1, V]: a prefill needs no others)."""
+        logits of the last position only ([B, 1, V]: a prefill needs no others); greedy: the argmax token ids
+        instead of the logits ([B, S] or [B, 1], int64)."""
         if self.max_seq == 0:
             raise SdquantError("Transformer: call setup_caches(max_batch, max_seq) before forward")
-        x = self.tok(idx)                                                                     # [B, S, H]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]                         # [S, hd]
-        masks = {w: m[input_pos] for w, m in self.masks.items()}                              # [S, T]
-        if self.fused_why_not(idx.shape[0] * idx.shape[1], idx.shape[1]) is None:
-            return self._forward_fused(x, cos, sin, masks, input_pos)
-        # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
-        # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
-        pending = torch.zeros_like(x)
-        block_fn = self._prefill_block_fn if idx.shape[1] > 1 and self._prefill_block_fn is not None else \
-            self._block_fn
-        for blk in self.layers:
-            x, pending = block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
-        x = x + pending
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(rms_norm(x, self.norm, self.d.rms_eps)).float()
+        decode = idx.shape[1] == 1
+        fused = self.fused_why_not(idx.shape[0] * idx.shape[1], idx.shape[1]) is None
+        # a decode step's glue before the first block and after the last (embedding, RoPE rows, masks, the first
+        # RMSNorm's statistic; the last norm, the head, the argmax) is compiled by compile_decode(scope="block") as
+        # two functions of its own, so it runs as a few fused kernels instead of ~25 eager ones (_embed_call)
+        embed = self._embed_fn if decode and self._embed_fn is not None else _embed_call
+        head = self._head_fn if decode and self._head_fn is not None else _head_call
+        x, cos, sin, masks, xg, ss = embed(self, idx, input_pos, fused)
+        masks = dict(zip(self.masks, masks))
+        pending = None
+        if fused:
+            layers = self.layers
+            for i, blk in enumerate(layers):
+                nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+                x, xg, ss = self._fused_block_fn(blk, x, xg, ss, cos, sin, masks[blk.window], input_pos, nxt)
+        else:
+            # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
+            # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
+            pending = torch.zeros_like(x)
+            block_fn = self._prefill_block_fn if not decode and self._prefill_block_fn is not None else \
+                self._block_fn
+            for blk in self.layers:
+                x, pending = block_fn(blk, x, cos, sin, masks[blk.window], input_pos, pending)
+        return head(self, x, pending, xg, ss, last_only, greedy)
 
     def fused_why_not(self, m: int, s: int = 1) -> Optional[str]:
         """Why a step of M = ``m`` rows (``s`` new tokens a sequence) does not go through the fused blocks (None: it
@@ -505,20 +544,6 @@ class Transformer(nn.Module):
             if why is not None:
                 return f"layer {i}: {why}"
         return None
-
-    def _forward_fused(self, x, cos, sin, masks, input_pos):
-        from sdquant.kernels.int4_cuda import block_sumsq
-        layers = self.layers
-        # the first RMSNorm's weight and statistic (the others': in the GEMMs' epilogues)
-        xg, ss = x * layers[0].attn_norm, block_sumsq(x, x.shape[-1])
-        for i, blk in enumerate(layers):
-            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, xg, ss = self._fused_block_fn(blk, x, xg, ss, cos, sin, masks[blk.window], input_pos, nxt)
-        from sdquant.kernels.linear import QuantLinear
-        head = self.lm_head
-        if isinstance(head, QuantLinear) and head.fused_why_not(x.shape[0] * x.shape[1]) is None:
-            return head.forward_fused(xg, rms_ss=ss, eps=self.d.rms_eps)[0].float()
-        return head(rms_norm(x, self.norm, self.d.rms_eps)).float()
 
     def set_attention(self, impl: str) -> "Transformer":
         """Choose the decode attention implementation (see ``Attention``) for every layer."""
@@ -543,9 +568,10 @@ class Transformer(nn.Module):
             blk.attn.kv_write = mode
         return self
 
-    def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """One token per sequence: idx [B, 1] -> logits [B, V]. The compiled entry point."""
-        return self._decode(idx, input_pos)[:, -1]
+    def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """One token per sequence: idx [B, 1] -> logits [B, V], or with greedy their argmax [B] (int64; inside the
+        compiled step). The compiled entry point."""
+        return self._decode(idx, input_pos, greedy=greedy)[:, -1]
 
     # ------------------------------------------------------------------------------------------ compile
     def compile_decode(self, mode: Optional[str] = "reduce-overhead", fullgraph: bool = True, backend="inductor",
@@ -601,6 +627,10 @@ class Transformer(nn.Module):
         else:
             self._block_fn = torch.compile(_block_call, **compile_kwargs(decode_opts))
             self._fused_block_fn = torch.compile(_fused_block_call, **compile_kwargs(decode_opts))
+            # the step's glue before the first block and after the last (decode only: forward routes prompts to the
+            # plain functions): ~25 eager kernels a step become a few inductor kernels (H200, docs/BENCHMARKS.md)
+            self._embed_fn = torch.compile(_embed_call, **compile_kwargs(decode_opts))
+            self._head_fn = torch.compile(_head_call, **compile_kwargs(decode_opts))
             # prompts (S > 1) without the decode-only options, in a block of their own
             self._prefill_block_fn = None if decode_opts is base else \
                 torch.compile(_prefill_block_call, **compile_kwargs(base))
@@ -688,16 +718,17 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
         model.setup_caches(b, max(total, model.max_seq))   # the cache batch is exact: static shapes
     dev = model.norm.device
     prompt = prompt.to(dev)
-    logits = model(prompt, torch.arange(s, device=dev), last_only=True)[:, -1]
+    greedy = temperature <= 0   # then the step returns its argmax (inside the compiled step), not the logits
+    logits = model(prompt, torch.arange(s, device=dev), last_only=True, greedy=greedy)[:, -1]
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):
-        nxt = _sample(logits, temperature, top_k, generator)                                 # [B]
+        nxt = logits if greedy else _sample(logits, temperature, top_k, generator)          # [B]
         out.append(nxt[:, None])
         if eos_token_id is not None:
             done |= nxt == eos_token_id
             if bool(done.all()):
                 break
         if i + 1 < max_new_tokens:
-            logits = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev))
+            logits = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev), greedy=greedy)
     return torch.cat(out, dim=1)

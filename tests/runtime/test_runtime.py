@@ -71,6 +71,26 @@ def test_sampling_and_eos():
     assert generate(rt, ids, 8, eos_token_id=first).shape == (1, 5)   # stops right after emitting eos
 
 
+def test_greedy_step_returns_the_logits_argmax():
+    """decode_step(greedy=True) / forward(greedy=True): the logits' argmax computed inside the step, eager and with the
+    step's glue compiled (compile_decode(scope="block") compiles _embed_call and _head_call for decode steps)."""
+    import sdquant
+    rt = Transformer.from_hf(tiny("llama", dict(bits=4, group_size=32)), max_seq_len=64)
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    nxt = torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(4))
+    rt.setup_caches(2, 32)
+    for compiled in (False, True):
+        if compiled:
+            sdquant.compile(rt, backend="aot_eager", scope="block")
+            assert rt._embed_fn is not None and rt._head_fn is not None
+        with torch.no_grad():
+            logits = rt(ids, torch.arange(6), last_only=True)
+            assert torch.equal(rt(ids, torch.arange(6), last_only=True, greedy=True), logits.argmax(-1))
+            step = rt.decode_step(nxt, torch.tensor([6]))
+            tok = rt.decode_step(nxt, torch.tensor([6]), greedy=True)
+        assert tok.shape == (2,) and tok.dtype == torch.int64 and torch.equal(tok, step.argmax(-1))
+
+
 def test_errors():
     model = tiny("llama", None)
     with pytest.raises(ConfigError, match="max_seq_len"):
@@ -207,6 +227,8 @@ def test_fused_decode_blocks_from_hf(family, monkeypatch):
         for i in range(7, 10):
             a, b = (rt.decode_step(toks[:, i:i + 1], torch.tensor([i])) for rt in (fused, plain))
             assert float((a - b).norm() / b.norm()) < 2e-2
+            # the fused head's argmax inside the step (the same slot rewritten with the same key and value)
+            assert torch.equal(fused.decode_step(toks[:, i:i + 1], torch.tensor([i]), greedy=True), a.argmax(-1))
             assert torch.equal(b.argmax(-1), toks[:, i + 1])
 
 
