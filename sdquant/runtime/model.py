@@ -389,7 +389,26 @@ def _head_call(rt: "Transformer", x, pending, xg, ss, last_only: bool, greedy: b
         if last_only:
             x = x[:, -1:]
         logits = head(rms_norm(x, rt.norm, rt.d.rms_eps)).float()
-    return logits.argmax(-1) if greedy else logits
+    return greedy_argmax(logits) if greedy else logits
+
+
+ARGMAX_CHUNK = 512  # greedy_argmax's first stage: the maximum of each run of 512 logits
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> their argmax [...] (int64), torch.argmax's result (the first index of the maximum, NaN
+    counting as the maximum), in two stages: each run of ARGMAX_CHUNK logits' maximum and its first index, then the
+    first run holding the largest of those. Compiled, a whole vocabulary in one row is otherwise one reduction kernel
+    in one program (inductor does not split argmax): 20-30 us a batch-1 step on the H200 for 128256 logits (e2e run
+    73), most of it after the head. The tail is padded with -inf (after any real value: the first index wins ties)."""
+    v = logits.shape[-1]
+    if v <= 2 * ARGMAX_CHUNK:
+        return logits.argmax(-1)
+    runs = -(-v // ARGMAX_CHUNK)
+    x = F.pad(logits, (0, runs * ARGMAX_CHUNK - v), value=float("-inf")).unflatten(-1, (runs, ARGMAX_CHUNK))
+    best, at = x.max(-1)                                                                       # [..., runs]
+    r = best.argmax(-1, keepdim=True)
+    return (r * ARGMAX_CHUNK + at.gather(-1, r)).squeeze(-1)
 
 
 def _interleave_w13(w13: nn.Module, inter: int) -> Optional[nn.Module]:

@@ -86,10 +86,11 @@ def test_kernel_matches_reference(interpret, dtype, tol, pos, window):
 
 
 @pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
-def test_preload_gives_the_same_result(interpret, pos, window):
-    """preload=True (the first tile's older slots loaded ahead of the PDL wait, slot pos after it): the outputs of
-    the default kernel, bit for bit, and slots past pos or before the window still unread (NaN there changes
-    nothing)."""
+def test_preload_gives_the_same_result(interpret, monkeypatch, pos, window):
+    """preload=True in the tile form (the first tile's older slots loaded ahead of the PDL wait, slot pos after it):
+    the outputs of the kernel without the preload, bit for bit, and slots past pos or before the window still unread
+    (NaN there changes nothing)."""
+    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "tile")  # the row form (the default) sums in another order
     q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
     scale = 1 / math.sqrt(q.shape[-1])
     got = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
@@ -108,6 +109,7 @@ def test_preload_gives_the_same_result(interpret, pos, window):
 def test_preload_dead_programs_write_nothing(interpret, monkeypatch, pos, window):
     """With the preload, programs without live slots leave before their wait and write no partial; the merge reads
     only the live splits. Scratch filled with NaN (what an uninitialized buffer may hold) changes nothing."""
+    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "tile")  # bit for bit against the kernel without the preload
     q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
     want = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, 0.2)
     monkeypatch.setattr(da, "_workspace", lambda shape, device: torch.full(shape, float("nan"), device=device))
@@ -117,13 +119,14 @@ def test_preload_dead_programs_write_nothing(interpret, monkeypatch, pos, window
 
 @pytest.mark.parametrize("pos,window", [(0, 0), (63, 0), (64, 0), (129, 0), (199, 0), (180, 50), (20, 50)])
 def test_preload_new_row(interpret, monkeypatch, pos, window):
-    """SDQUANT_ATTN_NEWROW=row (slot pos scored as one row beside the preloaded tile): the reference's result, the
-    tile form's within the rounding of a sum in another order, NaN in dead slots and scratch changing nothing; a
-    wrong value is an error naming the variable."""
+    """The preload's default row form (slot pos scored as one row beside the preloaded tile): the reference's result,
+    the tile form's (SDQUANT_ATTN_NEWROW=tile) within the rounding of a sum in another order, NaN in dead slots and
+    scratch changing nothing; a wrong value is an error naming the variable."""
     q, k, v = _case(dtype=torch.bfloat16, seed=pos + window)
     scale = 1 / math.sqrt(q.shape[-1])
+    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "tile")
     tile = torch.ops.sdquant.decode_attention(q, k, v, torch.tensor([pos]), window, scale, preload=True)
-    monkeypatch.setenv("SDQUANT_ATTN_NEWROW", "row")
+    monkeypatch.delenv("SDQUANT_ATTN_NEWROW")
     monkeypatch.setattr(da, "_workspace", lambda shape, device: torch.full(shape, float("nan"), device=device))
     for t in (k, v):
         t[:, :, pos + 1:] = float("nan")

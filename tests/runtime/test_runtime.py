@@ -91,6 +91,24 @@ def test_greedy_step_returns_the_logits_argmax():
         assert tok.shape == (2,) and tok.dtype == torch.int64 and torch.equal(tok, step.argmax(-1))
 
 
+@pytest.mark.parametrize("v", [10, 1024, 1025, 5000, 128256])
+def test_greedy_argmax_is_torch_argmax(v):
+    """The two-stage argmax of greedy steps: torch.argmax's index (the first of a tie, NaN as the maximum, all -inf ->
+    0) over any vocabulary size, batched or not, eager and compiled."""
+    from sdquant.runtime.model import greedy_argmax
+    g = torch.Generator().manual_seed(v)
+    compiled = torch.compile(greedy_argmax, backend="aot_eager")
+    for shape in ((v,), (3, v), (2, 1, v)):
+        x = torch.randn(*shape, generator=g)
+        tie = x.clone()
+        tie[..., 7] = tie[..., v - 1] = 100.0
+        nan = x.clone()
+        nan[..., v // 2] = float("nan")
+        for t in (x, tie, nan, torch.full(shape, float("-inf"))):
+            assert torch.equal(greedy_argmax(t), t.argmax(-1))
+            assert torch.equal(compiled(t), t.argmax(-1))
+
+
 def test_errors():
     model = tiny("llama", None)
     with pytest.raises(ConfigError, match="max_seq_len"):
