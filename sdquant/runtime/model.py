@@ -742,7 +742,8 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):
-        nxt = logits if greedy else _sample(logits, temperature, top_k, generator)          # [B]
+        # (a greedy step's output is its own tensor: under inductor's CUDA graphs the next replay overwrites it)
+        nxt = logits.clone() if greedy else _sample(logits, temperature, top_k, generator)  # [B]
         out.append(nxt[:, None])
         if eos_token_id is not None:
             done |= nxt == eos_token_id
