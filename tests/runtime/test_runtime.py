@@ -155,6 +155,25 @@ def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
     assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]
 
 
+def test_e2e_ratios_take_the_median_of_a_repeated_baseline():
+    """bench/e2e.py's ratios: each quantized variant over bf16 compiled at each batch size; a variant run more than once
+    in a process (the baseline before and after the others) counts with the median of its runs, which the JSON lists."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import e2e
+    sys.path.pop(0)
+    res = [{"variant": "bf16-compiled", "decode": {"1": {"tokens_per_s": 200.0}, "8": {"tokens_per_s": 1000.0}}},
+           {"variant": "int4all-compiled-pdl-early", "decode": {"1": {"tokens_per_s": 500.0},
+                                                               "8": {"error": "RuntimeError: x"}}},
+           {"variant": "bf16-eager", "decode": {"1": {"tokens_per_s": 20.0}}},
+           {"variant": "bf16-compiled", "decode": {"1": {"tokens_per_s": 250.0}, "8": {"tokens_per_s": 1100.0}}},
+           {"variant": "bf16-compiled", "decode": {"1": {"tokens_per_s": 210.0}}}]
+    r = e2e.ratios_to_baseline(res, [1, 8])
+    assert r == {"int4all-compiled-pdl-early/bf16-compiled B=1": 500.0 / 210.0,
+                 "runs": {"bf16-compiled B=1": [200.0, 250.0, 210.0], "bf16-compiled B=8": [1000.0, 1100.0]}}
+
+
 def test_random_decoder_fp8_static_layers_plan_tensorwise():
     """random_decoder(linears="fp8-static") (bench/e2e.py's fp8static-compiled): every linear is an Fp8Linear with one
     weight scale and a static activation scale, so its _scaled_mm path is the tensorwise one; "fp8" stays rowwise."""
