@@ -365,15 +365,16 @@ def _fused_block_call(block: Block, x, xg, ss, cos, sin, mask, input_pos, next_n
 
 
 def _embed_call(rt: "Transformer", idx, input_pos, fused: bool):
-    """A step's inputs to its first block: (x, cos, sin, the masks in ``rt.masks``' order, and for the fused blocks
-    the first RMSNorm's weighted input and statistic, else None, None)."""
+    """A step's inputs to its first block: (x, cos, sin, the masks in ``rt.masks``' order, xg, ss, pending). For the
+    fused blocks xg and ss are the first RMSNorm's weighted input and statistic (pending None); for the others pending
+    is the zeros the first block adds (forward_deferred; xg and ss None)."""
     x = rt.tok(idx)                                                                           # [B, S, H]
     cos, sin = rt.rope_cos[input_pos], rt.rope_sin[input_pos]                                 # [S, hd]
     masks = tuple(m[input_pos] for m in rt.masks.values())                                    # [S, T] each
     if not fused:
-        return x, cos, sin, masks, None, None
+        return x, cos, sin, masks, None, None, torch.zeros_like(x)
     from sdquant.kernels.int4_cuda import block_sumsq
-    return x, cos, sin, masks, x * rt.layers[0].attn_norm, block_sumsq(x, x.shape[-1])
+    return x, cos, sin, masks, x * rt.layers[0].attn_norm, block_sumsq(x, x.shape[-1]), None
 
 
 def _head_call(rt: "Transformer", x, pending, xg, ss, last_only: bool, greedy: bool):
@@ -533,9 +534,8 @@ class Transformer(nn.Module):
         # two functions of its own, so it runs as a few fused kernels instead of ~25 eager ones (_embed_call)
         embed = self._embed_fn if decode and self._embed_fn is not None else _embed_call
         head = self._head_fn if decode and self._head_fn is not None else _head_call
-        x, cos, sin, masks, xg, ss = embed(self, idx, input_pos, fused)
+        x, cos, sin, masks, xg, ss, pending = embed(self, idx, input_pos, fused)
         masks = dict(zip(self.masks, masks))
-        pending = None
         if fused:
             layers = self.layers
             for i, blk in enumerate(layers):
@@ -543,8 +543,8 @@ class Transformer(nn.Module):
                 x, xg, ss = self._fused_block_fn(blk, x, xg, ss, cos, sin, masks[blk.window], input_pos, nxt)
         else:
             # each block's MLP output is added inside the next block's first RMSNorm (forward_deferred); the first
-            # block gets zeros, so one compiled block serves every layer (None would be a graph of its own)
-            pending = torch.zeros_like(x)
+            # block gets zeros (pending, from _embed_call), so one compiled block serves every layer (None would be a
+            # graph of its own)
             block_fn = self._prefill_block_fn if not decode and self._prefill_block_fn is not None else \
                 self._block_fn
             for blk in self.layers:
