@@ -529,9 +529,9 @@ class Transformer(nn.Module):
             raise SdquantError("Transformer: call setup_caches(max_batch, max_seq) before forward")
         decode = idx.shape[1] == 1
         fused = self.fused_why_not(idx.shape[0] * idx.shape[1], idx.shape[1]) is None
-        # a decode step's glue before the first block and after the last (embedding, RoPE rows, masks, the first
-        # RMSNorm's statistic; the last norm, the head, the argmax) is compiled by compile_decode(scope="block") as
-        # two functions of its own, so it runs as a few fused kernels instead of ~25 eager ones (_embed_call)
+        # a decode step's glue before the first block and after the last (_embed_call: embedding, RoPE rows, masks,
+        # the first RMSNorm's statistic; _head_call: the last norm, the head, the argmax) is compiled by
+        # compile_decode(scope="block") as two functions of its own: a few fused kernels instead of ~25 eager ones
         embed = self._embed_fn if decode and self._embed_fn is not None else _embed_call
         head = self._head_fn if decode and self._head_fn is not None else _head_call
         x, cos, sin, masks, xg, ss, pending = embed(self, idx, input_pos, fused)
@@ -737,18 +737,19 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
         model.setup_caches(b, max(total, model.max_seq))   # the cache batch is exact: static shapes
     dev = model.norm.device
     prompt = prompt.to(dev)
-    greedy = temperature <= 0   # then the step returns its argmax (inside the compiled step), not the logits
-    logits = model(prompt, torch.arange(s, device=dev), last_only=True, greedy=greedy)[:, -1]
+    greedy = temperature <= 0   # then each step returns its argmax (inside the compiled step), not the logits
+    res = model(prompt, torch.arange(s, device=dev), last_only=True, greedy=greedy)[:, -1]   # [B] or [B, V]
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):
-        # (a greedy step's output is its own tensor: under inductor's CUDA graphs the next replay overwrites it)
-        nxt = logits.clone() if greedy else _sample(logits, temperature, top_k, generator)  # [B]
+        # a greedy step's token is the compiled step's own output, which the next replay of inductor's CUDA graphs
+        # overwrites: keep a copy
+        nxt = res.clone() if greedy else _sample(res, temperature, top_k, generator)        # [B]
         out.append(nxt[:, None])
         if eos_token_id is not None:
             done |= nxt == eos_token_id
             if bool(done.all()):
                 break
         if i + 1 < max_new_tokens:
-            logits = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev), greedy=greedy)
+            res = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev), greedy=greedy)
     return torch.cat(out, dim=1)
