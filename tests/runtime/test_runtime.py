@@ -155,6 +155,28 @@ def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
     assert res["int4all-compiled"]["weights_gb"] < 0.15 * res["bf16-eager"]["weights_gb"]
 
 
+def test_e2e_timeline_partitions_each_replay_by_advance():
+    """bench/e2e.py --timeline's arithmetic: kernels split into replays at gaps over 5 ms; each kernel's advance of the
+    running end (0 for one that ends under the previous one's tail), which sums to the replay's span; the last replay's
+    advances and busy times by kernel name."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import e2e
+    sys.path.pop(0)
+    step = [("gemm", 0, 10), ("attn", 5, 10), ("tiny", 6, 2), ("gemm", 16, 2)]   # (name, start, duration) in us
+    events = [{"cat": "kernel", "name": n, "ts": t0 + t, "dur": d} for t0 in (1000, 9000) for n, t, d in step]
+    events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 1001, "dur": 50})
+    out = e2e.timeline_of(events)
+    assert out["kernels"] == 8 and len(out["replays"]) == 2
+    for r in out["replays"]:
+        assert [k["advance_us"] for k in r["kernels"]] == [10, 5, 0, 3]
+        assert r["span_us"] == 18 == sum(k["advance_us"] for k in r["kernels"])
+    assert out["by_name"] == [{"name": "gemm", "count": 2, "advance_us": 13.0, "busy_us": 12.0},
+                              {"name": "attn", "count": 1, "advance_us": 5.0, "busy_us": 10.0},
+                              {"name": "tiny", "count": 1, "advance_us": 0.0, "busy_us": 2.0}]
+
+
 def test_e2e_ratios_take_the_median_of_a_repeated_baseline():
     """bench/e2e.py's ratios: each quantized variant over bf16 compiled at each batch size; a variant run more than once
     in a process (the baseline before and after the others) counts with the median of its runs, which the JSON lists."""
