@@ -135,7 +135,8 @@ def greedy_step(rt, args):
 
 def bench_decode(rt, batch, args, dev, graph):
     rt.setup_caches(batch, args.max_seq)
-    runner = CUDAGraphStep(greedy_step(rt, args), batch, dev) if graph else greedy_step(rt, args)
+    step = greedy_step(rt, args)
+    runner = CUDAGraphStep(step, batch, dev) if graph else step
     state = {"tok": torch.randint(0, rt.d.vocab_size, (batch, 1), device=dev), "i": 0}
     start = args.max_seq // 2
     pos = torch.arange(start, start + args.steps + args.warmup + 8, device=dev)

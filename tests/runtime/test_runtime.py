@@ -138,15 +138,23 @@ def test_quant_embedding_dequantizes_looked_up_rows():
         torch.testing.assert_close(emb(idx), qw.dequantize()[idx])
 
 
-def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
-    import json
+def _bench_e2e():
+    """bench/e2e.py as a module (it puts bench/ on sys.path for its own imports)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import e2e
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    return e2e
+
+
+def test_random_decoder_and_e2e_harness_on_cpu(tmp_path):
+    import json
+    e2e = _bench_e2e()
     out = tmp_path / "e2e.json"
     e2e.main(["--tiny", "--variants", "bf16-eager,int4all-compiled", "--batches", "1,2", "--out", str(out)])
-    sys.path.pop(0)
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(res) == {"bf16-eager", "int4all-compiled"}
     for r in res.values():
@@ -159,11 +167,7 @@ def test_e2e_timeline_partitions_each_replay_by_advance():
     """bench/e2e.py --timeline's arithmetic: kernels split into replays at gaps over 5 ms; each kernel's advance of the
     running end (0 for one that ends under the previous one's tail), which sums to the replay's span; the last replay's
     advances and busy times by kernel name."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import e2e
-    sys.path.pop(0)
+    e2e = _bench_e2e()
     step = [("gemm", 0, 10), ("attn", 5, 10), ("tiny", 6, 2), ("gemm", 16, 2)]   # (name, start, duration) in us
     events = [{"cat": "kernel", "name": n, "ts": t0 + t, "dur": d} for t0 in (1000, 9000) for n, t, d in step]
     events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 1001, "dur": 50})
@@ -180,11 +184,7 @@ def test_e2e_timeline_partitions_each_replay_by_advance():
 def test_e2e_ratios_take_the_median_of_a_repeated_baseline():
     """bench/e2e.py's ratios: each quantized variant over bf16 compiled at each batch size; a variant run more than once
     in a process (the baseline before and after the others) counts with the median of its runs, which the JSON lists."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import e2e
-    sys.path.pop(0)
+    e2e = _bench_e2e()
     res = [{"variant": "bf16-compiled", "decode": {"1": {"tokens_per_s": 200.0}, "8": {"tokens_per_s": 1000.0}}},
            {"variant": "int4all-compiled-pdl-early", "decode": {"1": {"tokens_per_s": 500.0},
                                                                "8": {"error": "RuntimeError: x"}}},
