@@ -136,7 +136,8 @@ def greedy_step(rt, args):
 def bench_decode(rt, batch, args, dev, graph):
     rt.setup_caches(batch, args.max_seq)
     step = greedy_step(rt, args)
-    runner = CUDAGraphStep(step, batch, dev) if graph else step
+    feedback = graph and args.feed == "graph"
+    runner = CUDAGraphStep(step, batch, dev, feedback=feedback) if graph else step
     state = {"tok": torch.randint(0, rt.d.vocab_size, (batch, 1), device=dev), "i": 0}
     start = args.max_seq // 2
     pos = torch.arange(start, start + args.steps + args.warmup + 8, device=dev)
@@ -146,13 +147,36 @@ def bench_decode(rt, batch, args, dev, graph):
         state["tok"] = runner(state["tok"], pos[i:i + 1])
         state["i"] += 1
 
+    def restart():   # --feed graph: the graph advances its own position; each trial starts where the others do
+        if feedback:
+            runner.idx.copy_(state["tok"])
+            runner.pos.fill_(start)
+
+    same = None
     with torch.no_grad():
+        if feedback:   # the graph's own feedback against the step called with each token and position
+            tok0 = state["tok"].clone()
+            restart()
+            fed = [runner().clone() for _ in range(4)]
+            t, ref = tok0, []
+            for i in range(4):
+                t = step(t, pos[i:i + 1]).clone()
+                ref.append(t)
+            same = sum(bool(torch.equal(a, b)) for a, b in zip(fed, ref))
+            state["tok"] = tok0
+        restart()
         for _ in range(args.warmup):
-            one()
-        trials = [timed(one, dev, args.steps) / args.steps for _ in range(args.trials)]
+            runner() if feedback else one()
+        trials = []
+        for _ in range(args.trials):
+            restart()
+            trials.append(timed(runner if feedback else one, dev, args.steps) / args.steps)
     ms = statistics.median(trials) * 1e3
     del runner
-    return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "trials_ms": [t * 1e3 for t in trials]}
+    out = {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "trials_ms": [t * 1e3 for t in trials]}
+    if same is not None:
+        out["feedback_same_tokens"] = f"{same}/4"
+    return out
 
 
 def check_compiled(rt, args, dev, batch=1) -> float:
@@ -661,6 +685,10 @@ def main(argv=None):
                     help="a decode step's glue before the first block and after the last as compile_decode compiles "
                          "it (default) or eager (the runtime before 2026-12-04; with --argmax eager: that harness)")
     ap.add_argument("--timeline-batches", default="1", help="the batch sizes of those traces")
+    ap.add_argument("--feed", choices=("host", "graph"), default="host",
+                    help="how a CUDA-graph decode step gets its next token and position: copied in before each replay "
+                         "(host, one copy each) or inside the graph from its own output (graph: CUDAGraphStep "
+                         "feedback=True, no launch between replays)")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--int4-tuned", default=None, help="a bench/int4_tune.py JSON: its proposed CUDA kernel configs "

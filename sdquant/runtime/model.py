@@ -694,26 +694,56 @@ def inductor_options(mode: Optional[str], pdl: bool) -> dict:
 
 class CUDAGraphStep:
     """Capture ``fn(idx [B,1], input_pos [1])`` once for a batch size and replay it per token (the same thing
-    mode="reduce-overhead" does, without torch.compile owning the graph, so a block-compiled model works)."""
+    mode="reduce-overhead" does, without torch.compile owning the graph, so a block-compiled model works).
 
-    def __init__(self, fn, batch: int, device, warmup: int = 2):
+    ``feedback=True`` is for a greedy step whose output is the next token, [B, 1] integers: the graph itself then
+    copies that output into its ``idx`` input and advances its position by one, so a greedy loop is ``step()`` per
+    token with no copy launched between replays (set ``step.pos`` once, or pass ``input_pos`` to move it). Without
+    it, each call copies ``idx`` and ``input_pos`` into the graph's inputs before the replay."""
+
+    def __init__(self, fn, batch: int, device, warmup: int = 2, feedback: bool = False):
         self.idx = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.feedback = feedback
         s = torch.cuda.Stream(device)
         s.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(s):
             for _ in range(warmup):
-                fn(self.idx, self.pos)
+                out = fn(self.idx, self.pos)
         torch.cuda.current_stream(device).wait_stream(s)
+        if feedback:
+            feedback_why_not(out, self.idx)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = fn(self.idx, self.pos)
+            if feedback:
+                self.idx.copy_(self.out)
+                self.pos.add_(1)
 
-    def __call__(self, idx, input_pos):
-        self.idx.copy_(idx)
-        self.pos.copy_(input_pos)
+    def __call__(self, idx: Optional[torch.Tensor] = None, input_pos: Optional[torch.Tensor] = None):
+        if idx is not None:
+            self.idx.copy_(idx)
+        elif not self.feedback:
+            raise ValueError("CUDAGraphStep: idx is required unless the step was captured with feedback=True")
+        if input_pos is not None:
+            self.pos.copy_(input_pos)
+        elif not self.feedback:
+            raise ValueError("CUDAGraphStep: input_pos is required unless the step was captured with feedback=True")
         self.graph.replay()
         return self.out
+
+
+def feedback_why_not(out, idx: torch.Tensor) -> None:
+    """Raise ValueError unless a step's output can be fed back as its next input (CUDAGraphStep(feedback=True)):
+    an integer tensor of idx's shape."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {type(out).__name__}, not a tensor of tokens")
+    if out.shape != idx.shape:
+        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned shape {tuple(out.shape)}, "
+                         f"but its token input is {tuple(idx.shape)} (a greedy step returns [B, 1])")
+    if out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == torch.bool:
+        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {out.dtype}, not integer tokens "
+                         "(feed back a greedy step, not logits)")
 
 
 # ------------------------------------------------------------------------------------------- generation

@@ -109,6 +109,21 @@ def test_greedy_argmax_is_torch_argmax(v):
             assert torch.equal(compiled(t), t.argmax(-1))
 
 
+def test_feedback_why_not():
+    """CUDAGraphStep(feedback=True) feeds a step's output back as its next token: only [B, 1] integer tokens pass,
+    and a step that returns logits, the wrong shape or no tensor is refused with a one-line reason."""
+    from sdquant.runtime.model import feedback_why_not
+    idx = torch.zeros(3, 1, dtype=torch.long)
+    feedback_why_not(torch.ones(3, 1, dtype=torch.long), idx)
+    feedback_why_not(torch.ones(3, 1, dtype=torch.int32), idx)
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        feedback_why_not(torch.ones(3, dtype=torch.long), idx)
+    with pytest.raises(ValueError, match="not integer tokens"):
+        feedback_why_not(torch.ones(3, 1), idx)
+    with pytest.raises(ValueError, match="returned tuple"):
+        feedback_why_not((torch.ones(3, 1, dtype=torch.long),), idx)
+
+
 def test_errors():
     model = tiny("llama", None)
     with pytest.raises(ConfigError, match="max_seq_len"):
