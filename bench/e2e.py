@@ -685,7 +685,7 @@ def main(argv=None):
                     help="a decode step's glue before the first block and after the last as compile_decode compiles "
                          "it (default) or eager (the runtime before 2026-12-04; with --argmax eager: that harness)")
     ap.add_argument("--timeline-batches", default="1", help="the batch sizes of those traces")
-    ap.add_argument("--feed", choices=("host", "graph"), default="host",
+    ap.add_argument("--feed", choices=("host", "graph"), default="graph",
                     help="how a CUDA-graph decode step gets its next token and position: copied in before each replay "
                          "(host, one copy each) or inside the graph from its own output (graph: CUDAGraphStep "
                          "feedback=True, no launch between replays)")
