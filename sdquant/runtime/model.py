@@ -369,10 +369,8 @@ def _embed_call(rt: "Transformer", idx, input_pos, fused: bool):
     fused blocks xg and ss are the first RMSNorm's weighted input and statistic (pending None); for the others pending
     is the zeros the first block adds (forward_deferred; xg and ss None)."""
     x = rt.tok(idx)                                                                           # [B, S, H]
-    cs = rt.rope_cs[input_pos]                                                                # [S, 2, hd]
-    cos, sin = cs[:, 0], cs[:, 1]                                                             # [S, hd]
-    need = rt.masks_needed(x)
-    masks = tuple(m[input_pos] if need[w] else None for w, m in rt.masks.items())            # [S, T] each
+    cos, sin = rt.rope_cos[input_pos], rt.rope_sin[input_pos]                                 # [S, hd]
+    masks = tuple(m[input_pos] for m in rt.masks.values())                                    # [S, T] each
     if not fused:
         return x, cos, sin, masks, None, None, torch.zeros_like(x)
     from sdquant.kernels.int4_cuda import block_sumsq
@@ -440,8 +438,6 @@ class Transformer(nn.Module):
         self.lm_head = lm_head
         self.register_buffer("rope_cos", rope_cos, persistent=False)   # [P, hd]
         self.register_buffer("rope_sin", rope_sin, persistent=False)
-        # both in one table, [P, 2, hd]: a decode step gathers its cos and sin rows in one kernel (_embed_call)
-        self.register_buffer("rope_cs", torch.stack([rope_cos, rope_sin], 1), persistent=False)
         self.max_batch = self.max_seq = 0
         self.pdl = False  # compile_decode sets it
         self._block_fn = _block_call
@@ -522,17 +518,6 @@ class Transformer(nn.Module):
         self.masks = {None: causal}
         for w in {blk.window for blk in self.layers} - {None}:
             self.masks[w] = causal & (idx[None, :] > idx[:, None] - w)
-
-    def masks_needed(self, x: torch.Tensor) -> dict:
-        """{window: whether a step on x [B, S, H] reads that window's mask}: a prompt (SDPA) reads the mask of every
-        window its blocks have; a decode step only where a block with that window attends by "matmul" / "sdpa" (the
-        Triton decode kernel reads the position instead), so a step on the Triton kernel gathers no mask row (one
-        kernel a step fewer, e2e run 76)."""
-        need = {w: False for w in self.masks}
-        for blk in self.layers:
-            if x.shape[1] != 1 or _resolve_attention(blk.attn.impl, x, self.d.head_dim) != "triton":
-                need[blk.window] = True
-        return need
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,

@@ -124,34 +124,6 @@ def test_feedback_why_not():
         feedback_why_not((torch.ones(3, 1, dtype=torch.long),), idx)
 
 
-def test_decode_steps_gather_only_the_masks_they_read():
-    """A decode step on the Triton attention kernel gathers no mask row (the kernel reads the position); the other
-    implementations, and every prompt (SDPA), get theirs; cos and sin come from the one [P, 2, hd] table."""
-    from sdquant.runtime.model import _embed_call
-    model = tiny("mistral", None)     # a sliding window: two masks
-    rt = Transformer.from_hf(model, max_seq_len=32)
-    rt.setup_caches(1, 16)
-    assert len(rt.masks) == 2
-    used = [w in {blk.window for blk in rt.layers} for w in rt.masks]   # the blocks' windows (not the plain causal)
-    assert used == [False, True]
-    tok, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([5])
-    for impl, want in (("triton", [False, False]), ("matmul", used), ("sdpa", used)):
-        rt.set_attention(impl)
-        _, cos, sin, masks, *_ = _embed_call(rt, tok, pos, False)
-        assert [m is not None for m in masks] == want
-        torch.testing.assert_close(cos, rt.rope_cos[pos]) and torch.testing.assert_close(sin, rt.rope_sin[pos])
-        for m, full in zip(masks, rt.masks.values()):
-            if m is not None:
-                assert torch.equal(m, full[pos])
-        _, _, _, masks, *_ = _embed_call(rt, torch.zeros(1, 3, dtype=torch.long), torch.arange(3), False)
-        assert [m is not None for m in masks] == used
-    rt.set_attention("triton")
-    rt.layers[0].attn.impl = "matmul"   # one block off the kernel: its window's mask comes back
-    need = rt.masks_needed(torch.zeros(1, 1, rt.d.hidden_size))
-    assert need == {w: w == rt.layers[0].window for w in rt.masks}
-    assert list(rt.masks_needed(torch.zeros(1, 2, rt.d.hidden_size)).values()) == used
-
-
 def test_errors():
     model = tiny("llama", None)
     with pytest.raises(ConfigError, match="max_seq_len"):
