@@ -11,6 +11,7 @@ Shapes: B batch, S new tokens, T = max_seq_len cache slots, H hidden, nh/nkv que
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -444,6 +445,7 @@ class Transformer(nn.Module):
         self._prefill_block_fn = None   # compile_decode(scope="block") may give prompts (S > 1) their own compile
         self._fused_block_fn = _fused_block_call
         self._embed_fn = self._head_fn = None  # compile_decode(scope="block"): a decode step's glue, compiled
+        self._compiled = False          # compile_decode sets it (_recompile_scope)
         self.fused_decode = False       # from_spec(fused=...): decode steps through Block.forward_fused where it runs
         self._decode = self.forward
 
@@ -590,7 +592,31 @@ class Transformer(nn.Module):
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """One token per sequence: idx [B, 1] -> logits [B, V], or with greedy their argmax [B] (int64; inside the
         compiled step). The compiled entry point."""
-        return self._decode(idx, input_pos, greedy=greedy)[:, -1]
+        with self._recompile_scope():
+            return self._decode(idx, input_pos, greedy=greedy)[:, -1]
+
+    def __call__(self, *args, **kwargs):
+        with self._recompile_scope():   # prompts and direct calls (a compiled model's blocks may recompile)
+            return super().__call__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _recompile_scope(self):
+        """Around a compiled model's calls: torch._dynamo's recompile limit raised to RECOMPILE_LIMIT for their
+        duration only (each batch size and cache length is a graph of its own, and torch's default of 8 failed the
+        9th), and that limit's error as one SdquantError line. Nothing for a model compile_decode has not compiled."""
+        if not getattr(self, "_compiled", False):
+            yield
+            return
+        cfg = torch._dynamo.config
+        old = cfg.recompile_limit
+        cfg.recompile_limit = max(old, RECOMPILE_LIMIT)
+        try:
+            yield
+        except Exception as e:
+            _raise_if_recompile_limit(e, self)
+            raise
+        finally:
+            cfg.recompile_limit = old
 
     # ------------------------------------------------------------------------------------------ compile
     def compile_decode(self, mode: Optional[str] = "reduce-overhead", fullgraph: bool = True, backend="inductor",
@@ -629,8 +655,8 @@ class Transformer(nn.Module):
             base["triton.cudagraphs"] = False
         decode_opts = {**PDL_DECODE_OPTIONS, **base} if pdl else base
 
-        def compile_kwargs(opts):
-            kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dynamic)
+        def compile_kwargs(opts, dyn=dynamic):
+            kwargs = dict(fullgraph=fullgraph, backend=backend, dynamic=dyn)
             if pdl or opts:
                 kwargs["options"] = {**inductor_options(mode, pdl=pdl), **opts}
             else:
@@ -641,6 +667,7 @@ class Transformer(nn.Module):
             int4_cuda.set_pdl(True, early_trigger=True)
             decode_attention.set_pdl(True, early_trigger=True)
         self.pdl = pdl
+        self._compiled = True
         if scope == "model":   # prompts run eager (forward); the compiled forward serves decode steps
             self._decode = torch.compile(self.forward, **compile_kwargs(decode_opts))
         else:
@@ -650,9 +677,10 @@ class Transformer(nn.Module):
             # plain functions): ~25 eager kernels a step become a few inductor kernels (H200, docs/BENCHMARKS.md)
             self._embed_fn = torch.compile(_embed_call, **compile_kwargs(decode_opts))
             self._head_fn = torch.compile(_head_call, **compile_kwargs(decode_opts))
-            # prompts (S > 1) without the decode-only options, in a block of their own
-            self._prefill_block_fn = None if decode_opts is base else \
-                torch.compile(_prefill_block_call, **compile_kwargs(base))
+            # prompts (S > 1) in a block of their own, without the decode-only options and with torch.compile's
+            # automatic dynamic shapes (dynamic=None): a second prompt length compiles one graph for every length, where
+            # static shapes compiled a graph a length until torch's recompile limit (8) failed the call
+            self._prefill_block_fn = torch.compile(_prefill_block_call, **compile_kwargs(base, None if not dynamic else True))
             self._decode = self.forward
         return self
 
@@ -690,6 +718,21 @@ def inductor_options(mode: Optional[str], pdl: bool) -> dict:
     if pdl:
         opts["triton.enable_pdl"] = True
     return opts
+
+
+RECOMPILE_LIMIT = 64   # graphs a compiled function may hold in a compiled model's calls (Transformer._recompile_scope)
+
+
+def _raise_if_recompile_limit(e: Exception, rt: "Transformer") -> None:
+    """torch.compile's recompile limit, hit by a compiled step's new static shape (a batch size or cache length it has
+    not seen, one graph each), as a one-line SdquantError saying what to do instead of dynamo's own error."""
+    if type(e).__name__ != "FailOnRecompileLimitHit":
+        return
+    raise SdquantError(
+        f"compiled model: batch {rt.max_batch} over a {rt.max_seq}-slot cache needed a new graph past torch.compile's "
+        f"recompile limit ({torch._dynamo.config.recompile_limit} a function; each batch size and cache length is a "
+        "graph of its own): serve fewer batch sizes (pad requests to a few), or raise "
+        "sdquant.runtime.model.RECOMPILE_LIMIT") from None
 
 
 class CUDAGraphStep:
@@ -757,6 +800,18 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gene
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[..., 0]
 
 
+CACHE_STEP = 256
+
+
+def cache_len_for(total: int, table: int) -> int:
+    """The cache length ``generate`` allocates for ``total`` positions: CACHE_STEP * 2^k >= total, capped at the RoPE
+    table's ``table`` positions (past it, setup_caches names the limit)."""
+    t = CACHE_STEP
+    while t < total:
+        t *= 2
+    return max(total, min(t, table))
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: Optional[int] = None, eos_token_id: Optional[int] = None, generator=None) -> torch.Tensor:
@@ -764,7 +819,9 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     b, s = prompt.shape
     total = s + max_new_tokens
     if b != model.max_batch or total > model.max_seq:
-        model.setup_caches(b, max(total, model.max_seq))   # the cache batch is exact: static shapes
+        # the cache batch is exact (static shapes); its length grows to the next power of two times CACHE_STEP slots
+        # (at most the RoPE table), so a compiled model meets a few cache lengths rather than one a request
+        model.setup_caches(b, max(cache_len_for(total, model.rope_cos.shape[0]), model.max_seq))
     dev = model.norm.device
     prompt = prompt.to(dev)
     greedy = temperature <= 0   # then each step returns its argmax (inside the compiled step), not the logits

@@ -159,3 +159,46 @@ def test_from_hf_passes_pdl_to_compile_decode():
     with pytest.raises(ConfigError, match="pdl"):
         Transformer.from_hf(model, max_seq_len=32, compile="default", pdl=True)
     assert Transformer.from_hf(model, max_seq_len=32, compile="default", pdl=False).pdl is False
+
+
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_compiled_model_serves_many_prompt_lengths_and_batch_sizes(scope):
+    """A compiled INT4 model through 7 prompt lengths, then 10 batch sizes (torch's recompile limit is 8 graphs a
+    function): prompts compile with automatic dynamic shapes, generate grows the cache by powers of two, and the
+    compiled calls raise the limit to RECOMPILE_LIMIT for their duration only. Same tokens as the eager model; before
+    these, scope="block" failed at the 5th prompt length and scope="model" at the 9th."""
+    from sdquant.runtime import model as rtm
+    model = tiny(bits=4, group_size=32)
+    eager = Transformer.from_hf(model, max_seq_len=128)
+    rt = Transformer.from_hf(model, max_seq_len=128).compile_decode(scope=scope, backend="aot_eager", mode=None)
+    g = torch.Generator().manual_seed(9)
+    limit = torch._dynamo.config.recompile_limit
+    cases = [(1, s) for s in range(2, 9)] + [(b, 3) for b in range(1, 11)]
+    for b, s in cases:
+        ids = torch.randint(0, 128, (b, s), generator=g)
+        assert torch.equal(generate(rt, ids, 2), generate(eager, ids, 2)), (b, s)
+    assert torch._dynamo.config.recompile_limit == limit    # restored after every call
+    assert rt.max_seq == min(rtm.CACHE_STEP, 128)   # one cache length served every request (capped at the table)
+
+
+def test_recompile_limit_is_one_line_error(monkeypatch):
+    """Past the limit, a compiled model's call fails with one SdquantError line that says what to do."""
+    from sdquant.errors import SdquantError
+    from sdquant.runtime import model as rtm
+    monkeypatch.setattr(rtm, "RECOMPILE_LIMIT", 2)
+    rt = Transformer.from_hf(tiny(bits=4, group_size=32), max_seq_len=64)
+    rt.compile_decode(scope="model", backend="aot_eager", mode=None)
+    with torch._dynamo.config.patch(recompile_limit=2):   # (monkeypatch's undo would delete the config entry)
+        with pytest.raises(SdquantError, match="recompile limit .2 a function.*pad requests") as e:
+            for b in range(1, 5):
+                generate(rt, torch.zeros(b, 3, dtype=torch.long), 2)
+        assert torch._dynamo.config.recompile_limit == 2
+    assert "\n" not in str(e.value)
+
+
+def test_cache_len_for():
+    from sdquant.runtime.model import CACHE_STEP, cache_len_for
+    assert [cache_len_for(t, 8192) for t in (1, CACHE_STEP, CACHE_STEP + 1, 1500, 8192)] == \
+        [CACHE_STEP, CACHE_STEP, 2 * CACHE_STEP, 2048, 8192]
+    assert cache_len_for(100, 64) == 100   # past the table: setup_caches names the limit
+    assert cache_len_for(600, 700) == 700
