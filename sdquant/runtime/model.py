@@ -680,7 +680,8 @@ class Transformer(nn.Module):
             # prompts (S > 1) in a block of their own, without the decode-only options and with torch.compile's
             # automatic dynamic shapes (dynamic=None): a second prompt length compiles one graph for every length, where
             # static shapes compiled a graph a length until torch's recompile limit (8) failed the call
-            self._prefill_block_fn = torch.compile(_prefill_block_call, **compile_kwargs(base, None if not dynamic else True))
+            self._prefill_block_fn = torch.compile(_prefill_block_call,
+                                                   **compile_kwargs(base, True if dynamic else None))
             self._decode = self.forward
         return self
 
@@ -780,7 +781,8 @@ def feedback_why_not(out, idx: torch.Tensor) -> None:
     """Raise ValueError unless a step's output can be fed back as its next input (CUDAGraphStep(feedback=True)):
     an integer tensor of idx's shape."""
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {type(out).__name__}, not a tensor of tokens")
+        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {type(out).__name__}, "
+                         "not a tensor of tokens")
     if out.shape != idx.shape:
         raise ValueError(f"CUDAGraphStep(feedback=True): the step returned shape {tuple(out.shape)}, "
                          f"but its token input is {tuple(idx.shape)} (a greedy step returns [B, 1])")
