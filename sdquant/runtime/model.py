@@ -806,12 +806,12 @@ CACHE_STEP = 256
 
 
 def cache_len_for(total: int, table: int) -> int:
-    """The cache length ``generate`` allocates for ``total`` positions: CACHE_STEP * 2^k >= total, capped at the RoPE
-    table's ``table`` positions (past it, setup_caches names the limit)."""
-    t = CACHE_STEP
-    while t < total:
-        t *= 2
-    return max(total, min(t, table))
+    """The cache length ``generate`` allocates for ``total`` positions: a multiple of a quarter of the largest power of
+    two <= total, at least CACHE_STEP slots (so at most 25% more slots than needed past 4 * CACHE_STEP, and four lengths
+    an octave: a compiled model meets a few cache lengths, not one a request), capped at the RoPE table's ``table``
+    positions (past it, setup_caches names the limit)."""
+    step = max(CACHE_STEP, (1 << (max(total, 1).bit_length() - 1)) >> 2)
+    return max(total, min(-(-max(total, 1) // step) * step, table))
 
 
 @torch.no_grad()
@@ -821,8 +821,8 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     b, s = prompt.shape
     total = s + max_new_tokens
     if b != model.max_batch or total > model.max_seq:
-        # the cache batch is exact (static shapes); its length grows to the next power of two times CACHE_STEP slots
-        # (at most the RoPE table), so a compiled model meets a few cache lengths rather than one a request
+        # the cache batch is exact (static shapes); its length grows in steps (cache_len_for, at most the RoPE table),
+        # so a compiled model meets a few cache lengths rather than one a request
         model.setup_caches(b, max(cache_len_for(total, model.rope_cos.shape[0]), model.max_seq))
     dev = model.norm.device
     prompt = prompt.to(dev)

@@ -164,7 +164,7 @@ def test_from_hf_passes_pdl_to_compile_decode():
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_compiled_model_serves_many_prompt_lengths_and_batch_sizes(scope):
     """A compiled INT4 model through 7 prompt lengths, then 10 batch sizes (torch's recompile limit is 8 graphs a
-    function): prompts compile with automatic dynamic shapes, generate grows the cache by powers of two, and the
+    function): prompts compile with automatic dynamic shapes, generate grows the cache in steps (cache_len_for), and the
     compiled calls raise the limit to RECOMPILE_LIMIT for their duration only. Same tokens as the eager model; before
     these, scope="block" failed at the 5th prompt length and scope="model" at the 9th."""
     from sdquant.runtime import model as rtm
@@ -198,7 +198,12 @@ def test_recompile_limit_is_one_line_error(monkeypatch):
 
 def test_cache_len_for():
     from sdquant.runtime.model import CACHE_STEP, cache_len_for
-    assert [cache_len_for(t, 8192) for t in (1, CACHE_STEP, CACHE_STEP + 1, 1500, 8192)] == \
-        [CACHE_STEP, CACHE_STEP, 2 * CACHE_STEP, 2048, 8192]
+    assert CACHE_STEP == 256
+    got = [cache_len_for(t, 1 << 20) for t in (1, 256, 257, 1000, 1500, 4096, 5000, 9000)]
+    assert got == [256, 256, 512, 1024, 1536, 4096, 5120, 10240]
+    for t in range(1, 20000, 37):   # never short, at most 25% over past 1024, four lengths an octave
+        c = cache_len_for(t, 1 << 20)
+        assert c >= t and (t <= 1024 or c <= 1.25 * t)
+    assert len({cache_len_for(t, 1 << 20) for t in range(4097, 8193)}) == 4
     assert cache_len_for(100, 64) == 100   # past the table: setup_caches names the limit
     assert cache_len_for(600, 700) == 700
