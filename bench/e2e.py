@@ -179,6 +179,24 @@ def bench_decode(rt, batch, args, dev, graph):
     return out
 
 
+def bench_generate(rt, args, dev) -> dict:
+    """The user-facing loop, ``generate(rt, prompt, n)`` at batch 1 from a 32-token prompt, timed end to end on its
+    second call (the first compiles and captures ``decode_graph`` on a block-compiled CUDA model), prefill and Python
+    included: tokens/s = n / seconds. Also whether both calls gave the same tokens."""
+    from sdquant.runtime.model import generate
+    prompt = torch.randint(0, rt.d.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).to(dev)
+    n = args.generate
+    with torch.no_grad():
+        first = generate(rt, prompt, n)
+        sync(dev)
+        t = time.perf_counter()
+        second = generate(rt, prompt, n)
+        sync(dev)
+        dt = time.perf_counter() - t
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "decode_graph": bool(rt._graph_steps),
+            "same_tokens": bool(torch.equal(first, second))}
+
+
 def check_compiled(rt, args, dev, batch=1) -> float:
     """Worst relative error, over the decode step's blocks, of the compiled block's outputs against the eager
     block (``_block_call``) on the same inputs and cache state: checks what compilation changed (fused FP8
@@ -612,6 +630,12 @@ def _run_variant(name, spec, args, dev, dtype, dims):
             res["timeline"] = [timeline_step(rt, args, dev, batch=b) for b in args.timeline_batches]
         except Exception as e:
             res["timeline"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if args.generate and spec["compiled"]:
+        try:
+            res["generate"] = bench_generate(rt, args, dev)
+        except Exception as e:
+            res["generate"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name} generate: {res['generate']}", flush=True)
     if args.prefill:
         try:
             res["prefill"] = bench_prefill(rt, args, dev)
@@ -697,6 +721,8 @@ def main(argv=None):
                     help="how a CUDA-graph decode step gets its next token and position: copied in before each replay "
                          "(host, one copy each) or inside the graph from its own output (graph: CUDAGraphStep "
                          "feedback=True, no launch between replays)")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="also time generate() for this many tokens at batch 1 (compiled variants; 0: off)")
     ap.add_argument("--no-prefill", dest="prefill_on", action="store_false")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--int4-tuned", default=None, help="a bench/int4_tune.py JSON: its proposed CUDA kernel configs "
