@@ -749,6 +749,8 @@ class CUDAGraphStep:
         self.idx = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.feedback = feedback
+        if feedback and warmup < 1:
+            raise ValueError("CUDAGraphStep(feedback=True): needs warmup >= 1 (the step's output is checked there)")
         s = torch.cuda.Stream(device)
         s.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(s):
@@ -810,8 +812,9 @@ def cache_len_for(total: int, table: int) -> int:
     two <= total, at least CACHE_STEP slots (so at most 25% more slots than needed past 4 * CACHE_STEP, and four lengths
     an octave: a compiled model meets a few cache lengths, not one a request), capped at the RoPE table's ``table``
     positions (past it, setup_caches names the limit)."""
-    step = max(CACHE_STEP, (1 << (max(total, 1).bit_length() - 1)) >> 2)
-    return max(total, min(-(-max(total, 1) // step) * step, table))
+    t = max(total, 1)
+    step = max(CACHE_STEP, (1 << (t.bit_length() - 1)) >> 2)
+    return max(total, min(-(-t // step) * step, table))
 
 
 @torch.no_grad()
