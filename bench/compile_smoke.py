@@ -68,7 +68,8 @@ def serve_shapes(rt, eager, shapes: str, rows: list, scope: str) -> bool:
     ok = True
     for shape in shapes.split(","):
         b, s = (int(v) for v in shape.split("x"))
-        prompt = torch.randint(0, 1024, (b, s), generator=torch.Generator().manual_seed(b * 100 + s)).to("cuda")
+        g = torch.Generator().manual_seed(b * 100 + s)
+        prompt = torch.randint(0, 1024, (b, s), generator=g).to(eager.norm.device)
         try:
             from sdquant.runtime.model import generate
             ref = generate(eager, prompt, 4)
@@ -96,12 +97,17 @@ def main(argv=None) -> int:
                     help="128: 4/2 heads (the INT4 blocks' RoPE / cache epilogue applies); 64: 8/2 heads (it does not)")
     ap.add_argument("--shapes", default="2x5,2x9,2x17,2x33,1x7,3x7,4x7",
                     help="BxS prompts the compiled INT4 model then serves (empty: none)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the same checks on the CPU in fp32 with the aot_eager backend (the script's own test; no "
+                         "inductor, CUDA graphs or sdquant GPU kernels)")
     args = ap.parse_args(argv)
     import transformers as T
     import sdquant
     from sdquant.runtime.model import Transformer, generate
     from sdquant.runtime.testing import quantize_model_rtn
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.cpu else "cuda")
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    compile_kw = dict(backend="aot_eager", mode=None) if args.cpu else {}
     rows, ok = [], True
     cases = {"int4": dict(bits=4, group_size=128), "fp8": dict(fp8=True)}
     for quant in (cases[q] for q in args.quant.split(",")):
@@ -112,12 +118,12 @@ def main(argv=None) -> int:
                                 head_dim=args.head_dim,
                                 max_position_embeddings=512)
             model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), **quant)
-            rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=torch.bfloat16)
+            rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype)
             prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
             ref = generate(rt, prompt, 24)
             kind = "int4" if "bits" in quant else "fp8"
             try:
-                sdquant.compile(rt, scope=scope)
+                sdquant.compile(rt, scope=scope, **compile_kw)
                 out = generate(rt, prompt, 24)
                 out2 = generate(rt, prompt, 24)                  # a second call replays the captured graphs
             except Exception as e:  # noqa: BLE001 - report every case
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
             same = torch.equal(out, ref) and torch.equal(out2, ref)
             diff = (out != ref).any(0).nonzero()
             first_diff = int(diff[0]) - prompt.shape[1] if len(diff) else None
-            eager = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=torch.bfloat16)
+            eager = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype)
             d_max, d_rel = step_disagreement(rt, eager, prompt, ref)
             tie = max(TIE, 2 * d_max)
             close_at = first_close_call(eager, ref, prompt.shape[1], tie)
@@ -150,7 +156,8 @@ def main(argv=None) -> int:
                   f"rel {d_rel:.3g}) -> {'PASS' if passed else 'FAIL'}", flush=True)
             torch._dynamo.reset()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(rows=rows, ok=ok, device=torch.cuda.get_device_name(),
+    device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    Path(args.out).write_text(json.dumps(dict(rows=rows, ok=ok, device=device,
                                               torch=torch.__version__), indent=1))
     print("compile smoke:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
