@@ -12,7 +12,8 @@ so does this script on the CPU (no graph there). Modes, one process each:
   replay      the graph captured and replayed for the decode steps (the failing case)
   sidestream  no graph, but the decode step's first call (its compile) on a side stream, as the capture's warm-up runs
 Per prompt shape: whether the greedy tokens equal the eager model's, the first decode step's logits against eager's
-(relative), and whether either model's logits or KV cache (live slots) hold NaN. A small random Llama (hidden 512, 4
+(relative), whether either model's logits or KV cache (live slots) hold NaN, and whether the prompt moved the compiled
+model's cache storage (a captured graph would keep writing the old one). A small random Llama (hidden 512, 4
 layers, heads of 128), RTN W4 g128, bf16, as bench/compile_smoke.py builds it.
 """
 from __future__ import annotations
@@ -49,15 +50,23 @@ def nan_in_cache(rt, upto: int) -> bool:
     return any(bool(torch.isnan(blk.attn.kv_cache.kv[..., :upto, :]).any()) for blk in rt.layers)
 
 
+def cache_ptrs(rt) -> list:
+    return [blk.attn.kv_cache.kv.data_ptr() for blk in rt.layers]
+
+
 def run_shape(rt, eager, prompt, n, graph) -> dict:
-    """Prompt then n greedy tokens on both models (rt through the graph when given), and rt's first step's logits."""
+    """Prompt then n greedy tokens on both models (rt through the graph when given), and rt's first step's logits;
+    whether the prompt moved rt's cache storage (a captured graph would write the old one)."""
     b, s = prompt.shape
     dev = prompt.device
+    ptrs = cache_ptrs(rt)
     toks = {}
     first = {}
     with torch.no_grad():
         for name, m in (("eager", eager), ("compiled", rt)):
             tok = m(prompt, torch.arange(s, device=dev), last_only=True, greedy=True)[:, -1]
+            if m is rt:
+                moved = cache_ptrs(rt) != ptrs
             out = [tok.clone()]
             if name == "compiled" and graph is not None:
                 graph.idx.copy_(tok[:, None])
@@ -79,7 +88,8 @@ def run_shape(rt, eager, prompt, n, graph) -> dict:
     return {"shape": f"{b}x{s}", "identical": bool(torch.equal(toks["compiled"], toks["eager"])),
             "step_rel_diff": float(d.norm() / first["eager"].norm()),
             "nan_logits": {k: bool(torch.isnan(v).any()) for k, v in first.items()},
-            "nan_cache": {"compiled": nan_in_cache(rt, s + n), "eager": nan_in_cache(eager, s + n)}}
+            "nan_cache": {"compiled": nan_in_cache(rt, s + n), "eager": nan_in_cache(eager, s + n)},
+            "prompt_moved_cache": moved}
 
 
 def main(argv=None) -> int:
@@ -127,7 +137,8 @@ def main(argv=None) -> int:
         ok &= row["passed"]
         rows.append(row)
         print(f"{args.mode} pdl={args.pdl} {row['shape']}: identical={row['identical']} step rel "
-              f"{row['step_rel_diff']:.3g} nan logits {row['nan_logits']} nan cache {row['nan_cache']} -> "
+              f"{row['step_rel_diff']:.3g} nan logits {row['nan_logits']} nan cache {row['nan_cache']} cache moved "
+              f"{row['prompt_moved_cache']} -> "
               f"{'PASS' if row['passed'] else 'FAIL'}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"mode": args.mode, "pdl": args.pdl, "rows": rows, "ok": ok,

@@ -18,6 +18,6 @@ def test_graph_prompts_cpu_sequence(tmp_path):
     assert [r["shape"] for r in res["rows"]] == ["2x6", "2x3", "1x4"] and res["ok"]
     for r in res["rows"]:
         assert r["identical"] and r["step_rel_diff"] < 1e-4 and not any(r["nan_logits"].values())
-        assert not any(r["nan_cache"].values())
+        assert not any(r["nan_cache"].values()) and r["prompt_moved_cache"] is False
     with pytest.raises(SystemExit):
         graph_prompts.main(["--cpu", "--mode", "replay"])
