@@ -61,17 +61,29 @@ def first_close_call(rt, tokens, prompt_len, tie: float = TIE) -> int:
     return int(close[0]) if len(close) else gap.shape[1]
 
 
+def smoke_model(quant: dict, head_dim: int = 128):
+    """The smoke's HF model: a small random Llama (hidden 512, 4 layers, 2 KV heads of head_dim, MLP 1536, vocab 1024),
+    seed 0, quantized RTN with ``quant`` (e.g. bits=4, group_size=128, or fp8=True)."""
+    import transformers as T
+    from sdquant.runtime.testing import quantize_model_rtn
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                        num_attention_heads=512 // head_dim, num_key_value_heads=2, head_dim=head_dim,
+                        max_position_embeddings=512)
+    return quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), **quant)
+
+
 def serve_shapes(rt, eager, shapes: str, rows: list, scope: str) -> bool:
     """The compiled model on prompts of other shapes (``BxS,...``): each one's first decode step within REL_MAX of
     the eager model's, and no error (before 2026-12-04, scope="block" failed at the 5th prompt length: a static graph a
     length, torch's recompile limit of 8). Appends one row a shape; True when all pass."""
+    from sdquant.runtime.model import generate
     ok = True
     for shape in shapes.split(","):
         b, s = (int(v) for v in shape.split("x"))
         g = torch.Generator().manual_seed(b * 100 + s)
         prompt = torch.randint(0, 1024, (b, s), generator=g).to(eager.norm.device)
         try:
-            from sdquant.runtime.model import generate
             ref = generate(eager, prompt, 4)
             out = generate(rt, prompt, 4)
             d_max, d_rel = step_disagreement(rt, eager, prompt, ref)
@@ -101,10 +113,8 @@ def main(argv=None) -> int:
                     help="the same checks on the CPU in fp32 with the aot_eager backend (the script's own test; no "
                          "inductor, CUDA graphs or sdquant GPU kernels)")
     args = ap.parse_args(argv)
-    import transformers as T
     import sdquant
     from sdquant.runtime.model import Transformer, generate
-    from sdquant.runtime.testing import quantize_model_rtn
     dev = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
     compile_kw = dict(backend="aot_eager", mode=None) if args.cpu else {}
@@ -112,12 +122,7 @@ def main(argv=None) -> int:
     cases = {"int4": dict(bits=4, group_size=128), "fp8": dict(fp8=True)}
     for quant in (cases[q] for q in args.quant.split(",")):
         for scope in ("model", "block"):
-            torch.manual_seed(0)
-            cfg = T.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                num_attention_heads=512 // args.head_dim, num_key_value_heads=2,
-                                head_dim=args.head_dim,
-                                max_position_embeddings=512)
-            model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), **quant)
+            model = smoke_model(quant, args.head_dim)
             rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype)
             prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
             ref = generate(rt, prompt, 24)

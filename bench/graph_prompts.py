@@ -14,7 +14,7 @@ so does this script on the CPU (no graph there). Modes, one process each:
 Per prompt shape: whether the greedy tokens equal the eager model's, the first decode step's logits against eager's
 (relative), whether either model's logits or KV cache (live slots) hold NaN, and whether the prompt moved the compiled
 model's cache storage (a captured graph would keep writing the old one). A small random Llama (hidden 512, 4
-layers, heads of 128), RTN W4 g128, bf16, as bench/compile_smoke.py builds it.
+layers, heads of 128), RTN W4 g128, bf16: bench/compile_smoke.py's smoke_model.
 """
 from __future__ import annotations
 
@@ -27,19 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # compile_smoke's model
 
 MODES = ("none", "capture", "replay", "sidestream")
 
 
 def build(dev, dtype, compiled: bool, pdl):
-    import transformers as T
+    from compile_smoke import smoke_model
     from sdquant.runtime.model import Transformer
-    from sdquant.runtime.testing import quantize_model_rtn
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512)
-    model = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), bits=4, group_size=128)
-    rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype)
+    rt = Transformer.from_hf(smoke_model(dict(bits=4, group_size=128)), max_seq_len=256, device=dev, dtype=dtype)
     if compiled:
         backend = "inductor" if dev.type == "cuda" else "aot_eager"
         rt.compile_decode(mode=None, scope="block", backend=backend, pdl=pdl)

@@ -757,8 +757,9 @@ class CUDAGraphStep:
             for _ in range(warmup):
                 out = fn(self.idx, self.pos)
         torch.cuda.current_stream(device).wait_stream(s)
-        if feedback:
-            feedback_why_not(out, self.idx)
+        why = feedback_why_not(out, self.idx) if feedback else None
+        if why:
+            raise ValueError(f"CUDAGraphStep(feedback=True): {why}")
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = fn(self.idx, self.pos)
@@ -767,30 +768,28 @@ class CUDAGraphStep:
                 self.pos.add_(1)
 
     def __call__(self, idx: Optional[torch.Tensor] = None, input_pos: Optional[torch.Tensor] = None):
+        if not self.feedback and (idx is None or input_pos is None):
+            raise ValueError("CUDAGraphStep: idx and input_pos are required unless the step was captured with "
+                             "feedback=True")
         if idx is not None:
             self.idx.copy_(idx)
-        elif not self.feedback:
-            raise ValueError("CUDAGraphStep: idx is required unless the step was captured with feedback=True")
         if input_pos is not None:
             self.pos.copy_(input_pos)
-        elif not self.feedback:
-            raise ValueError("CUDAGraphStep: input_pos is required unless the step was captured with feedback=True")
         self.graph.replay()
         return self.out
 
 
-def feedback_why_not(out, idx: torch.Tensor) -> None:
-    """Raise ValueError unless a step's output can be fed back as its next input (CUDAGraphStep(feedback=True)):
-    an integer tensor of idx's shape."""
+def feedback_why_not(out, idx: torch.Tensor) -> Optional[str]:
+    """Why a step's output cannot be fed back as its next input (CUDAGraphStep(feedback=True)); None when it can: an
+    integer tensor of idx's shape."""
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {type(out).__name__}, "
-                         "not a tensor of tokens")
+        return f"the step returned {type(out).__name__}, not a tensor of tokens"
     if out.shape != idx.shape:
-        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned shape {tuple(out.shape)}, "
-                         f"but its token input is {tuple(idx.shape)} (a greedy step returns [B, 1])")
+        return (f"the step returned shape {tuple(out.shape)}, but its token input is {tuple(idx.shape)} "
+                "(a greedy step returns [B, 1])")
     if out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == torch.bool:
-        raise ValueError(f"CUDAGraphStep(feedback=True): the step returned {out.dtype}, not integer tokens "
-                         "(feed back a greedy step, not logits)")
+        return f"the step returned {out.dtype}, not integer tokens (feed back a greedy step, not logits)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------- generation
