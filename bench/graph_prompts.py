@@ -1,11 +1,11 @@
-"""Pending 30's reproduction: a block-compiled model whose decode step a CUDA graph replays, then prompts of new lengths.
+"""Pending 30's reproduction: a block-compiled model whose decode step a CUDA graph replays, then new prompt lengths.
 
     python bench/graph_prompts.py --mode replay [--pdl off] [--out $OUT/graph_prompts.json]
     bash bench/graph_prompts.sh          # every mode below, each in a process of its own, in one device call
 
-Compile smoke run 29 (2026-12-04, H200) found, with ``scope="block"``: after ``CUDAGraphStep`` captured the greedy decode
-step at batch 2 (before a 12-token prompt), prompts of 5, 9, 17 and 33 tokens at batch 2 gave other tokens than the
-eager model, and the direct decode step after them NaN logits. The same sequence without the graph passed (run 28), and
+Compile smoke run 29 (2026-12-04, H200) found, with ``scope="block"``: after ``CUDAGraphStep`` captured the greedy
+decode step at batch 2 (before a 12-token prompt), prompts of 5, 9, 17 and 33 tokens at batch 2 gave other tokens than
+the eager model, and the direct decode step after them NaN logits. The same sequence without the graph passed (run 28), and
 so does this script on the CPU (no graph there). Modes, one process each:
   none        no graph: prompts, then direct decode steps (the passing reference)
   capture     the graph captured before the first prompt, never replayed; direct decode steps
