@@ -5,8 +5,8 @@
 
 Compile smoke run 29 (2026-12-04, H200) found, with ``scope="block"``: after ``CUDAGraphStep`` captured the greedy
 decode step at batch 2 (before a 12-token prompt), prompts of 5, 9, 17 and 33 tokens at batch 2 gave other tokens than
-the eager model, and the direct decode step after them NaN logits. The same sequence without the graph passed (run 28), and
-so does this script on the CPU (no graph there). Modes, one process each:
+the eager model, and the direct decode step after them NaN logits. The same sequence without the graph passed (run
+28), and so does this script on the CPU (no graph there). Modes, one process each:
   none        no graph: prompts, then direct decode steps (the passing reference)
   capture     the graph captured before the first prompt, never replayed; direct decode steps
   replay      the graph captured and replayed for the decode steps (the failing case)
