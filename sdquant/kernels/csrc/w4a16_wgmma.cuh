@@ -285,8 +285,8 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
-// Experiment (off; A/B builds only): the raw codes at the token tiles in the mask SDQ_WG_RAWW (16: M = 9-16, 32: M = 17-32,
-// 64: M = 33-64) in SDQ_WG_RAWW_WGS warpgroups (2: each keeps two of the four row tiles, so half the accumulators,
+// Experiment (off; A/B builds only): the raw codes at wider token tiles too, SDQ_WG_RAWW a mask of them (32: M = 17-32,
+// 64: M = 33-64), in SDQ_WG_RAWW_WGS warpgroups (2: each keeps two of the four row tiles, so half the accumulators,
 // group sums and A fragments a thread; 1: the one-warpgroup form, 255 registers at 32 tokens), SDQ_WG_RAWW_STAGES
 // 128-K stages, the launch bounds' minimum SDQ_WG_RAWW_MINB CTAs a SM
 #ifndef SDQ_WG_RAWW
@@ -939,7 +939,7 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
-  static constexpr bool RAWW = RAW && (SDQ_WG_RAWW & NTOK);  // the SDQ_WG_RAWW experiment
+  static constexpr bool RAWW = RAW && NTOK > 16;  // the SDQ_WG_RAWW experiment
   static constexpr int WGS = RAWW ? SDQ_WG_RAWW_WGS : (NTOK > 64 ? 2 : 1);
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
@@ -1030,12 +1030,12 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // 128. bench/ab_build.py run 11 (same process, M = 16): 7-8% faster on the N = 28672 shapes and 28672x8192
   // (8192x28672 v62 52.9 -> 49.2 us), 5-6% on 8192x10240, 0-3% on the N = 4096 / 6144 ones; at 32 tokens (255
   // registers) 2-5% slower, so not there.
-  if constexpr ((SDQ_WG_RAWW & NTOK) && NTOK <= 64 && !SK)
-    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAWW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
       return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+  if constexpr ((SDQ_WG_RAWW & NTOK) && (NTOK == 32 || NTOK == 64) && !SK)
+    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
+      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAWW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
@@ -1072,7 +1072,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5)  // warps
-    return sdq_wg_ntok(p.m) > 64 || (SDQ_WG_RAWW_WGS == 2 && (SDQ_WG_RAWW & sdq_wg_ntok(p.m) & 112) &&
+    return sdq_wg_ntok(p.m) > 64 || (SDQ_WG_RAWW_WGS == 2 && (SDQ_WG_RAWW & sdq_wg_ntok(p.m) & 96) &&
                                      p.group_k16 % 8 == 0 && p.k % 128 == 0) ? 8 : 4;
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
