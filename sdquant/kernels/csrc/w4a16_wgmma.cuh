@@ -285,22 +285,6 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
-// Experiment (off; A/B builds only): the raw codes at wider token tiles too, SDQ_WG_RAWW a mask of them (32: M = 17-32,
-// 64: M = 33-64), in SDQ_WG_RAWW_WGS warpgroups (2: each keeps two of the four row tiles, so half the accumulators,
-// group sums and A fragments a thread; 1: the one-warpgroup form, 255 registers at 32 tokens), SDQ_WG_RAWW_STAGES
-// 128-K stages, the launch bounds' minimum SDQ_WG_RAWW_MINB CTAs a SM
-#ifndef SDQ_WG_RAWW
-#define SDQ_WG_RAWW 0
-#endif
-#ifndef SDQ_WG_RAWW_WGS
-#define SDQ_WG_RAWW_WGS 2
-#endif
-#ifndef SDQ_WG_RAWW_STAGES
-#define SDQ_WG_RAWW_STAGES 4
-#endif
-#ifndef SDQ_WG_RAWW_MINB
-#define SDQ_WG_RAWW_MINB 1
-#endif
 // RAW: the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
 template <typename T, int NU, typename L>
 __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp, int g8, float (&sf)[NU][2],
@@ -411,7 +395,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       const uint32_t st = sbase + (s % STAGES) * L::STAGE;
       const int ks0 = (st0 + s) * KS;
       if constexpr (RAW) {  // the stage is one whole group: raw sums, then acc += s * accg + nz * accx in fp32
-        static_assert(ONE_GROUP && KS == 8, "RAW: 128-K stages, one group each");
+        static_assert(ONE_GROUP && KS == 8 && WGS == 1, "RAW: 128-K stages, one group each");
         float sf[NU][2], nz[NU][2], accg[NU][ND], accx[ND];
 #pragma unroll
         for (int i = 0; i < ND; ++i) accx[i] = 0.f;
@@ -591,11 +575,11 @@ template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARAT
 __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, WGS, SK>(p);
 }
-// The raw-code form (128-K stages of one group each; one warpgroup as shipped), declared as measured (bench/ab_build.py
-// run 11): its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
-template <typename T, int NTOK, int STAGES, bool SEPARATE, int WGS = 1, int MINB = 1>
-__global__ void __launch_bounds__(128 * WGS, MINB) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, WGS, false, true>(p);
+// The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
+// its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
+template <typename T, int NTOK, int STAGES, bool SEPARATE>
+__global__ void __launch_bounds__(128, 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, false, true>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -939,13 +923,11 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
-  static constexpr bool RAWW = RAW && NTOK > 16;  // the SDQ_WG_RAWW experiment
-  static constexpr int WGS = RAWW ? SDQ_WG_RAWW_WGS : (NTOK > 64 ? 2 : 1);
+  static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = [] {
-    if constexpr (RAWW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE, WGS, SDQ_WG_RAWW_MINB>;
-    else if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE>;
+    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE>;
     else return w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   }();
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -1033,9 +1015,6 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
       return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
-  if constexpr ((SDQ_WG_RAWW & NTOK) && (NTOK == 32 || NTOK == 64) && !SK)
-    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAWW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
@@ -1071,9 +1050,7 @@ template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5)  // warps
-    return sdq_wg_ntok(p.m) > 64 || (SDQ_WG_RAWW_WGS == 2 && (SDQ_WG_RAWW & sdq_wg_ntok(p.m) & 96) &&
-                                     p.group_k16 % 8 == 0 && p.k % 128 == 0) ? 8 : 4;
+  if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
 }
