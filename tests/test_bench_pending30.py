@@ -17,7 +17,8 @@ def test_pending30_bisect_cpu_control(tmp_path):
     stages = [r["stage"] for r in res["rows"]]
     assert stages == ["eager 2x12", "compiled 2x12 x24", "again 2x12 x24", "direct step 2x12", "generate 2x5",
                       "direct step 2x5"]
-    assert res["ok"] and all(r["passed"] and not r["nan_cache"] for r in res["rows"])
+    assert res["ok"] and all(r["passed"] and not any(v["nan_cache"] for v in r["state"].values()) for r in res["rows"])
+    assert set(res["rows"][-1]["state"]) == {"compiled", "eager"} and not any(res["rows"][-1]["nan_logits"].values())
     assert all(r["identical"] for r in res["rows"] if "identical" in r)
     assert all(r["step_rel_diff"] < 1e-4 for r in res["rows"] if "step_rel_diff" in r)
     with pytest.raises(SystemExit):
