@@ -9,9 +9,9 @@ a user-level ``CUDAGraphStep``, passed. This script runs the failing sequence it
 ``generate_graph`` is ``generate`` as 4def202 had it (the graph captured before the prompt, kept per batch size and
 cache, greedy steps feeding themselves). After each stage it records whether every split-K counter (the INT4 layouts'
 ``locks`` buffers, zero between calls by contract) is zero, whether the live cache slots hold NaN, and the stage's
-tokens and first-step logits against the eager model's. ``--graph off`` runs the same stages with plain ``generate``
-(the control, which passed in compile smoke run 28); ``--cpu`` runs that control on the CPU (aot_eager; the script's
-own test).
+tokens and first-step logits against the eager model's. As compile smoke does, the scope="model" case runs first in the
+same process (``--before none``: not). ``--graph off`` runs the same stages with plain ``generate`` (the control, which
+passed in compile smoke run 28); ``--cpu`` runs that control on the CPU (aot_eager; the script's own test).
 """
 from __future__ import annotations
 
@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--graph", choices=("on", "off"), default="on")
     ap.add_argument("--pdl", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--shapes", default="2x5,2x9,2x17,2x33,1x7,2x5")
+    ap.add_argument("--before", choices=("model", "none"), default="model",
+                    help="model: first the scope=\"model\" case in the same process, as compile smoke runs it (inductor's "
+                         "CUDA graphs, every --shapes prompt, then torch._dynamo.reset()); none: the block case alone")
     ap.add_argument("--cpu", action="store_true", help="the control (--graph off) on the CPU, aot_eager, fp32")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pending30.json"))
     args = ap.parse_args(argv)
@@ -118,12 +121,24 @@ def main(argv=None) -> int:
                          f"{v['nan_cache']}]" for k, v in st.items()) + f" -> {'PASS' if row['passed'] else 'FAIL'}",
               flush=True)
 
+    compile_kw = dict(backend="aot_eager", mode=None) if args.cpu else {}
+    if args.pdl != "auto":
+        compile_kw["pdl"] = args.pdl == "on"
     with torch.no_grad():
+        if args.before == "model":   # compile smoke's first case, in the same process
+            rm = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype)
+            generate(rm, prompt, 24)
+            sdquant.compile(rm, scope="model", **compile_kw)
+            generate(rm, prompt, 24)
+            generate(rm, prompt, 24)
+            for shape in args.shapes.split(","):
+                b, s = (int(v) for v in shape.split("x"))
+                generate(rm, torch.randint(0, 1024, (b, s), generator=torch.Generator().manual_seed(b * 100 + s)
+                                           ).to(dev), 4)
+            del rm
+            torch._dynamo.reset()
         ref = generate(rt, prompt, 24)
         record("eager 2x12", upto=36)
-        compile_kw = dict(backend="aot_eager", mode=None) if args.cpu else {}
-        if args.pdl != "auto":
-            compile_kw["pdl"] = args.pdl == "on"
         sdquant.compile(rt, scope="block", **compile_kw)
         out = gen(rt, prompt, 24)
         record("compiled 2x12 x24", out, ref, upto=36)

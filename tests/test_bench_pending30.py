@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 def test_pending30_bisect_cpu_control(tmp_path):
     import pending30_bisect
     out = tmp_path / "p30.json"
-    assert pending30_bisect.main(["--cpu", "--graph", "off", "--shapes", "2x5", "--out", str(out)]) == 0
+    assert pending30_bisect.main(["--cpu", "--graph", "off", "--shapes", "2x5", "--before", "model",
+                                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     stages = [r["stage"] for r in res["rows"]]
     assert stages == ["eager 2x12", "compiled 2x12 x24", "again 2x12 x24", "direct step 2x12", "generate 2x5",
