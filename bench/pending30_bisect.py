@@ -81,8 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--shapes", default="2x5,2x9,2x17,2x33,1x7,2x5")
     ap.add_argument("--before", choices=("model", "none"), default="model",
-                    help="model: first the scope=\"model\" case in the same process, as compile smoke runs it (inductor's "
-                         "CUDA graphs, every --shapes prompt, then torch._dynamo.reset()); none: the block case alone")
+                    help="model: first the scope=\"model\" case in the same process, as compile smoke runs it "
+                         "(inductor's CUDA graphs, every --shapes prompt, then torch._dynamo.reset()); none: the block "
+                         "case alone")
     ap.add_argument("--cpu", action="store_true", help="the control (--graph off) on the CPU, aot_eager, fp32")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pending30.json"))
     args = ap.parse_args(argv)
