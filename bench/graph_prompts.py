@@ -140,10 +140,15 @@ def main(argv=None) -> int:
               f"{row['step_rel_diff']:.3g} nan logits {row['nan_logits']} nan cache {row['nan_cache']} cache moved "
               f"{row['prompt_moved_cache']} -> "
               f"{'PASS' if row['passed'] else 'FAIL'}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"mode": args.mode, "pdl": args.pdl, "rows": rows, "ok": ok,
-                                          "device": str(dev), "torch": torch.__version__}, indent=1))
-    print("graph prompts:", "PASS" if ok else "FAIL")
+    return finish(args.out, {"mode": args.mode, "pdl": args.pdl}, rows, ok, dev, "graph prompts")
+
+
+def finish(out, head: dict, rows: list, ok: bool, dev, label: str) -> int:
+    """Write the JSON (head, rows, ok, device, torch version), print the verdict; the exit status."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({**head, "rows": rows, "ok": ok, "device": str(dev), "torch": torch.__version__},
+                                    indent=1))
+    print(f"{label}:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 

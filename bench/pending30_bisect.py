@@ -16,7 +16,6 @@ passed in compile smoke run 28); ``--cpu`` runs that control on the CPU (aot_eag
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -91,6 +90,7 @@ def main(argv=None) -> int:
         ap.error("--graph on needs a CUDA device (run --cpu with --graph off)")
     import sdquant
     from compile_smoke import REL_MAX, smoke_model
+    from graph_prompts import finish
     from sdquant.runtime.model import Transformer, generate
     dev = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
@@ -154,11 +154,8 @@ def main(argv=None) -> int:
             ref_s = generate(eager, p, 4)
             record(f"generate {shape}", gen(rt, p, 4), ref_s, upto=s + 4)
             record(f"direct step {shape}", step=first_step(models, p, ref_s), upto=s + 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"graph": args.graph, "pdl": args.pdl, "rows": rows, "ok": ok,
-                                          "device": str(dev), "torch": torch.__version__}, indent=1))
-    print("pending 30 bisect:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return finish(args.out, {"graph": args.graph, "pdl": args.pdl, "before": args.before}, rows, ok, dev,
+                  "pending 30 bisect")
 
 
 if __name__ == "__main__":
