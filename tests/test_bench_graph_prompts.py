@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 def test_graph_prompts_cpu_sequence(tmp_path):
     import graph_prompts
     out = tmp_path / "gp.json"
-    assert graph_prompts.main(["--cpu", "--mode", "none", "--shapes", "2x6,2x3,1x4", "--tokens", "3", "--first-tokens", "6",
-                               "--out", str(out)]) == 0
+    assert graph_prompts.main(["--cpu", "--mode", "none", "--shapes", "2x6,2x3,1x4", "--tokens", "3",
+                               "--first-tokens", "6", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [r["shape"] for r in res["rows"]] == ["2x6", "2x3", "1x4"] and res["ok"]
     for r in res["rows"]:
