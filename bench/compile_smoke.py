@@ -35,18 +35,25 @@ TIE = 1e-2      # a flip is allowed after the first position whose eager top-2 l
 REL_MAX = 0.1   # the compiled step's logits against eager's, relative: a broken compile is far above it
 
 
-def step_disagreement(compiled, eager, prompt, tokens) -> tuple:
-    """(largest absolute, relative) difference of the compiled and the eager runtime's logits for the first decode step
-    after the prompt, both fed the same token (the calls generate makes)."""
-    s, outs = prompt.shape[1], []
+def first_step(models: dict, prompt, tokens) -> dict:
+    """Each runtime's logits (fp32) for the first decode step after the prompt, all fed the same token (the calls
+    generate makes), by the models' keys."""
+    s, outs = prompt.shape[1], {}
     with torch.no_grad():
-        for rt in (compiled, eager):
+        for tag, rt in models.items():
             if rt.max_batch != prompt.shape[0] or rt.max_seq < tokens.shape[1]:
                 rt.setup_caches(prompt.shape[0], max(rt.max_seq, tokens.shape[1]))
             rt(prompt, torch.arange(s, device=prompt.device), last_only=True)
-            outs.append(rt.decode_step(tokens[:, s:s + 1], torch.tensor([s], device=prompt.device)).float())
-    d = outs[0] - outs[1]
-    return float(d.abs().max()), float(d.norm() / outs[1].norm())
+            outs[tag] = rt.decode_step(tokens[:, s:s + 1], torch.tensor([s], device=prompt.device)).float()
+    return outs
+
+
+def step_disagreement(compiled, eager, prompt, tokens) -> tuple:
+    """(largest absolute, relative) difference of the compiled and the eager runtime's logits for the first decode step
+    after the prompt (first_step)."""
+    outs = first_step({"compiled": compiled, "eager": eager}, prompt, tokens)
+    d = outs["compiled"] - outs["eager"]
+    return float(d.abs().max()), float(d.norm() / outs["eager"].norm())
 
 
 def first_close_call(rt, tokens, prompt_len, tie: float = TIE) -> int:

@@ -42,10 +42,9 @@ def generate_graph(model, prompt, n: int, graphs: dict) -> torch.Tensor:
     graph = graphs[key]
     res = model(prompt, torch.arange(s, device=prompt.device), last_only=True, greedy=True)[:, -1]
     out = [prompt, res.clone()[:, None]]
-    for i in range(n - 1):
-        if i == 0:
-            graph.idx.copy_(out[-1])
-            graph.pos.fill_(s)
+    graph.idx.copy_(out[-1])   # from here on the graph feeds itself
+    graph.pos.fill_(s)
+    for _ in range(n - 1):
         out.append(graph()[:, 0].clone()[:, None])
     return torch.cat(out, dim=1)
 
@@ -53,25 +52,13 @@ def generate_graph(model, prompt, n: int, graphs: dict) -> torch.Tensor:
 def state(models: dict, upto: int) -> dict:
     """Per model: split-K counters left non-zero (name: count) and NaN in the live cache slots. The kernels' launch
     settings (PDL) are process-wide, so the eager reference runs under the compiled model's too: both are checked."""
+    from graph_prompts import nan_in_cache
     res = {}
     for tag, rt in models.items():
         locks = {name: int(torch.count_nonzero(buf)) for name, buf in rt.named_buffers() if name.endswith("locks")}
         res[tag] = {"locks_nonzero": {k: v for k, v in locks.items() if v}, "locks_checked": len(locks),
-                    "nan_cache": rt.max_batch > 0 and any(
-                        bool(torch.isnan(blk.attn.kv_cache.kv[..., :upto, :]).any()) for blk in rt.layers)}
+                    "nan_cache": rt.max_batch > 0 and nan_in_cache(rt, upto)}
     return res
-
-
-def first_step(models: dict, prompt, tokens) -> dict:
-    """Each model's logits for the first decode step after ``prompt`` fed the same token (compile smoke's
-    step_disagreement, both sides kept so that a NaN is attributed)."""
-    s, out = prompt.shape[1], {}
-    for tag, rt in models.items():
-        if rt.max_batch != prompt.shape[0] or rt.max_seq < tokens.shape[1]:
-            rt.setup_caches(prompt.shape[0], max(rt.max_seq, tokens.shape[1]))
-        rt(prompt, torch.arange(s, device=prompt.device), last_only=True)
-        out[tag] = rt.decode_step(tokens[:, s:s + 1], torch.tensor([s], device=prompt.device)).float()
-    return out
 
 
 def main(argv=None) -> int:
@@ -89,7 +76,7 @@ def main(argv=None) -> int:
     if args.cpu and args.graph == "on":
         ap.error("--graph on needs a CUDA device (run --cpu with --graph off)")
     import sdquant
-    from compile_smoke import REL_MAX, smoke_model
+    from compile_smoke import REL_MAX, first_step, smoke_model
     from graph_prompts import finish
     from sdquant.runtime.model import Transformer, generate
     dev = torch.device("cpu" if args.cpu else "cuda")
