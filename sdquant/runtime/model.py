@@ -79,7 +79,30 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
             fw = Fp8Weight(torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale.float() for m in mods]),
                            f0.input_scale)
             return Fp8Linear(fw, _cat_bias(mods), f0.smooth)
-    return ConcatLinear(mods)
+    return ConcatLinear([own_linear(m) for m in mods])
+
+
+def own_linear(mod: nn.Module) -> nn.Module:
+    """A linear of the runtime's own that shares ``mod``'s tensors (no copy of the weights) but none of its module
+    state, so that preparing it (device moves, dtype casts, kernel layouts) changes neither the caller's model nor
+    another runtime built from that model. Before this, the unfused linears (o, down, a quantized head) were the
+    caller's modules themselves: a second runtime's prepare re-attached their layouts, and a CUDA graph captured on
+    the first kept reading the freed ones (Pending 30 in docs/BENCHMARKS.md), and an nn.Linear was cast in place."""
+    from sdquant.kernels.linear import Fp8Linear, QuantLinear
+    if type(mod) is nn.Linear:
+        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+        lin.weight = nn.Parameter(mod.weight.detach(), requires_grad=False)
+        if mod.bias is not None:
+            lin.bias = nn.Parameter(mod.bias.detach(), requires_grad=False)
+        return lin
+    if type(mod) is QuantLinear:
+        return QuantLinear(mod.weight_q, mod.bias, mod.smooth)
+    if type(mod) is Fp8Linear:
+        return Fp8Linear(mod.weight_q, mod.bias, mod.smooth)
+    if type(mod) is ConcatLinear:
+        return ConcatLinear([own_linear(m) for m in mod.parts])
+    raise ConfigError("model", f"unsupported linear layer type {type(mod).__name__} (expected nn.Linear, QuantLinear "
+                               "or Fp8Linear)")
 
 
 def _prepare(mod: nn.Module, device, dtype, kernels: str):
@@ -476,10 +499,11 @@ class Transformer(nn.Module):
             wqkv, w13 = fuse_linears([L.q, L.k, L.v]), fuse_linears([L.gate, L.up])
             w13i = _interleave_w13(w13, d.intermediate_size) if fused else None
             w13 = w13i if w13i is not None else w13
-            for m in (wqkv, L.o, w13, L.down):
+            wo, w2 = own_linear(L.o), own_linear(L.down)
+            for m in (wqkv, wo, w13, w2):
                 _prepare(m, device, dtype, kernels)
-            attn = Attention(d, wqkv, L.o, cast(L.q_norm), cast(L.k_norm))
-            blocks.append(Block(d, attn, w13, L.down, cast(L.input_norm), cast(L.post_norm), d.sliding_window[i]))
+            attn = Attention(d, wqkv, wo, cast(L.q_norm), cast(L.k_norm))
+            blocks.append(Block(d, attn, w13, w2, cast(L.input_norm), cast(L.post_norm), d.sliding_window[i]))
             if w13i is not None:
                 from sdquant.kernels.int4_cuda import FUSED_BLOCK
                 blocks[-1].gate_up_block = FUSED_BLOCK
@@ -490,6 +514,7 @@ class Transformer(nn.Module):
             if head.bias is not None:
                 head.bias = nn.Parameter(cast(spec.lm_head.bias), requires_grad=False)
         else:
+            head = own_linear(head)
             _prepare(head, device, dtype, kernels)
         cos, sin = spec.rope_tables(max_seq_len)
         rt = cls(d, cast(spec.embed), blocks, cast(spec.final_norm), head, cast(cos), cast(sin)).eval()

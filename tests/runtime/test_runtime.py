@@ -328,3 +328,34 @@ def test_fused_decode_refuses_biased_qkv(monkeypatch):
         rt(ids[:, :4], torch.arange(4))
         got = rt.decode_step(ids[:, 4:], torch.tensor([4]))
     assert float((got - ref).norm() / ref.norm()) < 5e-2
+
+
+def test_from_hf_leaves_the_model_and_other_runtimes_alone(monkeypatch):
+    """from_hf builds its own linears (sharing the weights' storage): the caller's model is not cast or moved, and a
+    second runtime from the same model re-prepares none of the first's layers. Before, the unfused linears (o, down)
+    were the model's own modules: a second runtime's prepare re-attached their kernel layouts, so a CUDA graph captured
+    on the first kept reading freed memory (Pending 30), and a float model's o / down were cast in place."""
+    from sdquant.kernels import linear
+    model = tiny("llama", None)
+    before = {n: (p.dtype, p.device, p.data_ptr()) for n, p in model.named_parameters()}
+    rt = Transformer.from_hf(model, max_seq_len=64, dtype=torch.float64)
+    assert {n: (p.dtype, p.device, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert rt.layers[0].attn.wo.weight.dtype == torch.float64 and rt.layers[0].w2.weight.dtype == torch.float64
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_cuda_kernel_runs", lambda device: True)   # the CUDA layouts, built on the host
+    q = tiny("llama", dict(bits=4, group_size=32))
+    kw = dict(max_seq_len=64, dtype=torch.bfloat16, kernels="cuda", fused=False)
+    first = Transformer.from_hf(q, **kw)
+    first.setup_caches(2, 16)
+    held = {n: t.data_ptr() for n, t in first.named_buffers() if t is not None}
+    assert any(n.endswith("_cuda_qweight") for n in held) and any(".wo." in n for n in held)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = first(ids, torch.arange(5))
+    second = Transformer.from_hf(q, **kw)
+    ours = {id(m) for m in first.modules()}
+    assert not ours & {id(m) for m in second.modules()} and not ours & {id(m) for m in q.modules()}
+    assert {n: t.data_ptr() for n, t in first.named_buffers() if t is not None} == held
+    with torch.no_grad():
+        assert torch.equal(first(ids, torch.arange(5)), ref)
