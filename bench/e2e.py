@@ -181,8 +181,8 @@ def bench_decode(rt, batch, args, dev, graph):
 
 def bench_generate(rt, args, dev) -> dict:
     """The user-facing loop, ``generate(rt, prompt, n)`` at batch 1 from a 32-token prompt, timed end to end on its
-    second call (the first compiles), prefill and Python included: tokens/s = n / seconds. Also whether both calls gave
-    the same tokens."""
+    second call (the first compiles and captures ``decode_graph`` on a block-compiled CUDA model), prefill and Python
+    included: tokens/s = n / seconds. Also whether both calls gave the same tokens."""
     from sdquant.runtime.model import generate
     prompt = torch.randint(0, rt.d.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).to(dev)
     n = args.generate
@@ -193,7 +193,8 @@ def bench_generate(rt, args, dev) -> dict:
         second = generate(rt, prompt, n)
         sync(dev)
         dt = time.perf_counter() - t
-    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "same_tokens": bool(torch.equal(first, second))}
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "decode_graph": bool(rt._graph_steps),
+            "same_tokens": bool(torch.equal(first, second))}
 
 
 def check_compiled(rt, args, dev, batch=1) -> float:

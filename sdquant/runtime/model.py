@@ -469,6 +469,8 @@ class Transformer(nn.Module):
         self._fused_block_fn = _fused_block_call
         self._embed_fn = self._head_fn = None  # compile_decode(scope="block"): a decode step's glue, compiled
         self._compiled = False          # compile_decode sets it (_recompile_scope)
+        self.graph_decode = False       # compile_decode(scope="block"): generate replays decode_graph's CUDA graphs
+        self._graph_steps: dict = {}    # decode_graph's captures, by (batch, cache length, greedy)
         self.fused_decode = False       # from_spec(fused=...): decode steps through Block.forward_fused where it runs
         self._decode = self.forward
 
@@ -534,6 +536,7 @@ class Transformer(nn.Module):
             raise ConfigError("max_seq", f"{max_seq} exceeds the RoPE table ({self.rope_cos.shape[0]} positions)")
         if (max_batch, max_seq) == (self.max_batch, self.max_seq):
             return
+        self._graph_steps.clear()   # captured over the caches being replaced
         d, dev, dt = self.d, self.norm.device, self.norm.dtype
         for blk in self.layers:
             blk.attn.kv_cache = None
@@ -601,6 +604,7 @@ class Transformer(nn.Module):
                 raise ConfigError("attention", "'triton' needs the triton package")
         for blk in self.layers:
             blk.attn.impl = impl
+        self._graph_steps.clear()   # captured with the kernels being replaced
         return self
 
     def set_kv_write(self, mode: str) -> "Transformer":
@@ -612,6 +616,7 @@ class Transformer(nn.Module):
             raise ConfigError("kv_write", f"must be 'index_copy' or 'gemm', got {mode!r}")
         for blk in self.layers:
             blk.attn.kv_write = mode
+        self._graph_steps.clear()   # captured with the kernels being replaced
         return self
 
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, greedy: bool = False) -> torch.Tensor:
@@ -619,6 +624,30 @@ class Transformer(nn.Module):
         compiled step). The compiled entry point."""
         with self._recompile_scope():
             return self._decode(idx, input_pos, greedy=greedy)[:, -1]
+
+    def decode_graph(self, greedy: bool) -> "CUDAGraphStep":
+        """The decode step at the cache's batch captured once as one CUDA graph and kept until the caches change
+        (``generate`` replays it on a block-compiled CUDA model). greedy: the step returns its token [B, 1] and feeds
+        it back inside the graph (CUDAGraphStep feedback=True); else its logits [B, V] from the inputs copied in.
+        Capturing runs the step twice at slot 0 (warm-up), so capture before a prompt fills the cache."""
+        key = (self.max_batch, self.max_seq, greedy)
+        step = self._graph_steps.get(key)
+        if step is None:
+            if greedy:
+                def fn(idx, pos):
+                    return self.decode_step(idx, pos, greedy=True)[:, None]
+            else:
+                def fn(idx, pos):
+                    return self.decode_step(idx, pos)
+            step = CUDAGraphStep(fn, self.max_batch, self.norm.device, feedback=greedy)
+            self._graph_steps[key] = step
+        return step
+
+    def drop_decode_graphs(self) -> None:
+        """Forget decode_graph's captures. setup_caches, compile_decode, set_attention and set_kv_write do it
+        themselves; call it after changing anything else a captured step reads, such as re-preparing a layer by hand
+        (a graph keeps the addresses it captured, so it would go on reading the layer's old, freed layouts)."""
+        self._graph_steps.clear()
 
     def __call__(self, *args, **kwargs):
         with self._recompile_scope():   # prompts and direct calls (a compiled model's blocks may recompile)
@@ -693,6 +722,8 @@ class Transformer(nn.Module):
             decode_attention.set_pdl(True, early_trigger=True)
         self.pdl = pdl
         self._compiled = True
+        self._graph_steps.clear()
+        self.graph_decode = scope == "block"
         if scope == "model":   # prompts run eager (forward); the compiled forward serves decode steps
             self._decode = torch.compile(self.forward, **compile_kwargs(decode_opts))
         else:
@@ -854,18 +885,35 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     dev = model.norm.device
     prompt = prompt.to(dev)
     greedy = temperature <= 0   # then each step returns its argmax (inside the compiled step), not the logits
+    # a block-compiled CUDA model replays each decode step as one CUDA graph (captured before the prompt: the capture's
+    # warm-up writes cache slot 0), a greedy one feeding its own token and position
+    graph = model.decode_graph(greedy) if max_new_tokens > 1 and _graphs_here(model) else None
     res = model(prompt, torch.arange(s, device=dev), last_only=True, greedy=greedy)[:, -1]   # [B] or [B, V]
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):
-        # a greedy step's token is the compiled step's own output, which the next replay of inductor's CUDA graphs
-        # overwrites: keep a copy
+        # a greedy step's token is the step's own output, which the next replay (of inductor's CUDA graphs or of
+        # decode_graph's) overwrites: keep a copy
         nxt = res.clone() if greedy else _sample(res, temperature, top_k, generator)        # [B]
         out.append(nxt[:, None])
         if eos_token_id is not None:
             done |= nxt == eos_token_id
             if bool(done.all()):
                 break
-        if i + 1 < max_new_tokens:
+        if i + 1 == max_new_tokens:
+            break
+        if graph is None:
             res = model.decode_step(nxt[:, None], torch.tensor([s + i], device=dev), greedy=greedy)
+        elif greedy:
+            if i == 0:   # from here on the graph feeds itself
+                graph.idx.copy_(nxt[:, None])
+                graph.pos.fill_(s)
+            res = graph()[:, 0]
+        else:
+            res = graph(nxt[:, None], torch.tensor([s + i], device=dev))
     return torch.cat(out, dim=1)
+
+
+def _graphs_here(model: Transformer) -> bool:
+    """Whether generate replays model.decode_graph: a model compiled with scope="block", on a CUDA device."""
+    return model.graph_decode and model.norm.is_cuda

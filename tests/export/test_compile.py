@@ -207,3 +207,66 @@ def test_cache_len_for():
     assert len({cache_len_for(t, 1 << 20) for t in range(4097, 8193)}) == 4
     assert cache_len_for(100, 64) == 100   # past the table: setup_caches names the limit
     assert cache_len_for(600, 700) == 700
+
+
+class _GraphOnCpu:
+    """CUDAGraphStep's contract on the CPU: the warm-up calls, one output buffer that each replay overwrites, and with
+    feedback the token and position advanced inside the step. Counts replays."""
+    replays = 0
+
+    def __init__(self, fn, batch, device, warmup=2, feedback=False):
+        from sdquant.runtime.model import feedback_why_not
+        self.fn, self.feedback, self.out = fn, feedback, None
+        self.idx = torch.zeros(batch, 1, dtype=torch.long)
+        self.pos = torch.zeros(1, dtype=torch.long)
+        for _ in range(warmup):
+            out = fn(self.idx, self.pos)
+        if feedback:
+            feedback_why_not(out, self.idx)
+
+    def __call__(self, idx=None, input_pos=None):
+        if idx is not None:
+            self.idx.copy_(idx)
+        if input_pos is not None:
+            self.pos.copy_(input_pos)
+        out = self.fn(self.idx, self.pos)
+        self.out = out.clone() if self.out is None else self.out.copy_(out)
+        if self.feedback:
+            self.idx.copy_(self.out)
+            self.pos.add_(1)
+        type(self).replays += 1
+        return self.out
+
+
+def test_generate_replays_the_decode_graph(monkeypatch):
+    """A block-compiled model on a CUDA device: generate captures decode_graph before the prompt (its warm-up writes
+    cache slot 0, which the prompt then overwrites) and replays it, greedy steps feeding themselves. Emulated on the
+    CPU (_GraphOnCpu): same tokens as the eager model, greedy, sampled and with an end token; one capture a shape."""
+    from sdquant.runtime import model as rtm
+    monkeypatch.setattr(rtm, "CUDAGraphStep", _GraphOnCpu)
+    monkeypatch.setattr(rtm, "_graphs_here", lambda m: m.graph_decode)
+    model = tiny(bits=4, group_size=32)
+    eager = Transformer.from_hf(model, max_seq_len=64)
+    rt = Transformer.from_hf(model, max_seq_len=64).compile_decode(scope="block", backend="aot_eager", mode=None)
+    assert rt.graph_decode and not eager.graph_decode
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    want = generate(eager, ids, 8)
+    for _ in range(2):
+        assert torch.equal(generate(rt, ids, 8), want)
+    assert _GraphOnCpu.replays == 2 * 7 and len(rt._graph_steps) == 1
+    sampled = [generate(m, ids, 6, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(5))
+               for m in (eager, rt)]
+    assert torch.equal(*sampled)
+    assert _GraphOnCpu.replays == 2 * 7 + 5 and len(rt._graph_steps) == 2   # the sampled steps' logits graph
+    eos = int(want[0, 8])   # row 0's third new token
+    assert torch.equal(generate(rt, ids[:1], 8, eos_token_id=eos), generate(eager, ids[:1], 8, eos_token_id=eos))
+    assert list(rt._graph_steps) == [(1, 64, True)]   # batch 1: new caches, the batch-2 captures dropped
+    rt.setup_caches(3, 64)
+    assert not rt._graph_steps
+    generate(rt, ids, 4)
+    assert list(rt._graph_steps) == [(2, 64, True)]
+    rt.set_kv_write("index_copy")   # a step with other kernels: the captures are dropped, and the next call recaptures
+    assert not rt._graph_steps
+    assert torch.equal(generate(rt, ids, 8), want) and list(rt._graph_steps) == [(2, 64, True)]
+    rt.drop_decode_graphs()
+    assert not rt._graph_steps
