@@ -344,7 +344,10 @@ def test_from_hf_leaves_the_model_and_other_runtimes_alone(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(linear, "_cuda_kernel_runs", lambda device: True)   # the CUDA layouts, built on the host
-    q = tiny("llama", dict(bits=4, group_size=32))
+    torch.manual_seed(0)   # shapes the CUDA layout takes (as test_fused_decode_blocks_from_hf's), so no fallback runs
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+    q = quantize_model_rtn(T.LlamaForCausalLM(cfg).eval(), bits=4, group_size=64)
     kw = dict(max_seq_len=64, dtype=torch.bfloat16, kernels="cuda", fused=False)
     first = Transformer.from_hf(q, **kw)
     first.setup_caches(2, 16)
