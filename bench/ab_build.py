@@ -10,8 +10,8 @@ activations (each with its own layout). ab_build.json is rewritten after every p
 end); a point that runs past --point-timeout (a hung kernel) ends the process with a traceback, keeping the rest.
 
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
-    python bench/ab_build.py --old none --new-defines=-DSDQ_DIRECT_XS_HOIST=1 --new-defines=-DSDQ_DIRECT_PROBE_COMPUTE=1 \
-        --configs 10,11,12 --ms 1 --dtypes bfloat16,float16 --out $OUT
+    python bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_L2PF=0 --configs 38,39 --ms 1 \
+        --dtypes bfloat16,float16 --out $OUT
 """
 from __future__ import annotations
 

@@ -60,8 +60,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
 
 
-EXPERIMENT_DEFINES = ("-DSDQ_DIRECT_XS_HOIST=1", "-DSDQ_DIRECT_PROBE_COMPUTE=1", "-DSDQ_DIRECT_PROBE_COMPUTE=2",
-                      "-DSDQ_FEED_PROBE=1", "-DSDQ_FEED_PROBE=2", "-DSDQ_TIGHT_L2PF=0", "")
+EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
 
 
@@ -114,15 +113,6 @@ def _experiment_compiles_without_spills(define: str, kernel: str, count: int) ->
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[:3])
-def test_direct_kernel_experiments_compile(define):
-    """The direct kernel's two pending experiments (docs/BENCHMARKS.md, pending 10), off in the shipped build: the
-    hoisted activation source and the compute-only probe (weight words from registers) still compile for sm_90a
-    without spills, so that bench/ab_build.py --new-defines can time them."""
-    _experiment_compiles_without_spills(define, "w4a16_direct_kernel", 5)  # variants 8-12 at one token tile
-
-
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_tight_without_l2_prefetch_build_compiles():
     """The tight kernel's earlier prologue (no L2 prefetch of the ring before griddep_wait), kept for A/B timing
     (docs/BENCHMARKS.md, Pending 24), still compiles for sm_90a without spills in all six tight variants, so that a
@@ -172,15 +162,6 @@ def test_build_options_extra_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("SDQUANT_NVCC_FLAGS", "-DSDQ_TIGHT_L2PF=0")
     name2, _, d2 = int4_cuda.build_options()
     assert name2 not in (name, name1) and d2 not in (d, d1)
-
-
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("define", EXPERIMENT_DEFINES[3:5])
-def test_feed_kernel_probes_compile(define):
-    """The feed kernel's two probe builds (copies only; arithmetic only), with which docs/BENCHMARKS.md split its time
-    into the bulk-copy stream and the arithmetic, still compile for sm_90a without spills (bf16, the measured dtype),
-    so bench/ab_build.py --new-defines can re-measure them."""
-    _experiment_compiles_without_spills(define, "w4a16_feed_kernel", 2)  # variants 60-61 at one token tile
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 33])

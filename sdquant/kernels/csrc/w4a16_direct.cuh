@@ -19,30 +19,6 @@ struct DCfg {
   static constexpr int KIND = 1;
 };
 
-// SDQ_DIRECT_XS_HOIST=1 (an experiment, off in the shipped build): the main loop compiled twice, once per source of
-// the activations, instead of choosing between shared memory and L1 at every K step (about 6 branches and their
-// convergence barriers a K step in v10's SASS). Measured on the H200 0-8% slower than the shipped loop
-// (docs/BENCHMARKS.md, "M = 1: the compute-only probe ..."); kept for A/B builds.
-#ifndef SDQ_DIRECT_XS_HOIST
-#define SDQ_DIRECT_XS_HOIST 0
-#endif
-// SDQ_DIRECT_PROBE_COMPUTE=1 (a probe, never shipped; its outputs are meaningless): the weight words come from
-// registers (opaque to the compiler) instead of global memory, everything else as built; =2: the activations too. Timed beside the real kernel
-// (bench/ab_build.py --new-defines), it separates the dequantize -> MMA chain's own time from the weight stream's.
-// H200, 8192x28672 M = 1: 45.2 us as built, 44.2 without weight loads, 38.7 without any loads (docs/BENCHMARKS.md,
-// "M = 1: the compute-only probe ..."). A two-accumulator variant (SDQ_DIRECT_ACC2, commit 5cd0842) was 7-14% slower
-// and was removed.
-#ifndef SDQ_DIRECT_PROBE_COMPUTE
-#define SDQ_DIRECT_PROBE_COMPUTE 0
-#endif
-__device__ __forceinline__ uint4 opaque_words(int lane, int step) {
-  uint4 r;
-  const uint32_t v = static_cast<uint32_t>(lane) * 0x9E3779B9u ^ static_cast<uint32_t>(step) * 0x85EBCA6Bu;
-  asm volatile("mov.b32 %0, %4;\n mov.b32 %1, %5;\n mov.b32 %2, %6;\n mov.b32 %3, %7;\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(v), "r"(v ^ 0x5bd1e995u), "r"(v + 0x27d4eb2fu), "r"(~v));
-  return r;
-}
 #ifndef SDQ_DIRECT_XS_BYTES
 #define SDQ_DIRECT_XS_BYTES 16384
 #endif
@@ -99,32 +75,11 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     const uint4* src = wsrc + static_cast<size_t>(s) * KS * 32;
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-#if SDQ_DIRECT_PROBE_COMPUTE
-      (void)src;
-      w[kk] = opaque_words(lane, s * KS + kk);
-#else
       w[kk] = ldg_stream16(src + kk * 32);
-#endif
     }
   };
   auto issue_x = [&](int s, uint32_t (&xx)[KS][NT][2]) {  // activation loads of relative stage s
-#if SDQ_DIRECT_PROBE_COMPUTE >= 2  // (the probe's second level: the activations from registers too)
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint4 r = opaque_words(lane + 32 * nt, s * KS + kk);
-        xx[kk][nt][0] = r.x & 0x3f803f80u;  // bf16 / fp16 pairs of modest magnitude (no inf / NaN in the MMAs)
-        xx[kk][nt][1] = r.y & 0x3f803f80u;
-      }
-#else
     if (xs_on) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);  // the padded rows: no bank conflicts
-    else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
-#endif
-  };
-  // (SDQ_DIRECT_XS_HOIST) the same loads with the shared-memory-or-L1 choice made at compile time
-  auto issue_x_from = [&](auto from_smem, int s, uint32_t (&xx)[KS][NT][2]) {
-    if constexpr (decltype(from_smem)::value) load_x_rows<T, NT, KS, true>(xss, xstride, s * KS * 16, g8, m, xx);
     else load_x_steps<T, NT, KS>(p, xsrc, s * KS * 16, g8, m, xx);
   };
 
@@ -160,55 +115,43 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
   for (int j = 0; j < D; ++j)
     if (j < iters) issue_x(j, xq[j]);
 
-  // the main loop, with its activation loads from shared memory (from_smem = true_type) or through L1 (false_type),
-  // or choosing per K step (issue_x) without SDQ_DIRECT_XS_HOIST
-  auto main_loop = [&](auto from_smem) {
-    for (int base = 0; base < iters; base += D) {
+  // the main loop (issue_x chooses the activations' source, shared memory or L1, at every K step: one loop a source
+  // was 0-8% slower on the H200, docs/BENCHMARKS.md "M = 1: the compute-only probe ...")
+  for (int base = 0; base < iters; base += D) {
 #pragma unroll
-      for (int j = 0; j < D; ++j) {
-        const int it = base + j;
-        if (it < iters) {
-          if (rem == 0 || first) {
-            if (!first) group_flush<NT>(acc, accg, sf);
-            group_begin<T>(s_next, z_next, sf, zl, zh);
-            if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
-          }
-          uint4 wc[KS];
-          uint32_t xc[KS][NT][2];
+    for (int j = 0; j < D; ++j) {
+      const int it = base + j;
+      if (it < iters) {
+        if (rem == 0 || first) {
+          if (!first) group_flush<NT>(acc, accg, sf);
+          group_begin<T>(s_next, z_next, sf, zl, zh);
+          if ((grp + 1) * gs_st < a + iters) load_sz(grp + 1);
+        }
+        uint4 wc[KS];
+        uint32_t xc[KS][NT][2];
 #pragma unroll
-          for (int kk = 0; kk < KS; ++kk) {
-            wc[kk] = wq[j][kk];
+        for (int kk = 0; kk < KS; ++kk) {
+          wc[kk] = wq[j][kk];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              xc[kk][nt][0] = xq[j][kk][nt][0];
-              xc[kk][nt][1] = xq[j][kk][nt][1];
-            }
+          for (int nt = 0; nt < NT; ++nt) {
+            xc[kk][nt][0] = xq[j][kk][nt][0];
+            xc[kk][nt][1] = xq[j][kk][nt][1];
           }
-          if (it + D < iters) {
-            issue_w(it + D, wq[j]);
-#if SDQ_DIRECT_XS_HOIST
-            issue_x_from(from_smem, it + D, xq[j]);
-#else
-            issue_x(it + D, xq[j]);
-#endif
-          }
+        }
+        if (it + D < iters) {
+          issue_w(it + D, wq[j]);
+          issue_x(it + D, xq[j]);
+        }
 #pragma unroll
-          for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
-          first = false;
-          if (++rem == gs_st) {
-            rem = 0;
-            ++grp;
-          }
+        for (int kk = 0; kk < KS; ++kk) group_step<T, NT>(wc[kk], xc[kk], zl, zh, accg);
+        first = false;
+        if (++rem == gs_st) {
+          rem = 0;
+          ++grp;
         }
       }
     }
-  };
-#if SDQ_DIRECT_XS_HOIST
-  if (xs_on) main_loop(std::true_type{});
-  else main_loop(std::false_type{});
-#else
-  main_loop(std::false_type{});  // (unused: issue_x chooses per K step)
-#endif
+  }
   group_flush<NT>(acc, accg, sf);
   griddep_launch_dependents();  // the next kernel may start its own prologue during this epilogue (no-op if done)
 

@@ -21,10 +21,6 @@
 // does), the warps sum their accumulators through shared memory (CTA barriers) and write y, or, for a block shared
 // with another CTA, an fp32 partial that the last CTA of the block to arrive adds up in CTA order (stream-K's fix-up:
 // deterministic, no spin-wait).
-// PROBE = 1: the same copies and shared-memory reads with no arithmetic (a read probe; the output is meaningless);
-// PROBE = 2: the arithmetic with no copies and no waits (the weight words made up from the activations); 3 and 4 split
-// that arithmetic: 3 the dequantization without the MMAs (its codes xor-ed), 4 the MMAs on the raw words (no
-// dequantization), 5 neither (the loop's skeleton: activation and scale loads, group and block ends).
 // WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
 // one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
 // so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
@@ -32,11 +28,12 @@
 // (61) v38's time at M = 1 (8192x28672 49.9 / 61.8 against 38.8 us). The probes split it: the copies alone take 36.5 us
 // (3.2 TB/s; 34.1 at 3 CTAs x 8 warps), the arithmetic alone 35.7 (37.8 at 24 warps with WS), while v38 overlaps the
 // two in 38.4. Of the arithmetic's 35.7 us, 19.3 are the loop's skeleton (probe 5: a group end, a group start and a
-// global scale fetch every stage of 4 K steps at group 128). Off every default; kept with its probes so that the split
-// can be re-measured.
-template <int CW_, int KPW_, int S_, int PROBE_ = 0, int WS_ = 0, int MINB_ = 1>
+// global scale fetch every stage of 4 K steps at group 128). Off every default. The probes that split it (PROBE 1-5:
+// copies without arithmetic, arithmetic without copies, dequantization or MMAs alone, the skeleton) were removed on
+// 2026-12-06 after d589f29; build that tree to re-measure them.
+template <int CW_, int KPW_, int S_, int WS_ = 0, int MINB_ = 1>
 struct FCfg {
-  static constexpr int CW = CW_, KPW = KPW_, S = S_, PROBE = PROBE_, WS = WS_;
+  static constexpr int CW = CW_, KPW = KPW_, S = S_, WS = WS_;
   static constexpr int WNN = 1, KW = CW;  // (blocks a CTA for run_op's queries; every warp one K slice)
   static constexpr int WARPS = CW;
   static constexpr int THREADS = 32 * WARPS;
@@ -113,7 +110,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
   }
   __syncthreads();
   // the first S stages: the weights do not depend on the previous kernel, so before griddep_wait
-  if (threadIdx.x == 0 && C::PROBE < 2)
+  if (threadIdx.x == 0)
     for (int i = 0; i < S && i < ns; ++i) issue(i);
 
   const int g8 = lane / 4, t4 = lane % 4;
@@ -134,7 +131,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
   uint32_t s2[4][2] = {};  // WS: the scale pairs in T
   uint32_t zl[4][2] = {}, zh[4][2] = {};
   uint4 s_next = make_uint4(0, 0, 0, 0), z_next = s_next;
-  uint32_t probe = 0;
 
   // the stage's block, its place in the block and this warp's group there (int counters: no 64-bit division a stage)
   int nb = static_cast<int>(u0 / spb), sib = static_cast<int>(u0 % spb);
@@ -182,36 +178,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
     }
     const int s = i % S;
     uint4 wq[KPW];
-    if constexpr (C::PROBE >= 2) {  // the arithmetic alone: words the compiler cannot see through, no copies, no waits
+    ring_wait(full0 + 8 * s, (i / S) & 1);
+    const uint32_t at = ring + s * SB + wk * 512 + lane * 16;
 #pragma unroll
-      for (int kk = 0; kk < KPW; ++kk) wq[kk] = make_uint4(xq[kk][0][0] ^ i, xq[kk][0][1] + lane, xq[kk][0][0] + s, i);
-    } else {
-      ring_wait(full0 + 8 * s, (i / S) & 1);
-      const uint32_t at = ring + s * SB + wk * 512 + lane * 16;
-#pragma unroll
-      for (int kk = 0; kk < KPW; ++kk) wq[kk] = lds128(at + kk * 512);
-      __syncwarp();
-      // the last warp done with the slot refills it (the counter only grows: arrivals i / S * CW + 0 .. CW - 1)
-      if (lane == 0 && (atom_add_acq_rel(freed + s, 1) + 1) % CW == 0 && i + S < ns) issue(i + S);
-    }
+    for (int kk = 0; kk < KPW; ++kk) wq[kk] = lds128(at + kk * 512);
+    __syncwarp();
+    // the last warp done with the slot refills it (the counter only grows: arrivals i / S * CW + 0 .. CW - 1)
+    if (lane == 0 && (atom_add_acq_rel(freed + s, 1) + 1) % CW == 0 && i + S < ns) issue(i + S);
 #pragma unroll
     for (int kk = 0; kk < KPW; ++kk) {
-      if constexpr (C::PROBE == 1 || C::PROBE == 5) probe ^= wq[kk].x ^ wq[kk].y ^ wq[kk].z ^ wq[kk].w ^ xq[kk][0][0];
-      else if constexpr (C::PROBE >= 3) {  // 3: the dequantization without the MMAs; 4: the MMAs on the raw words
-        const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          if constexpr (C::PROBE == 3) {
-            uint32_t cq[4];
-            O::codes(q[w], zl[w], zh[w], cq);
-            probe ^= cq[0] ^ cq[1] ^ cq[2] ^ cq[3];
-          } else {
-            const uint32_t af[4] = {q[w], q[(w + 1) & 3], q[(w + 2) & 3], q[(w + 3) & 3]};
-            O::mma(accg[0][w], af, xq[kk][0][0], xq[kk][0][1]);
-          }
-        }
-      }
-      else if constexpr (C::WS) {
+      if constexpr (C::WS) {
         const uint32_t q[4] = {wq[kk].x, wq[kk].y, wq[kk].z, wq[kk].w};
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
@@ -248,7 +224,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) w4a16_feed_kernel(const S
       for (int q = 0; q < CW; ++q) v += red[(q * 16 + e16) * 32 + ln];  // fixed order
       const int tok = 2 * (ln % 4) + (e16 & 1);
       const int col = 16 * (e16 / 4) + 8 * ((e16 % 4) >> 1) + ln / 4;
-      if (C::PROBE && v == 1.2345f && probe == 0x9e3779b9u) v = 0.f;  // keeps the probe's reads; never true
       if (tok < m) {
         if (whole) out[static_cast<size_t>(tok) * n + nb_done * 64 + col] = O::one(v);
         else __stcg(part + tok * 64 + col, v);

@@ -705,16 +705,13 @@ using V56 = BCfg<4, 2, 4, 6, 2>;
 using V57 = BCfg<2, 4, 4, 6, 2, 0>;
 using V58 = BCfg<4, 1, 4, 6, 4, 1, 0, 1>;
 using V59 = BCfg<8, 1, 4, 6, 2, 1, 0, 1>;
-#ifndef SDQ_FEED_PROBE
-#define SDQ_FEED_PROBE 0  // 1: variants 60-61 are read probes (copies and shared-memory reads, no arithmetic)
-#endif
 #ifndef SDQ_FEED60_KPW  // experiments (bench/ab_build.py --new-defines): variant 60's K steps a warp and stages
 #define SDQ_FEED60_KPW 4
 #endif
 #ifndef SDQ_FEED60_S
 #define SDQ_FEED60_S 6
 #endif
-using V60 = FCfg<16, SDQ_FEED60_KPW, SDQ_FEED60_S, SDQ_FEED_PROBE>;  // 60-61: the feed kernel (w4a16_feed.cuh); were flat
+using V60 = FCfg<16, SDQ_FEED60_KPW, SDQ_FEED60_S>;  // 60-61: the feed kernel (w4a16_feed.cuh); were flat
                                                                     // bulk-copy configs
 #ifndef SDQ_FEED61_CW  // experiments: variant 61's warps a CTA, K steps a warp, stages, WS (scale on the weights), CTAs a SM
 #define SDQ_FEED61_CW 16
@@ -731,7 +728,7 @@ using V60 = FCfg<16, SDQ_FEED60_KPW, SDQ_FEED60_S, SDQ_FEED_PROBE>;  // 60-61: t
 #ifndef SDQ_FEED61_MINB
 #define SDQ_FEED61_MINB 1
 #endif
-using V61 = FCfg<SDQ_FEED61_CW, SDQ_FEED61_KPW, SDQ_FEED61_S, SDQ_FEED_PROBE, SDQ_FEED61_WS, SDQ_FEED61_MINB>;
+using V61 = FCfg<SDQ_FEED61_CW, SDQ_FEED61_KPW, SDQ_FEED61_S, SDQ_FEED61_WS, SDQ_FEED61_MINB>;
 using P7 = BCfg<2, 4, 4, 6, 2, 1, 1>;  // V50's copies
 using P8 = BCfg<4, 1, 4, 6, 4, 1, 1, 1>;  // V58's copies
 using P4 = SKCfg<4, 0, 4, 3, 0, 0, 1, 4, 3, 8>;  // V19's loads
