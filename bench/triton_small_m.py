@@ -467,7 +467,7 @@ def main(argv=None):
             "group_size": GS, "configs": configs, "dry": a.dry, "locks": a.locks, "python": sys.version.split()[0]}
     if a.dry:
         dev, copy_bw = torch.device("cpu"), 4.3
-        shapes, ms = [(256, 128), (512, 64)], [1, 2, 16, 32]
+        shapes, ms = [(256, 128)], [1, 2, 16]   # (CI: one shape, one M a bucket)
         meta["device"] = "cpu (dry run, Triton interpreter)"
         configs = {"old": None, "tc128": TC_CONFIGS["tc128"], "tc64": TC_CONFIGS["tc64"],
                    "gv512k32": GEMV_CONFIGS["gv512k32"], "gv512k64z": GEMV_CONFIGS["gv512k64z"]}
