@@ -3,9 +3,10 @@
     python bench/graph_prompts.py --mode replay [--pdl off] [--out $OUT/graph_prompts.json]
     bash bench/graph_prompts.sh          # every mode below, each in a process of its own, in one device call
 
-Found and fixed on 2026-12-06 (see bench/pending30_bisect.py): this script builds each model from an HF model of its own
-(and both before the capture), so it never met the cause (a second runtime from the same HF model re-preparing the first's o / down layers); it
-passed in every mode on an H100. Kept as a check of CUDAGraphStep over many prompt lengths.
+Found and fixed on 2026-12-06 (see bench/pending30_bisect.py). This script builds each model from an HF model of its
+own, both before the capture, so it never met the cause (a second runtime from the same HF model re-preparing the
+first's o / down layers); it passed in every mode on an H100. Kept as a check of CUDAGraphStep over many prompt
+lengths.
 
 Compile smoke run 29 (2026-12-04, H200) found, with ``scope="block"``: after ``CUDAGraphStep`` captured the greedy
 decode step at batch 2 (before a 12-token prompt), prompts of 5, 9, 17 and 33 tokens at batch 2 gave other tokens than
