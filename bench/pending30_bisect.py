@@ -1,5 +1,5 @@
 """Pending 30, second reproduction: compile smoke's INT4 scope="block" sequence with ``generate`` replaying one captured
-decode graph a batch size (what 4def202's ``decode_graph`` did), with the runtime's state checked after every stage.
+decode graph a batch size (``Transformer.decode_graph``), with the runtime's state checked after every stage.
 
     python bench/pending30_bisect.py [--graph off] [--pdl off] [--poison] [--out $OUT/pending30.json]
 
@@ -8,13 +8,14 @@ same HF model after the graph was captured, shared the compiled model's unfused 
 model's own modules): its prepare re-attached their kernel layouts, and the captured graph kept reading the freed
 ones. Memory that nothing reused still held the old layouts, so it passed in a fresh process; ``--poison`` (freed
 memory filled with NaN bytes before the run) made it fail every time. ``Transformer.from_spec`` now builds its own
-linears (``own_linear``); with it every variant below passes.
+linears (``own_linear``); with it every variant below passes. (Runs s1-s7 used this script's own copy of 4def202's
+``generate``; decode_graph, re-landed since, is the same capture and replay.)
 
 After each stage the script records whether every split-K counter (the INT4 layouts' ``locks`` buffers, zero between
 calls by contract) is zero, whether the live cache slots hold NaN (and which layers and slots), and the stage's tokens
 and first-step logits against the eager model's. As compile smoke does, the scope="model" case runs first in the same
 process (``--before none``: not; ``model-nocg``, ``model-noreset``, ``eager``: that case without inductor's CUDA
-graphs, without the reset, or uncompiled). ``--graph off`` runs the same stages with plain ``generate``;
+graphs, without the reset, or uncompiled). ``--graph off`` runs the same stages without the graph;
 ``--recapture`` captures a graph for every prompt; ``--attention``, ``--fused off`` and ``--kv-write`` change the block
 model's kernels; ``--cpu`` runs the control on the CPU (aot_eager; the script's own test).
 """
@@ -32,29 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 BEFORE = ("model", "none", "model-nocg", "model-noreset", "eager")
-
-
-def generate_graph(model, prompt, n: int, graphs: dict) -> torch.Tensor:
-    """Greedy ``generate`` replaying one CUDAGraphStep a (batch, cache storage), captured before the prompt as 4def202
-    did (its warm-up writes cache slot 0, which the prompt then overwrites)."""
-    from sdquant.runtime.model import CUDAGraphStep, cache_len_for
-    b, s = prompt.shape
-    total = s + n
-    if b != model.max_batch or total > model.max_seq:
-        model.setup_caches(b, max(cache_len_for(total, model.rope_cos.shape[0]), model.max_seq))
-    key = (model.max_batch, model.layers[0].attn.kv_cache.kv.data_ptr())
-    if key not in graphs:
-        graphs.clear()   # decode_graph cleared its captures when the caches were replaced
-        graphs[key] = CUDAGraphStep(lambda idx, pos: model.decode_step(idx, pos, greedy=True)[:, None],
-                                    model.max_batch, model.norm.device, feedback=True)
-    graph = graphs[key]
-    res = model(prompt, torch.arange(s, device=prompt.device), last_only=True, greedy=True)[:, -1]
-    out = [prompt, res.clone()[:, None]]
-    graph.idx.copy_(out[-1])   # from here on the graph feeds itself
-    graph.pos.fill_(s)
-    for _ in range(n - 1):
-        out.append(graph()[:, 0].clone()[:, None])
-    return torch.cat(out, dim=1)
 
 
 def nan_slots(rt, upto: int) -> dict:
@@ -142,14 +120,11 @@ def main(argv=None) -> int:
     rt = Transformer.from_hf(model, max_seq_len=256, device=dev, dtype=dtype,
                              fused=False if args.fused == "off" else None)
     rt.set_attention(args.attention).set_kv_write(args.kv_write)
-    graphs: dict = {}
 
-    def gen(m, p, n):
-        if args.graph == "off":
-            return generate(m, p, n)
+    def gen(m, p, n):   # generate: on the block-compiled CUDA model it replays Transformer.decode_graph (--graph on)
         if args.recapture:
-            graphs.clear()
-        return generate_graph(m, p, n, graphs)
+            m.drop_decode_graphs()
+        return generate(m, p, n)
     prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
     rows, ok = [], True
     models = {"compiled": rt}
@@ -198,6 +173,7 @@ def main(argv=None) -> int:
         ref = generate(rt, prompt, 24)
         record("eager 2x12", upto=36)
         sdquant.compile(rt, scope="block", **compile_kw)
+        rt.graph_decode = args.graph == "on"   # (the runtime's switch; generate captures where it is on and on CUDA)
         out = gen(rt, prompt, 24)
         record("compiled 2x12 x24", out, ref, upto=36)
         out2 = gen(rt, prompt, 24)
