@@ -536,7 +536,7 @@ class Transformer(nn.Module):
             raise ConfigError("max_seq", f"{max_seq} exceeds the RoPE table ({self.rope_cos.shape[0]} positions)")
         if (max_batch, max_seq) == (self.max_batch, self.max_seq):
             return
-        self._graph_steps.clear()   # captured over the caches being replaced
+        self.drop_decode_graphs()   # captured over the caches being replaced
         d, dev, dt = self.d, self.norm.device, self.norm.dtype
         for blk in self.layers:
             blk.attn.kv_cache = None
@@ -604,7 +604,7 @@ class Transformer(nn.Module):
                 raise ConfigError("attention", "'triton' needs the triton package")
         for blk in self.layers:
             blk.attn.impl = impl
-        self._graph_steps.clear()   # captured with the kernels being replaced
+        self.drop_decode_graphs()   # captured with the kernels being replaced
         return self
 
     def set_kv_write(self, mode: str) -> "Transformer":
@@ -616,7 +616,7 @@ class Transformer(nn.Module):
             raise ConfigError("kv_write", f"must be 'index_copy' or 'gemm', got {mode!r}")
         for blk in self.layers:
             blk.attn.kv_write = mode
-        self._graph_steps.clear()   # captured with the kernels being replaced
+        self.drop_decode_graphs()   # captured with the kernels being replaced
         return self
 
     def decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, greedy: bool = False) -> torch.Tensor:
@@ -722,7 +722,7 @@ class Transformer(nn.Module):
             decode_attention.set_pdl(True, early_trigger=True)
         self.pdl = pdl
         self._compiled = True
-        self._graph_steps.clear()
+        self.drop_decode_graphs()
         self.graph_decode = scope == "block"
         if scope == "model":   # prompts run eager (forward); the compiled forward serves decode steps
             self._decode = torch.compile(self.forward, **compile_kwargs(decode_opts))
