@@ -53,15 +53,14 @@ def state(models: dict, upto: int) -> dict:
     """Per model: split-K counters left non-zero (name: count) and NaN in the live cache slots (and where). The
     kernels' launch settings (PDL) are process-wide, so the eager reference runs under the compiled model's too: both
     are checked."""
-    from graph_prompts import nan_in_cache
     res = {}
     for tag, rt in models.items():
         locks = {name: int(torch.count_nonzero(buf)) for name, buf in rt.named_buffers() if name.endswith("locks")}
-        nan = rt.max_batch > 0 and nan_in_cache(rt, upto)
+        slots = nan_slots(rt, upto) if rt.max_batch > 0 else {}
         res[tag] = {"locks_nonzero": {k: v for k, v in locks.items() if v}, "locks_checked": len(locks),
-                    "nan_cache": nan}
-        if nan:
-            res[tag]["nan_slots"] = nan_slots(rt, upto)
+                    "nan_cache": bool(slots)}
+        if slots:
+            res[tag]["nan_slots"] = slots
     return res
 
 
