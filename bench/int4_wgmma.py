@@ -44,6 +44,10 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms); N % 256 == 0 
     (1536, 1280, -1, False, False, torch.bfloat16, (9, 65)),
     (1536, 256, 96, False, False, torch.float16, (2, 33)),      # a group boundary inside a 64-K stage
     (14336, 4096, 128, True, False, torch.bfloat16, (32, 128)),  # a timed shape: long K, split-K
+    # M > 256 where the warp-specialized kernel takes every row in one launch (wgmma_rows), with and without split-K
+    (4096, 6144, 128, True, False, torch.bfloat16, (520, 1100)),
+    (4096, 6144, 128, False, False, torch.float16, (600,)),
+    (4096, 6144, -1, False, False, torch.bfloat16, (777,)),
 ]
 DRY_CASES = [(128, 256, 32, False, False, torch.bfloat16, (1, 40)), (256, 512, 64, True, True, torch.float16, (17,)),
              (192, 256, -1, True, False, torch.bfloat16, (5,))]
@@ -65,20 +69,28 @@ def parse_label(lab: str) -> tuple:
 
 
 class schedule_set:
-    """Run a block with int4_cuda.set_wgmma_schedule(mode) in force (launches and the split / grid choice read it)."""
+    """Run a block with int4_cuda.set_wgmma_schedule(mode) in force (launches and the split / grid choice read it);
+    mode "r256" is the automatic schedule with 256-row launches at M > 256 (int4_cuda.set_wgmma_rows(256), the rule
+    before the warp-specialized kernel took every row in one launch)."""
 
     def __init__(self, mode: str):
         self.mode = mode
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = int4_cuda.set_wgmma_schedule(self.mode) if self.mode != "auto" else None
+        self.old = self.old_rows = None
+        if self.mode == "r256":
+            self.old_rows = int4_cuda.set_wgmma_rows(256)
+        elif self.mode != "auto":
+            self.old = int4_cuda.set_wgmma_schedule(self.mode)
         return self
 
     def __exit__(self, *exc):
+        from sdquant.kernels import int4_cuda
         if self.old is not None:
-            from sdquant.kernels import int4_cuda
             int4_cuda.set_wgmma_schedule(self.old)
+        if self.old_rows is not None:
+            int4_cuda.set_wgmma_rows(self.old_rows)
         return False
 
 
@@ -175,6 +187,9 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                 provs["cuda_default"] = (lambda i: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"],
                                                        lay_c[i]["perm"], lay_c[i]["locks"], None, 0, False, prev),
                                          ncopy)
+            if m > 256:  # the layer's other path there: dequantize the CUDA layout, then cuBLAS
+                provs["dequant"] = (lambda i: torch.ops.sdquant.w4a16_dequant_cuda(
+                    x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"], lay_c[i]["perm"], None), ncopy)
             if tiny is not None and m <= 64:
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
             mode_of = {}
@@ -186,7 +201,8 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                     provs[name] = (lambda i, c=c, sp=sp: cop(x, lay_c[i]["qweight"], lay_c[i]["scales"],
                                                              lay_c[i]["zeros"], lay_c[i]["perm"], lay_c[i]["locks"],
                                                              None, sp, False, c), ncopy)
-            row = {"K": k, "N": n, "M": m}
+            row = {"K": k, "N": n, "M": m,
+                   "v63_rows_a_launch": int4_cuda.launch_rows(m, n, k, gemm.GS, 63, dtype) if not dry else None}
             for name, (call, nrot) in provs.items():
                 try:
                     with schedule_set(mode_of.get(name, "auto")):
@@ -272,7 +288,8 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--schedule", default="auto", help="schedules of the 128-token tile to check and time, each config "
-                                                        "in each (auto,split,stream,ws: int4_cuda.set_wgmma_schedule)")
+                                                        "in each (auto,split,stream,ws: int4_cuda.set_wgmma_schedule; r256: auto "
+                                                        "with 256-row launches, int4_cuda.set_wgmma_rows)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

@@ -35,7 +35,7 @@
                  the direct kernel's arithmetic from it (60: 32 KB stages, K % 1024 == 0; 61: 16 KB stages,
                  K % 512 == 0; groups a multiple of 64 / 32); 62-63 the wgmma kernel
                  of csrc/w4a16_wgmma.cuh, the fragments as the register A operand of warpgroup MMAs, 256 features x
-                 16-128 tokens a CTA, M <= 256 a launch, N % 256 == 0, split-K summed in the last CTA (62) or a
+                 16-128 tokens a CTA, M <= 256 a launch (all M in one where ``launch_rows`` says), N % 256 == 0, split-K summed in the last CTA (62) or a
                  second kernel (63; at the 128-token tile, where csrc/w4a16.h ``sdq_wg_ws_auto`` picks it, a
                  warp-specialized form whose producer warpgroup issues TMA copies; ``set_wgmma_schedule``); 1-61:
                  M <= 16 only, larger M uses 0 -- or 2 / 5 / 37 / 42, NT4_VARIANTS, instantiated up to M = 32);
@@ -45,7 +45,8 @@
 
 Variants 0-61 are best at M <= 16 (the tokens are the n8 side of the MMA, the weights the 16-row side); M <= 32
 runs in one launch, larger M in 32-row launches that each re-read the weights. The wgmma kernel (62-63) takes 256
-rows a launch; ``auto_config`` runs it above M = 32 and at the M = 9-32 points where it was measured faster. ``set_pdl`` launches variants 0-12, 38-41, 43-44 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
+rows a launch, or every row of a larger M where its warp-specialized form runs that M (``launch_rows``,
+``set_wgmma_rows``); ``auto_config`` runs it above M = 32 and at the M = 9-32 points where it was measured faster. ``set_pdl`` launches variants 0-12, 38-41, 43-44 and 50-61 with programmatic dependent launch (``Transformer.compile_decode``
 does on Hopper). On CPU tensors the op evaluates the layout with PyTorch
 (``int4_layout.dequantize_cuda``), which is what opcheck and the CPU tests exercise.
 
@@ -313,6 +314,19 @@ def set_wgmma_schedule(mode: str) -> str:
     return {v: k for k, v in WGMMA_SCHEDULES.items()}[old]
 
 
+def set_wgmma_rows(rows: int) -> int:
+    """Rows a launch of the wgmma kernel (variants 62-63) takes from now on in this process: 0 (the default: every row
+    in one launch where variant 63's warp-specialized kernel runs that M, else 256 rows a launch) or 256 (always
+    256-row launches, the rule before). For A/B runs (bench/int4_wgmma.py --rows). Read at launch time, so set it
+    before a CUDA graph is captured. Returns the previous setting (0 where the extension is not built)."""
+    if rows not in (0, 256):
+        raise ValueError(f"rows: {rows!r} must be 0 (automatic) or 256")
+    ext = extension()
+    if ext is None:
+        return 0
+    return int(ext.set_wg_rows(int(rows)))
+
+
 def m_bucket(m: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if m <= b:
@@ -417,6 +431,15 @@ def auto_splits(m: int, n: int, k: int, group_size: int, config: int = 0, dtype=
     ext = extension()
     v, t = split_config(config)
     return 1 if ext is None else int(ext.auto_splits(m, n, k, group_size // 16, dtype == torch.bfloat16, v, t))
+
+
+def launch_rows(m: int, n: int, k: int, group_size: int, config: int, dtype=torch.bfloat16) -> int:
+    """Rows one launch of the op takes at this M with this config (32 for variants 0-61; 256 for 62-63, or M where
+    the warp-specialized kernel runs it in one launch; see ``set_wgmma_rows``); 0 where the extension is not built."""
+    ext = extension()
+    if ext is None:
+        return 0
+    return int(ext.launch_rows(m, n, k, group_size // 16, dtype == torch.bfloat16, split_config(config)[0]))
 
 
 def occupancy(m: int, group_size: int, config: int = 0, dtype=torch.bfloat16) -> int:

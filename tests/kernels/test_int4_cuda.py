@@ -203,6 +203,11 @@ def test_wgmma_schedule_modes_are_checked():
         int4_cuda.set_wgmma_schedule("on")
 
 
+def test_wgmma_rows_setting_is_checked():
+    with pytest.raises(ValueError, match="rows: 128 must be 0"):
+        int4_cuda.set_wgmma_rows(128)
+
+
 def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(-1) == (0, 0)
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))

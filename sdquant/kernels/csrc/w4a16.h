@@ -121,6 +121,14 @@ int sdq_probe_evict_first(cudaStream_t stream);
 // warp-specialized split-K. Returns the previous setting.
 int sdq_w4a16_set_wg_schedule(int mode);
 int sdq_w4a16_wg_schedule(void);
+// Rows a launch of the wgmma kernel (variants 62-63) takes from now on in this process: 0 automatic (every row in one
+// launch where variant 63's warp-specialized kernel runs that M, else 256), 256 (always 256-row launches, the rule
+// before). Returns the previous setting.
+int sdq_w4a16_set_wg_rows(int rows);
+int sdq_w4a16_wg_rows(void);
+// The rows a launch of *p's variant takes (p->m, n, k, group_k16, is_bf16, variant set): 32 for variants 0-61; 256
+// or, where the setting above allows, p->m for 62-63. Callers split larger M into launches of that many rows.
+int sdq_w4a16_launch_rows(const SdqW4A16Params* p);
 #ifdef __cplusplus
 }
 #endif

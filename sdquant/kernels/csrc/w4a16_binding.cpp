@@ -58,7 +58,13 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   if (m == 0) return out;
   const int group_k16 = static_cast<int>(k / 16 / g);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t max_rows = (variant == 62 || variant == 63) ? kMaxRowsWgmma : kMaxRows;
+  int64_t max_rows = kMaxRows;
+  if (variant == 62 || variant == 63) {  // 256 rows a launch, or all of them where the launcher says (wgmma_rows)
+    SdqW4A16Params q{};
+    set_layout(q, x, qweight, scales, zeros, x.data_ptr(), nullptr, std::min<int64_t>(m, INT32_MAX / 2));
+    q.variant = static_cast<int>(variant);
+    max_rows = std::max<int64_t>(kMaxRowsWgmma, sdq_w4a16_launch_rows(&q));
+  }
   for (int64_t r0 = 0; r0 < m; r0 += max_rows) {
     const int rows = static_cast<int>(std::min(max_rows, m - r0));
     int sp = splits > 0 ? static_cast<int>(splits)
@@ -179,6 +185,17 @@ int64_t occupancy(int64_t m, int64_t group_k16, bool is_bf16, int64_t variant) {
                              static_cast<int>(variant));
 }
 
+int64_t launch_rows(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant) {
+  SdqW4A16Params q{};
+  q.m = static_cast<int>(m);
+  q.n = static_cast<int>(n);
+  q.k = static_cast<int>(k);
+  q.group_k16 = static_cast<int>(group_k16);
+  q.is_bf16 = is_bf16 ? 1 : 0;
+  q.variant = static_cast<int>(variant);
+  return sdq_w4a16_launch_rows(&q);
+}
+
 // Read-bandwidth probe (w4a16.h): times like a GEMM call over the same layout, computes nothing useful.
 torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                          int64_t kind, int64_t ctas) {
@@ -195,6 +212,8 @@ torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 
 int64_t set_wg_schedule(int64_t mode) { return sdq_w4a16_set_wg_schedule(static_cast<int>(mode)); }
 
+int64_t set_wg_rows(int64_t rows) { return sdq_w4a16_set_wg_rows(static_cast<int>(rows)); }
+
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
 }  // namespace
@@ -204,9 +223,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
+  mod.def("launch_rows", &launch_rows, "rows a launch of a variant takes at this M (larger M: several launches)");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
   mod.def("set_wg_schedule", &set_wg_schedule,
           "the wgmma kernel's 128-token tile from now on (0 auto, 1 split-K, 2 stream-K, 3 warp-specialized split-K); "
           "returns the old");
+  mod.def("set_wg_rows", &set_wg_rows,
+          "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

@@ -210,6 +210,7 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 
 namespace {
 int g_wg_schedule = 0;
+int g_wg_rows = 0;
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
   const int old = g_wg_schedule;
@@ -217,6 +218,20 @@ extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
   return old;
 }
 extern "C" int sdq_w4a16_wg_schedule(void) { return g_wg_schedule; }
+extern "C" int sdq_w4a16_set_wg_rows(int rows) {
+  const int old = g_wg_rows;
+  g_wg_rows = rows == 256 ? 256 : 0;
+  return old;
+}
+extern "C" int sdq_w4a16_wg_rows(void) { return g_wg_rows; }
+
+extern "C" int sdq_w4a16_launch_rows(const SdqW4A16Params* p) {
+  if (p->variant == 62 || p->variant == 63) {
+    const int r = dispatch_raw(p->variant, 8, *p, nullptr);
+    return r < 256 ? 256 : r;
+  }
+  return 32;
+}
 
 extern "C" int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant) {
   SdqW4A16Params q{};

@@ -1046,12 +1046,22 @@ int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   }
 }
 
+// Rows a launch takes (op 8): every row of p.m > 256 where variant 63's warp-specialized kernel runs that M (wg_ws, with
+// its split-K rule for the whole M), so the launch has one ramp and one tail instead of M / 256 launches of two token
+// tiles each (1.7 waves each on 8192x28672, split or streamed); else 256. sdq_w4a16_set_wg_rows(256) restores the
+// 256-row launches.
+template <typename T>
+int wgmma_rows(int v, const SdqW4A16Params& p) {
+  return p.m > 256 && v == 63 && sdq_w4a16_wg_rows() != 256 && wg_ws<T, 128, true>(p) ? p.m : 256;
+}
+
 template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
-  if (op == 0 && (p.n % 256 || p.k % 64 || p.m > 256 || p.group_k16 % 2)) return -1;
+  if (op == 8) return wgmma_rows<T>(v, p);
+  if (op == 0 && (p.n % 256 || p.k % 64 || p.group_k16 % 2 || (p.m > 256 && wgmma_rows<T>(v, p) < p.m))) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
 }
 
