@@ -240,7 +240,8 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
 
 
 def table(rows, names) -> str:
-    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", *names, "best wgmma ×bf16", "÷ best before"]
+    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", "dequant + cuBLAS", *names, "best wgmma ×bf16",
+            "÷ best before"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         new = [r.get(c) for c in names if r.get(c) is not None]
@@ -248,7 +249,7 @@ def table(rows, names) -> str:
         best = min(new) if new else None
         fmt = (lambda v: "–" if v is None else f"{v:.1f}")
         out.append("| " + " | ".join([f"{r['K']}×{r['N']}", str(r["M"]), fmt(r.get("bf16")), fmt(r.get("triton")),
-                                       fmt(r.get("cuda_default")), fmt(r.get("tinygemm")),
+                                       fmt(r.get("cuda_default")), fmt(r.get("tinygemm")), fmt(r.get("dequant")),
                                        *[fmt(r.get(c)) for c in names],
                                        "–" if best is None or not r.get("bf16") else f"{r['bf16'] / best:.2f}",
                                        "–" if best is None or not old else f"{min(old) / best:.2f}"]) + " |")
@@ -304,7 +305,7 @@ def main(argv=None):
     if args.update_table:
         update_table(*args.update_table)
         return 0
-    from sdquant.kernels import int4_cuda, int4_triton  # noqa: F401  (register the ops; nothing is built here)
+    from sdquant.kernels import int4_cuda, int4_triton, layout_dequant  # noqa: F401  (register the ops; nothing is built here)
     t_start = time.time()
     configs = [int(c) for c in args.configs.split(",")]
     modes = args.schedule.split(",")
@@ -318,7 +319,7 @@ def main(argv=None):
         rows = int4_tune.check_configs(dev, configs, DRY_CASES)
         passing = [str(c) for c in configs if all(r["pass"] for r in rows if r["config"] == c)]
         result["checks"] = rows
-        shapes, ms = [(256, 512)], [3, 40]
+        shapes, ms = [(256, 512)], [3, 40, 300]
     else:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name(0)
