@@ -536,6 +536,10 @@ def test_wgmma_warp_specialized_rule_picks_the_measured_winner(tmp_path):
         ((192, 8192, 28672, 8), 1),   # 163.2 vs 214.6
         ((192, 4096, 14336, 8), 1),   # 50.2 vs 56.4
         ((192, 4096, 4096, 8), 0),    # 25.0 vs 24.1
+        ((1024, 4096, 4096, 8), 1),   # M > 256, one launch (int4_wgmma run 30, H100): 56.0 vs 109.6 in 256-row launches
+        ((512, 4096, 4096, 8), 1),    # 37.3 vs 53.6
+        ((512, 10240, 8192, 8), 0),   # 160 tiles on 132 slots: stream-K 182.2 vs 203.5
+        ((1024, 28672, 8192, 8), 1),  # 766.2 vs 844.9 (run 29)
         ((128, 28672, 8192, 4), 0),   # group 64: a stage would span two groups
         ((128, 28672, 8128, 8), 0),   # K not a multiple of 128
     ]

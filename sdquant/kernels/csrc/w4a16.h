@@ -85,11 +85,15 @@ static inline int sdq_wg_split_fills(int m, int n, int k, int ntok, int slots, i
 //   would fill less than 70% of the slots over its waves; there stream-K is better (8192x10240 M = 256: 80 tiles on
 //   132 slots, 86.0 stream-K, 94.7 warp-specialized). Elsewhere it beat stream-K (8192x28672 M = 256 234.3 -> 202.7,
 //   4096x6144 38.1 -> 34.9) and split-K (28672x8192 218.2 -> 171.1).
+// * more (M > 256, every row in one launch since 2026-12-06: wgmma_rows in w4a16_wgmma.cuh): the same fill bound, any
+//   K x N. int4_wgmma run 30 (H100, same process, us): 4096x4096 M = 512 / 1024 / 4096 37.3 / 56.0 / 223.1 against
+//   53.6 / 109.6 / 436.0 for 256-row launches of the single-role kernel; 8192x10240 M = 512 (160 tiles, 61% of the
+//   slots) stays on stream-K: 182.2 against 203.5.
 static inline int sdq_wg_ws_auto(int m, int n, int k, int group_k16, int slots, int sms) {
   if (group_k16 % 8 || k % 128) return 0;
   const long long kn = (long long)k * n;
   if (m <= 128) return kn >= (1LL << 25);
-  if (kn <= (1LL << 24)) return 0;
+  if (m <= 256 && kn <= (1LL << 24)) return 0;
   return sdq_wg_split_fills(m, n, k, 128, slots, sms, 7, 10);
 }
 
