@@ -433,6 +433,18 @@ def auto_splits(m: int, n: int, k: int, group_size: int, config: int = 0, dtype=
     return 1 if ext is None else int(ext.auto_splits(m, n, k, group_size // 16, dtype == torch.bfloat16, v, t))
 
 
+def set_wgmma_cluster(on: bool) -> bool:
+    """Whether variant 63's warp-specialized split-K (the 128-token tile, 2-8 splits) sums its splits inside a
+    thread-block cluster through distributed shared memory (True, the default: no fp32 partials in global memory, no
+    second kernel, the same bits) or through [splits, m, n] partials and ``wg_reduce_kernel`` (False), from now on in
+    this process. For A/B runs (bench/int4_wgmma.py --schedule nocl). Returns the previous setting (True where the
+    extension is not built)."""
+    ext = extension()
+    if ext is None:
+        return True
+    return bool(ext.set_wg_cluster(1 if on else 0))
+
+
 def launch_rows(m: int, n: int, k: int, group_size: int, config: int, dtype=torch.bfloat16) -> int:
     """Rows one launch of the op takes at this M with this config (32 for variants 0-61; 256 for 62-63, or M where
     the warp-specialized kernel runs it in one launch; see ``set_wgmma_rows``); 0 where the extension is not built."""

@@ -130,6 +130,10 @@ int sdq_w4a16_wg_schedule(void);
 // before). Returns the previous setting.
 int sdq_w4a16_set_wg_rows(int rows);
 int sdq_w4a16_wg_rows(void);
+// Whether variant 63's warp-specialized split-K sums its 2-8 splits inside a thread-block cluster (1, the default) or
+// through [splits, m, n] fp32 partials and a second kernel (0). Returns the previous setting.
+int sdq_w4a16_set_wg_cluster(int on);
+int sdq_w4a16_wg_cluster(void);
 // The rows a launch of *p's variant takes (p->m, n, k, group_k16, is_bf16, variant set): 32 for variants 0-61; 256
 // or, where the setting above allows, p->m for 62-63. Callers split larger M into launches of that many rows.
 int sdq_w4a16_launch_rows(const SdqW4A16Params* p);

@@ -214,6 +214,8 @@ int64_t set_wg_schedule(int64_t mode) { return sdq_w4a16_set_wg_schedule(static_
 
 int64_t set_wg_rows(int64_t rows) { return sdq_w4a16_set_wg_rows(static_cast<int>(rows)); }
 
+int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast<int>(on)); }
+
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
 }  // namespace
@@ -230,5 +232,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "returns the old");
   mod.def("set_wg_rows", &set_wg_rows,
           "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");
+  mod.def("set_wg_cluster", &set_wg_cluster,
+          "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

@@ -211,6 +211,7 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 namespace {
 int g_wg_schedule = 0;
 int g_wg_rows = 0;
+int g_wg_cluster = 1;
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
   const int old = g_wg_schedule;
@@ -224,6 +225,12 @@ extern "C" int sdq_w4a16_set_wg_rows(int rows) {
   return old;
 }
 extern "C" int sdq_w4a16_wg_rows(void) { return g_wg_rows; }
+extern "C" int sdq_w4a16_set_wg_cluster(int on) {
+  const int old = g_wg_cluster;
+  g_wg_cluster = on ? 1 : 0;
+  return old;
+}
+extern "C" int sdq_w4a16_wg_cluster(void) { return g_wg_cluster; }
 
 extern "C" int sdq_w4a16_launch_rows(const SdqW4A16Params* p) {
   if (p->variant == 62 || p->variant == 63) {

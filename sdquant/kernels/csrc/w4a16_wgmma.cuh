@@ -726,10 +726,31 @@ __device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t phase) {
   while (!mbar_try_wait(bar, phase)) {
   }
 }
-template <typename T, int NTOK, int KS>
+// Split-K summed inside a thread-block cluster (CL; the splits of a tile are one cluster of p.splits CTAs, 2-8): every
+// CTA leaves its fp32 accumulators in its own shared memory (the stages are spent by then), and after a cluster barrier
+// CTA r of the cluster sums accumulator positions r, r + S, ... of every split in split order through distributed shared
+// memory and writes y. No [splits, m, n] partials in global memory and no second kernel (wg_reduce_kernel); the same
+// sums in the same order, so the same bits.
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ float ld_dsmem(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split);
-template <typename T, int NTOK, int KS>
+template <typename T, int NTOK, int KS, bool CL = false>
 __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a16_wgmma_tma_kernel(
     const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
   using O = Ops<T>;
@@ -775,12 +796,16 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
                                   true, true);
       }
     }
+    if constexpr (CL) {  // the consumers' two cluster barriers (their partials written; every split's read)
+      cluster_sync_all();
+      cluster_sync_all();
+    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::CONS));
-    ws_consumer<T, NTOK, KS>(p, sbase, full0, empty0, nst, m0, nb0, split);
+    ws_consumer<T, NTOK, KS, CL>(p, sbase, full0, empty0, nst, m0, nb0, split);
   }
 }
-template <typename T, int NTOK, int KS>
+template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split) {
   using O = Ops<T>;  // (the epilogue)
@@ -812,9 +837,33 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
   if (p.pdl) griddep_launch_dependents();
 
+  T* y = static_cast<T*>(p.c);
+  if constexpr (CL) {
+    constexpr int NT = 128 * WGS, NA = NU * ND;  // consumer threads; accumulators a thread
+    // both consumer warpgroups are past their last wgmma (the last stage's tiles are read until then)
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+#pragma unroll
+    for (int j = 0; j < NU; ++j)
+#pragma unroll
+      for (int i = 0; i < ND; ++i)
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sbase + 4u * static_cast<uint32_t>((j * ND + i) * NT + tid)),
+                     "f"(acc[j][i])
+                     : "memory");
+    cluster_sync_all();
+    const int S = p.splits;
+    for (int a = static_cast<int>(cluster_rank()); a < NA; a += S) {
+      const uint32_t at_s = sbase + 4u * static_cast<uint32_t>(a * NT + tid);
+      float v = ld_dsmem(at_s, 0);
+      for (int q = 1; q < S; ++q) v += ld_dsmem(at_s, static_cast<uint32_t>(q));
+      const int j = a / ND, i = a % ND, c = i >> 2, h = (i >> 1) & 1, e = i & 1;
+      const int row = m0 + 8 * c + 2 * t4 + e;
+      if (row < p.m) y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h] = O::one(v);
+    }
+    cluster_sync_all();  // no CTA leaves while another still reads its shared memory
+    return;
+  }
   // y (one split) or split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
   const bool one = p.splits == 1;
-  T* y = static_cast<T*>(p.c);
 #pragma unroll
   for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -901,20 +950,51 @@ int wg_launch_reduce(cudaLaunchConfig_t cfg, const SdqW4A16Params& p) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int NTOK, int KS>
-struct TmaKern : WgHost<TmaKern<T, NTOK, KS>> {
+template <typename T, int NTOK, int KS, bool CL = false>
+struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   static constexpr int THREADS = WsRegs<NTOK>::THREADS;
   static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
-  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS>;
+  static_assert(!CL || TmaSmem<NTOK, KS>::BAR_AT >= 4 * 128 * NTOK * 2, "a CTA's fp32 accumulators fit the stages");
+  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaKern::setup()) return rc;
     CUtensorMap map;
     if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg =
-        TmaKern::config(dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
+    cudaLaunchAttribute attr[2];
+    cudaLaunchConfig_t cfg = TmaKern::config(dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
+    if constexpr (CL) {  // the splits of a tile as one cluster
+      attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attr[cfg.numAttrs].val.clusterDim.x = 1;
+      attr[cfg.numAttrs].val.clusterDim.y = 1;
+      attr[cfg.numAttrs].val.clusterDim.z = static_cast<unsigned>(p.splits);
+      cfg.numAttrs += 1;
+    }
     cudaLaunchKernelEx(&cfg, kernel, p, map);
-    return p.splits > 1 ? wg_launch_reduce<T>(cfg, p) : static_cast<int>(cudaGetLastError());
+    return !CL && p.splits > 1 ? wg_launch_reduce<T>(cfg, p) : static_cast<int>(cudaGetLastError());
+  }
+  // clusters of `size` CTAs that can be resident at once (0 where the launch could not run), once per size and device
+  static int max_clusters(int size) {
+    static int slot[9][SDQ_DEVICES] = {};
+    if (size < 2 || size > 8 || TmaKern::setup()) return 0;
+    return per_current_device(slot[size], [size] {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      cfg.gridDim = dim3(1, 1, size);
+      cfg.blockDim = dim3(THREADS);
+      cfg.dynamicSmemBytes = SMEM;
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 1;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = static_cast<unsigned>(size);
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+        cudaGetLastError();
+        n = 0;
+      }
+      return n;
+    });
   }
 };
 
@@ -982,6 +1062,15 @@ bool wg_ws(const SdqW4A16Params& p) {
   }
 }
 
+// Whether the warp-specialized split-K sums its splits inside a cluster (CL above): sdq_w4a16_set_wg_cluster allows it, 2-8
+// splits, and every tile's cluster resident at once (one wave, as split-K grids are; else the cluster form could take two).
+template <typename K>
+bool wg_cluster_ok(const SdqW4A16Params& p, int ntok) {
+  if (!sdq_w4a16_wg_cluster() || p.splits < 2 || p.splits > 8) return false;
+  const long long tiles = static_cast<long long>((p.m + ntok - 1) / ntok) * (p.n / 256);
+  return tiles <= K::max_clusters(p.splits);
+}
+
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
 // w4a16_kernel.cuh), 6 whether this launch runs stream-K (p.splits is then the grid); the token tile from p.m.
 // v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
@@ -1030,8 +1119,12 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
   if constexpr (WS)
-    if (ws)  // (scratch: split-K's plain [splits, m, n] partials, as the single-role kernel's)
-      return op == 3 ? wgmma_run_k<T, NTOK, SEP, false>(op, p, stream) : TmaKern<T, NTOK, WKS>::launch(p, stream);
+    if (ws) {  // (scratch: split-K's plain [splits, m, n] partials, as the single-role kernel's, cluster or not)
+      if (op == 3) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
+      if constexpr (NTOK == 128)
+        if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return TmaKern<T, NTOK, WKS, true>::launch(p, stream);
+      return TmaKern<T, NTOK, WKS>::launch(p, stream);
+    }
   if constexpr (NTOK == 128)
     if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
   return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
