@@ -208,6 +208,12 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                                                              None, sp, False, c), ncopy)
             row = {"K": k, "N": n, "M": m,
                    "v63_rows_a_launch": int4_cuda.launch_rows(m, n, k, gemm.GS, 63, dtype) if not dry else None}
+            if not dry:  # the path of the (first) launch under each timed mode
+                for lab in configs:
+                    c, mode = parse_label(lab)
+                    with schedule_set(mode):
+                        r_m = min(m, int4_cuda.launch_rows(m, n, k, gemm.GS, c, dtype))
+                        row[f"v{lab}_path"] = int4_cuda.wgmma_path(r_m, n, k, gemm.GS, c, dtype)
             for name, (call, nrot) in provs.items():
                 try:
                     with schedule_set(mode_of.get(name, "auto")):

@@ -445,6 +445,21 @@ def set_wgmma_cluster(on: bool) -> bool:
     return bool(ext.set_wg_cluster(1 if on else 0))
 
 
+WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster"}
+
+
+def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=torch.bfloat16,
+               splits: int = 0) -> str:
+    """Which path a launch of the wgmma kernel (variants 62-63) of m rows takes with this many splits (0: automatic):
+    "split" (split-K), "stream" (stream-K), "ws" (the warp-specialized split-K, splits summed by a second kernel) or
+    "ws-cluster" (summed inside a cluster); "" where the extension is not built or the config is another kernel."""
+    ext = extension()
+    if ext is None:
+        return ""
+    r = int(ext.wg_path(m, n, k, group_size // 16, dtype == torch.bfloat16, split_config(config)[0], int(splits)))
+    return WGMMA_PATHS.get(r, "")
+
+
 def launch_rows(m: int, n: int, k: int, group_size: int, config: int, dtype=torch.bfloat16) -> int:
     """Rows one launch of the op takes at this M with this config (32 for variants 0-61; 256 for 62-63, or M where
     the warp-specialized kernel runs it in one launch; see ``set_wgmma_rows``); 0 where the extension is not built."""

@@ -137,6 +137,9 @@ int sdq_w4a16_wg_cluster(void);
 // The rows a launch of *p's variant takes (p->m, n, k, group_k16, is_bf16, variant set): 32 for variants 0-61; 256
 // or, where the setting above allows, p->m for 62-63. Callers split larger M into launches of that many rows.
 int sdq_w4a16_launch_rows(const SdqW4A16Params* p);
+// The path a launch of *p (variant 62-63, splits set) takes: 0 split-K, 1 stream-K, 2 the warp-specialized split-K with
+// its splits summed by a second kernel, 3 summed inside a cluster; -1 other variants.
+int sdq_w4a16_wg_path(const SdqW4A16Params* p);
 #ifdef __cplusplus
 }
 #endif

@@ -196,6 +196,19 @@ int64_t launch_rows(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_
   return sdq_w4a16_launch_rows(&q);
 }
 
+int64_t wg_path(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant, int64_t splits) {
+  SdqW4A16Params q{};
+  q.m = static_cast<int>(m);
+  q.n = static_cast<int>(n);
+  q.k = static_cast<int>(k);
+  q.group_k16 = static_cast<int>(group_k16);
+  q.is_bf16 = is_bf16 ? 1 : 0;
+  q.variant = static_cast<int>(variant);
+  q.splits = splits > 0 ? static_cast<int>(splits)
+                        : sdq_w4a16_auto_splits(q.m, q.n, q.k, q.group_k16, q.is_bf16, q.variant, 0);
+  return sdq_w4a16_wg_path(&q);
+}
+
 // Read-bandwidth probe (w4a16.h): times like a GEMM call over the same layout, computes nothing useful.
 torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                          int64_t kind, int64_t ctas) {
@@ -225,6 +238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
+  mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum)");
   mod.def("launch_rows", &launch_rows, "rows a launch of a variant takes at this M (larger M: several launches)");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
   mod.def("set_wg_schedule", &set_wg_schedule,

@@ -232,6 +232,11 @@ extern "C" int sdq_w4a16_set_wg_cluster(int on) {
 }
 extern "C" int sdq_w4a16_wg_cluster(void) { return g_wg_cluster; }
 
+extern "C" int sdq_w4a16_wg_path(const SdqW4A16Params* p) {
+  if (p->variant != 62 && p->variant != 63) return -1;
+  return dispatch_raw(p->variant, 9, *p, nullptr);
+}
+
 extern "C" int sdq_w4a16_launch_rows(const SdqW4A16Params* p) {
   if (p->variant == 62 || p->variant == 63) {
     const int r = dispatch_raw(p->variant, 8, *p, nullptr);

@@ -739,12 +739,42 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ float ld_dsmem(uint32_t local, uint32_t rank) {
+__device__ __forceinline__ uint32_t dsmem_map(uint32_t local, uint32_t rank) {
   uint32_t remote;
-  float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return remote;
+}
+__device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
   return v;
+}
+// The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
+// S at a time (independent loads in flight) and added in split order; store(v, sum) writes one vector's outputs
+template <int S, int NV, int NT, typename Store>
+__device__ __forceinline__ void cluster_sum(uint32_t sbase, int tid, Store&& store) {
+  uint32_t base[S];
+#pragma unroll
+  for (int q = 0; q < S; ++q) base[q] = dsmem_map(sbase, static_cast<uint32_t>(q)) + 16u * static_cast<uint32_t>(tid);
+  const int r = static_cast<int>(cluster_rank());
+#pragma unroll 2
+  for (int v = r; v < NV; v += S) {
+    float4 part[S];
+#pragma unroll
+    for (int q = 0; q < S; ++q) part[q] = ld_dsmem4(base[q] + 16u * static_cast<uint32_t>(v * NT));
+    float4 a = part[0];
+#pragma unroll
+    for (int q = 1; q < S; ++q) {
+      a.x += part[q].x;
+      a.y += part[q].y;
+      a.z += part[q].z;
+      a.w += part[q].w;
+    }
+    store(v, a);
+  }
 }
 
 template <typename T, int NTOK, int KS, bool CL>
@@ -845,19 +875,34 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 #pragma unroll
     for (int j = 0; j < NU; ++j)
 #pragma unroll
-      for (int i = 0; i < ND; ++i)
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sbase + 4u * static_cast<uint32_t>((j * ND + i) * NT + tid)),
-                     "f"(acc[j][i])
+      for (int i = 0; i < ND; i += 4)  // vector v = (j * ND + i) / 4 of every thread: 16 contiguous bytes a thread
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         sbase + 16u * static_cast<uint32_t>(((j * ND + i) / 4) * NT + tid)),
+                     "f"(acc[j][i]), "f"(acc[j][i + 1]), "f"(acc[j][i + 2]), "f"(acc[j][i + 3])
                      : "memory");
     cluster_sync_all();
-    const int S = p.splits;
-    for (int a = static_cast<int>(cluster_rank()); a < NA; a += S) {
-      const uint32_t at_s = sbase + 4u * static_cast<uint32_t>(a * NT + tid);
-      float v = ld_dsmem(at_s, 0);
-      for (int q = 1; q < S; ++q) v += ld_dsmem(at_s, static_cast<uint32_t>(q));
-      const int j = a / ND, i = a % ND, c = i >> 2, h = (i >> 1) & 1, e = i & 1;
-      const int row = m0 + 8 * c + 2 * t4 + e;
-      if (row < p.m) y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h] = O::one(v);
+    // vector v holds acc[j][4c .. 4c + 3] (j = v / (ND / 4), c = v % (ND / 4)): rows 8c + 2 t4 + e, columns + 8 h
+    auto store = [&](int v, const float4& a) {
+      const int j = v / (ND / 4), c = v % (ND / 4);
+      const float f[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * c + 2 * t4 + e;
+          if (row < p.m)
+            y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h] = O::one(f[2 * h + e]);
+        }
+    };
+    constexpr int NV = NA / 4;
+    switch (p.splits) {
+      case 2: cluster_sum<2, NV, NT>(sbase, tid, store); break;
+      case 3: cluster_sum<3, NV, NT>(sbase, tid, store); break;
+      case 4: cluster_sum<4, NV, NT>(sbase, tid, store); break;
+      case 5: cluster_sum<5, NV, NT>(sbase, tid, store); break;
+      case 6: cluster_sum<6, NV, NT>(sbase, tid, store); break;
+      case 7: cluster_sum<7, NV, NT>(sbase, tid, store); break;
+      default: cluster_sum<8, NV, NT>(sbase, tid, store); break;
     }
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
     return;
@@ -1118,6 +1163,12 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
+  if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster sum
+    if (!ws) return sk ? 1 : 0;
+    if constexpr (WS && NTOK == 128)
+      if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return 3;
+    return 2;
+  }
   if constexpr (WS)
     if (ws) {  // (scratch: split-K's plain [splits, m, n] partials, as the single-role kernel's, cluster or not)
       if (op == 3) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
