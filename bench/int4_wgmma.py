@@ -119,6 +119,7 @@ def child_check(configs, modes=("auto",)) -> None:
         for r in got:
             r["config"] = label(r["config"], mode)
         rows += got
+    occ["max_clusters_2_8"] = [int4_cuda.wgmma_max_clusters(sz) for sz in range(2, 9)]
     print("OCC " + json.dumps(occ), flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
 

@@ -460,6 +460,14 @@ def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=
     return WGMMA_PATHS.get(r, "")
 
 
+def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:
+    """Clusters of ``size`` (2-8) CTAs of the warp-specialized kernel's cluster-sum form resident at once on this
+    device (the occupancy calculator's answer; the form runs only where every tile's cluster fits); 0 without the
+    extension."""
+    ext = extension()
+    return 0 if ext is None else int(ext.wg_max_clusters(int(size), dtype == torch.bfloat16))
+
+
 def launch_rows(m: int, n: int, k: int, group_size: int, config: int, dtype=torch.bfloat16) -> int:
     """Rows one launch of the op takes at this M with this config (32 for variants 0-61; 256 for 62-63, or M where
     the warp-specialized kernel runs it in one launch; see ``set_wgmma_rows``); 0 where the extension is not built."""

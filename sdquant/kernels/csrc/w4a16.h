@@ -140,6 +140,8 @@ int sdq_w4a16_launch_rows(const SdqW4A16Params* p);
 // The path a launch of *p (variant 62-63, splits set) takes: 0 split-K, 1 stream-K, 2 the warp-specialized split-K with
 // its splits summed by a second kernel, 3 summed inside a cluster; -1 other variants.
 int sdq_w4a16_wg_path(const SdqW4A16Params* p);
+// Clusters of `size` (2-8) CTAs of the warp-specialized kernel's cluster form that fit the device at once (0: none).
+int sdq_w4a16_wg_max_clusters(int size, int is_bf16);
 #ifdef __cplusplus
 }
 #endif

@@ -209,6 +209,10 @@ int64_t wg_path(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16
   return sdq_w4a16_wg_path(&q);
 }
 
+int64_t wg_max_clusters(int64_t size, bool is_bf16) {
+  return sdq_w4a16_wg_max_clusters(static_cast<int>(size), is_bf16 ? 1 : 0);
+}
+
 // Read-bandwidth probe (w4a16.h): times like a GEMM call over the same layout, computes nothing useful.
 torch::Tensor read_probe(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                          int64_t kind, int64_t ctas) {
@@ -239,6 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
   mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum)");
+  mod.def("wg_max_clusters", &wg_max_clusters, "clusters of that many warp-specialized CTAs resident at once");
   mod.def("launch_rows", &launch_rows, "rows a launch of a variant takes at this M (larger M: several launches)");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
   mod.def("set_wg_schedule", &set_wg_schedule,

@@ -236,6 +236,14 @@ extern "C" int sdq_w4a16_wg_path(const SdqW4A16Params* p) {
   if (p->variant != 62 && p->variant != 63) return -1;
   return dispatch_raw(p->variant, 9, *p, nullptr);
 }
+extern "C" int sdq_w4a16_wg_max_clusters(int size, int is_bf16) {
+  SdqW4A16Params q{};
+  q.m = 128;
+  q.splits = size;
+  q.is_bf16 = is_bf16;
+  q.variant = 63;
+  return dispatch_raw(63, 10, q, nullptr);
+}
 
 extern "C" int sdq_w4a16_launch_rows(const SdqW4A16Params* p) {
   if (p->variant == 62 || p->variant == 63) {

@@ -1205,6 +1205,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 8) return wgmma_rows<T>(v, p);
+  if (op == 10) return TmaKern<T, 128, 8, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
   if (op == 0 && (p.n % 256 || p.k % 64 || p.group_k16 % 2 || (p.m > 256 && wgmma_rows<T>(v, p) < p.m))) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
 }
