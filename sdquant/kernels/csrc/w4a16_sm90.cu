@@ -138,20 +138,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
       if (g > units / 4) g = units / 4;
       return g < 1 ? 1 : static_cast<int>(g);
     }
-    const int sp = sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
-    // The warp-specialized split-K sums 2-8 splits inside a cluster only where every tile's cluster fits at once. Where
-    // that split count does not fit and its splits are short (<= 16 stages of 128 K), fewer splits whose clusters fit
-    // and still fill 70% of the slots: int4_wgmma run 33 (H100, M = 128, same process) 14336x4096 6 splits in clusters
-    // 35.95 us against 8 (16 tiles; 15 clusters of 8 fit) by a second kernel 38.7; 8192x10240 (2 in clusters: 61% of
-    // the slots, 51.9 against 48.4) and 28672x8192 (56-stage splits: 3 in clusters 111.5 against 4 99.3) keep theirs.
-    q.splits = sp;
-    if (target2 <= 0 && sp > 2 && k / 128 <= 16 * sp && dispatch_m(9, q, nullptr) == 2 && sdq_w4a16_wg_cluster()) {
-      for (int s2 = sp - 1; s2 >= 2 && 10 * tiles * s2 >= 7 * slots; --s2) {
-        q.splits = s2;
-        if (tiles <= dispatch_m(10, q, nullptr)) return s2;
-      }
-    }
-    return sp;
+    return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
   }
   if (kind == 2) {
     // lean kernel: the CTAs that fit at once (or target2 / 2 per SM), floor(CTAs / tiles) splits (a second partial
