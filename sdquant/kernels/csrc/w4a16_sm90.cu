@@ -138,6 +138,10 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
       if (g > units / 4) g = units / 4;
       return g < 1 ? 1 : static_cast<int>(g);
     }
+    if (target2 <= 0 && sdq_w4a16_wg_schedule() == 0) {  // the warp-specialized split-K in clusters (wg_cluster_fit_splits)
+      const int cs = dispatch_m(11, q, nullptr);
+      if (cs >= 2) return cs;
+    }
     return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
   }
   if (kind == 2) {
