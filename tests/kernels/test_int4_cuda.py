@@ -548,6 +548,31 @@ def test_wgmma_warp_specialized_rule_picks_the_measured_winner(tmp_path):
     assert got == [want for _, want in cases]
 
 
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_cluster_fit_split_rule(tmp_path):
+    """sdq_wg_cluster_fit_splits (w4a16.h): at M = 97-256 with short splits, the largest split count <= the split-K
+    grid's whose clusters all fit at once and that fills 70% of the slots (the H100's 132 slots and its measured
+    cluster capacities, int4_wgmma run 33). Cases: (m, n, k, group_k16) -> splits (0 = not this path)."""
+    cases = [
+        ((128, 4096, 4096, 8), 6),    # 16 tiles: 8 and 7 splits do not fit (15 clusters), 6 do (17); 96 CTAs
+        ((192, 4096, 4096, 8), 3),    # 32 tiles: 4 splits do not fit (30), 3 do (39)
+        ((256, 4096, 4096, 8), 3),
+        ((128, 6144, 4096, 8), 4),    # 24 tiles: 5 splits do not fit (22)
+        ((192, 6144, 4096, 8), 2),    # 48 tiles, 2 splits: the grid's own count fits
+        ((128, 4096, 14336, 8), 6),   # 14 stages a split at 8
+        ((96, 4096, 4096, 8), 0),     # M <= 96: the single-role kernel was faster
+        ((128, 10240, 8192, 8), 0),   # 21-stage splits at 3
+        ((128, 8192, 28672, 8), 0),   # 56-stage splits at 4
+        ((192, 10240, 8192, 8), 0),   # 80 tiles: one split
+        ((300, 4096, 4096, 8), 0),    # M > 256: one launch, the grid's own split count
+        ((128, 4096, 4096, 4), 0),    # group 64
+    ]
+    cap = "{0, 0, 66, 39, 30, 22, 17, 15, 15}"
+    got = _run_host_rule(tmp_path, [f"sdq_wg_cluster_fit_splits({m}, {n}, {k}, {g}, 132, 132, cap)"
+                                    for (m, n, k, g), _ in cases], prelude=f"static const int cap[9] = {cap};")
+    assert got == [want for _, want in cases]
+
+
 def test_wgmma_split_rule(tmp_path):
     """csrc/w4a16.h's split-K rule of the wgmma kernel (host code, compiled and run here): fill the resident slots,
     at least 8 stages of 64 K a split, at most two CTAs per SM where splits would be short and 3+ remain

@@ -97,6 +97,24 @@ static inline int sdq_wg_ws_auto(int m, int n, int k, int group_k16, int slots, 
   return sdq_wg_split_fills(m, n, k, 128, slots, sms, 7, 10);
 }
 
+// M = 97-256 where the split-K grid's splits are short (<= 16 stages of 128 K): variant 63's warp-specialized kernel with
+// its splits summed inside thread-block clusters, at the largest split count <= the grid's whose clusters all fit at once
+// (max_clusters[s]: clusters of s CTAs resident at once, s = 2..8) and that still fills 70% of the slots; 0 where there is
+// none. int4_wgmma run 35 (H100, same process, us, the single-role split-K kernel against this): 4096x4096 M = 128 /
+// 192 / 256 20.1 / 24.2 / 26.6 against 18.5 (5 splits) / 22.9 / 22.7; 4096x6144 M = 128 24.0 against 20.0 (run 36: 23.9
+// against 19.8). Not at M <= 96 (4096x4096 M = 96: 17.3 against 18.7), nor with longer splits (8192x10240 M = 128:
+// 2 splits in clusters 52.4 against 3 by a second kernel 47.7; 28672x8192 M = 128: 3 in clusters 111.5 against 4 99.3).
+static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, int slots, int sms,
+                                            const int* max_clusters) {
+  if (m <= 96 || m > 256 || group_k16 % 8 || k % 128) return 0;
+  const int tiles = (m + 127) / 128 * (n / 256);
+  const int s0 = sdq_wg_splits(tiles, slots, k, 2 * sms);
+  if (s0 < 2 || k / 128 > 16 * s0) return 0;
+  for (int sp = s0 < 8 ? s0 : 8; sp >= 2 && 10 * tiles * sp >= 7 * slots; --sp)
+    if (tiles <= max_clusters[sp]) return sp;
+  return 0;
+}
+
 #ifdef __cplusplus
 extern "C" {
 #endif

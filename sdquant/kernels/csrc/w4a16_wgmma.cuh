@@ -1088,22 +1088,14 @@ bool wg_stream_k(const SdqW4A16Params& p) {
   }
 }
 
-// M = 97-256 where the split-K grid's splits are short (<= 16 stages of 128 K): the warp-specialized kernel with its splits
-// summed inside clusters, at the largest split count <= the grid's whose clusters all fit at once and that still fills
-// 70% of the slots; 0 where there is none (or the cluster sum is off). int4_wgmma run 35 (H100, same process, us, the
-// single-role split-K kernel against this): 4096x4096 M = 128 / 192 / 256 20.1 / 24.2 / 26.6 against 18.5 (5 splits) /
-// 22.9 / 22.7; 4096x6144 M = 128 24.0 against 20.0. Not at M <= 96: 4096x4096 M = 96 17.3 against 18.7; not with longer
-// splits: 8192x10240 M = 128 (2 splits in clusters 52.4 against 3 by a second kernel 47.7), 28672x8192 (run 33).
+// sdq_wg_cluster_fit_splits (w4a16.h) with this device's slots and cluster capacities; 0 where the cluster sum is off
 template <typename T>
 int wg_cluster_fit_splits(const SdqW4A16Params& p) {
-  if (p.m <= 96 || p.m > 256 || p.group_k16 % 8 || p.k % 128 || !sdq_w4a16_wg_cluster()) return 0;
-  const int sms = sm_count_now(), slots = sms * TmaKern<T, 128, 8>::per_sm();
-  const int tiles = (p.m + 127) / 128 * (p.n / 256);
-  const int s0 = sdq_wg_splits(tiles, slots, p.k, 2 * sms);
-  if (s0 < 2 || p.k / 128 > 16 * s0) return 0;
-  for (int sp = s0; sp >= 2 && 10 * tiles * sp >= 7 * slots; --sp)
-    if (tiles <= TmaKern<T, 128, 8, true>::max_clusters(sp)) return sp;
-  return 0;
+  if (p.m <= 96 || p.m > 256 || !sdq_w4a16_wg_cluster()) return 0;
+  const int sms = sm_count_now();
+  int cap[9] = {};
+  for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, 8, true>::max_clusters(sp);
+  return sdq_wg_cluster_fit_splits(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, 128, 8>::per_sm(), sms, cap);
 }
 
 // The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile where sdq_wg_ws_auto (w4a16.h) or
