@@ -549,6 +549,14 @@ class Transformer(nn.Module):
         for w in {blk.window for blk in self.layers} - {None}:
             self.masks[w] = causal & (idx[None, :] > idx[:, None] - w)
 
+    def clear_caches(self, start: int = 0):
+        """Zero every layer's cache slots from ``start`` on, in place (captured CUDA graphs stay valid). The attention
+        masks slots past the position with zero weights, and zero times a non-finite value a previous request left
+        there is still NaN; ``generate`` clears the slots past its prompt before each prompt."""
+        for blk in self.layers:
+            if blk.attn.kv_cache is not None:
+                blk.attn.kv_cache.kv[..., start:, :].zero_()
+
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
                 greedy: bool = False) -> torch.Tensor:
@@ -888,6 +896,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     # a block-compiled CUDA model replays each decode step as one CUDA graph (captured before the prompt: the capture's
     # warm-up writes cache slot 0), a greedy one feeding its own token and position
     graph = model.decode_graph(greedy) if max_new_tokens > 1 and _graphs_here(model) else None
+    model.clear_caches(s)   # slots an earlier request left (the prompt overwrites the first s)
     res = model(prompt, torch.arange(s, device=dev), last_only=True, greedy=greedy)[:, -1]   # [B] or [B, V]
     out = [prompt]
     done = torch.zeros(b, dtype=torch.bool, device=dev)

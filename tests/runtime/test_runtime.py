@@ -362,3 +362,18 @@ def test_from_hf_leaves_the_model_and_other_runtimes_alone(monkeypatch):
     assert {n: t.data_ptr() for n, t in first.named_buffers() if t is not None} == held
     with torch.no_grad():
         assert torch.equal(first(ids, torch.arange(5)), ref)
+
+
+def test_a_prompt_after_a_poisoned_cache_is_its_own():
+    """generate starts every prompt on a clean cache: slots a previous request left non-finite (an overflow, a bad
+    input) must not reach the next request through the masked attention (zero weights times NaN values are NaN)."""
+    rt = Transformer.from_hf(tiny("llama", None), max_seq_len=64)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = generate(rt, ids, 6)
+        for blk in rt.layers:   # what a failed request could leave behind, past the next prompt's length
+            blk.attn.kv_cache.kv[..., 20:, :] = float("nan")
+        got = generate(rt, ids, 6)
+        assert torch.equal(got, want)
+        rt.clear_caches()
+        assert all(bool((blk.attn.kv_cache.kv == 0).all()) for blk in rt.layers)
