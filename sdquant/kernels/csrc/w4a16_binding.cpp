@@ -185,7 +185,8 @@ int64_t occupancy(int64_t m, int64_t group_k16, bool is_bf16, int64_t variant) {
                              static_cast<int>(variant));
 }
 
-int64_t launch_rows(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant) {
+// A parameter block with only the shape fields set (for the launcher's queries)
+SdqW4A16Params shape_params(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant) {
   SdqW4A16Params q{};
   q.m = static_cast<int>(m);
   q.n = static_cast<int>(n);
@@ -193,17 +194,16 @@ int64_t launch_rows(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_
   q.group_k16 = static_cast<int>(group_k16);
   q.is_bf16 = is_bf16 ? 1 : 0;
   q.variant = static_cast<int>(variant);
+  return q;
+}
+
+int64_t launch_rows(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant) {
+  const SdqW4A16Params q = shape_params(m, n, k, group_k16, is_bf16, variant);
   return sdq_w4a16_launch_rows(&q);
 }
 
 int64_t wg_path(int64_t m, int64_t n, int64_t k, int64_t group_k16, bool is_bf16, int64_t variant, int64_t splits) {
-  SdqW4A16Params q{};
-  q.m = static_cast<int>(m);
-  q.n = static_cast<int>(n);
-  q.k = static_cast<int>(k);
-  q.group_k16 = static_cast<int>(group_k16);
-  q.is_bf16 = is_bf16 ? 1 : 0;
-  q.variant = static_cast<int>(variant);
+  SdqW4A16Params q = shape_params(m, n, k, group_k16, is_bf16, variant);
   q.splits = splits > 0 ? static_cast<int>(splits)
                         : sdq_w4a16_auto_splits(q.m, q.n, q.k, q.group_k16, q.is_bf16, q.variant, 0);
   return sdq_w4a16_wg_path(&q);
