@@ -460,6 +460,17 @@ def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=
     return WGMMA_PATHS.get(r, "")
 
 
+def set_wgmma_wave_splits(on: bool) -> bool:
+    """Whether the wgmma kernel's one-launch path at M > 256 runs two splits summed in clusters of 2 where its tiles
+    alone leave the last wave part-empty (csrc/w4a16.h ``sdq_wg_wave_splits``; off by default until measured, see
+    docs/BENCHMARKS.md Pending 32), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule wave).
+    Returns the previous setting (False where the extension is not built)."""
+    ext = extension()
+    if ext is None:
+        return False
+    return bool(ext.set_wg_wave_splits(1 if on else 0))
+
+
 def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:
     """Clusters of ``size`` (2-8) CTAs of the warp-specialized kernel's cluster-sum form resident at once on this
     device (the occupancy calculator's answer; the form runs only where every tile's cluster fits); 0 without the

@@ -573,6 +573,27 @@ def test_wgmma_cluster_fit_split_rule(tmp_path):
     assert got == [want for _, want in cases]
 
 
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_wave_split_rule(tmp_path):
+    """sdq_wg_wave_splits (w4a16.h): at M > 256, two splits in clusters of 2 where twice the CTAs at half the work take
+    at most 90% of the waves' time (132 slots, 66 pairs resident as on the H100). Cases: (m, n, k, group_k16) -> splits."""
+    cases = [
+        ((1024, 6144, 4096, 8), 2),    # 192 tiles: 2 waves -> 3 half waves
+        ((1024, 10240, 8192, 8), 2),   # 320 tiles: 3 -> 5 half waves
+        ((512, 28672, 4096, 8), 2),    # 448 tiles: 4 -> 7 half waves
+        ((1024, 28672, 8192, 8), 1),   # 896 tiles: 7 -> 14 half waves, nothing gained
+        ((1024, 4096, 14336, 8), 1),   # 128 tiles in one wave
+        ((2048, 4096, 4096, 8), 1),    # 256 tiles: 2 -> 4 half waves
+        ((256, 6144, 4096, 8), 1),     # M <= 256: not the one-launch path
+        ((1024, 6144, 1024, 8), 1),    # 8 stages of 128 K: splits too short
+        ((1024, 6144, 4096, 4), 1),    # group 64
+    ]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_wave_splits({m}, {n}, {k}, {g}, 132, 66)" for (m, n, k, g), _ in cases])
+    assert got == [want for _, want in cases]
+    # pairs that do not pack the device (fewer than 90% of the slots as clusters of 2): never
+    assert _run_host_rule(tmp_path, ["sdq_wg_wave_splits(1024, 6144, 4096, 8, 132, 59)"]) == [1]
+
+
 def test_wgmma_split_rule(tmp_path):
     """csrc/w4a16.h's split-K rule of the wgmma kernel (host code, compiled and run here): fill the resident slots,
     at least 8 stages of 64 K a split, at most two CTAs per SM where splits would be short and 3+ remain

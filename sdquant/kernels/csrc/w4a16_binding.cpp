@@ -233,6 +233,8 @@ int64_t set_wg_rows(int64_t rows) { return sdq_w4a16_set_wg_rows(static_cast<int
 
 int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast<int>(on)); }
 
+int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
+
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
 }  // namespace
@@ -253,5 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");
   mod.def("set_wg_cluster", &set_wg_cluster,
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
+  mod.def("set_wg_wave_splits", &set_wg_wave_splits,
+          "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

@@ -141,6 +141,12 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     if (target2 <= 0 && sdq_w4a16_wg_schedule() == 0) {  // the warp-specialized split-K in clusters (wg_cluster_fit_splits)
       const int cs = dispatch_m(11, q, nullptr);
       if (cs >= 2) return cs;
+      if (m > 256 && sdq_w4a16_wg_wave_splits() && dispatch_m(8, q, nullptr) == m)  // one launch: two splits where the waves gain
+        return sdq_wg_wave_splits(m, n, k, group_k16, slots, dispatch_m(10, [&] {
+                                    SdqW4A16Params c = q;
+                                    c.splits = 2;
+                                    return c;
+                                  }(), nullptr));
     }
     return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
   }
@@ -216,6 +222,7 @@ namespace {
 int g_wg_schedule = 0;
 int g_wg_rows = 0;
 int g_wg_cluster = 1;
+int g_wg_wave = 0;
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
   const int old = g_wg_schedule;
@@ -235,6 +242,12 @@ extern "C" int sdq_w4a16_set_wg_cluster(int on) {
   return old;
 }
 extern "C" int sdq_w4a16_wg_cluster(void) { return g_wg_cluster; }
+extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
+  const int old = g_wg_wave;
+  g_wg_wave = on ? 1 : 0;
+  return old;
+}
+extern "C" int sdq_w4a16_wg_wave_splits(void) { return g_wg_wave; }
 
 extern "C" int sdq_w4a16_wg_path(const SdqW4A16Params* p) {
   if (p->variant != 62 && p->variant != 63) return -1;

@@ -1125,7 +1125,10 @@ template <typename K>
 bool wg_cluster_ok(const SdqW4A16Params& p, int ntok) {
   if (!sdq_w4a16_wg_cluster() || p.splits < 2 || p.splits > 8) return false;
   const long long tiles = static_cast<long long>((p.m + ntok - 1) / ntok) * (p.n / 256);
-  return tiles <= K::max_clusters(p.splits);
+  const int fit = K::max_clusters(p.splits);
+  if (tiles <= fit) return true;
+  // several waves of pairs (sdq_wg_wave_splits): clusters of 2 that pack the device run wave after wave
+  return sdq_w4a16_wg_wave_splits() && p.m > 256 && p.splits == 2 && 20 * fit >= 9 * sm_count_now();
 }
 
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
