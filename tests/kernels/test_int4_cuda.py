@@ -270,6 +270,23 @@ def test_unavailable_without_gpu_warns_once():
     int4_cuda._STATE.clear()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_wgmma_settings_and_queries_without_the_extension():
+    """The wgmma kernel's process settings and launch queries answer their documented defaults where the extension
+    cannot be built (benches call them unconditionally), and build nothing."""
+    int4_cuda._STATE.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert int4_cuda.set_wgmma_rows(256) == 0
+        assert int4_cuda.set_wgmma_cluster(False) is True
+        assert int4_cuda.set_wgmma_wave_splits(True) is False
+        assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
+        assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
+        assert int4_cuda.wgmma_max_clusters(2) == 0
+    assert int4_cuda._STATE.get("ext") is None
+    int4_cuda._STATE.clear()
+
+
 def test_compile_fullgraph_traces_the_op():
     qw = make_qw(64, 128, 64, False, False, seed=11)
     lay = L.repack_cuda(qw, torch.float16)
