@@ -58,12 +58,13 @@ torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales
   if (m == 0) return out;
   const int group_k16 = static_cast<int>(k / 16 / g);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  int64_t max_rows = kMaxRows;
-  if (variant == 62 || variant == 63) {  // 256 rows a launch, or all of them where the launcher says (wgmma_rows)
+  const bool wgmma = variant == 62 || variant == 63;
+  int64_t max_rows = wgmma ? kMaxRowsWgmma : kMaxRows;
+  if (wgmma && m > kMaxRowsWgmma) {  // 256 rows a launch, or all of them where the launcher says (wgmma_rows)
     SdqW4A16Params q{};
     set_layout(q, x, qweight, scales, zeros, x.data_ptr(), nullptr, std::min<int64_t>(m, INT32_MAX / 2));
     q.variant = static_cast<int>(variant);
-    max_rows = std::max<int64_t>(kMaxRowsWgmma, sdq_w4a16_launch_rows(&q));
+    max_rows = sdq_w4a16_launch_rows(&q);
   }
   for (int64_t r0 = 0; r0 < m; r0 += max_rows) {
     const int rows = static_cast<int>(std::min(max_rows, m - r0));

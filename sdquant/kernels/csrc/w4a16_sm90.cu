@@ -141,12 +141,10 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
     if (target2 <= 0 && sdq_w4a16_wg_schedule() == 0) {  // the warp-specialized split-K in clusters (wg_cluster_fit_splits)
       const int cs = dispatch_m(11, q, nullptr);
       if (cs >= 2) return cs;
-      if (m > 256 && sdq_w4a16_wg_wave_splits() && dispatch_m(8, q, nullptr) == m)  // one launch: two splits where the waves gain
-        return sdq_wg_wave_splits(m, n, k, group_k16, slots, dispatch_m(10, [&] {
-                                    SdqW4A16Params c = q;
-                                    c.splits = 2;
-                                    return c;
-                                  }(), nullptr));
+      if (m > 256 && sdq_w4a16_wg_wave_splits() && dispatch_m(8, q, nullptr) == m) {  // one launch: two splits
+        q.splits = 2;                                                                  // where the waves gain
+        return sdq_wg_wave_splits(m, n, k, group_k16, slots, dispatch_m(10, q, nullptr));
+      }
     }
     return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
   }

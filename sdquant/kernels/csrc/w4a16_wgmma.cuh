@@ -1091,7 +1091,7 @@ bool wg_stream_k(const SdqW4A16Params& p) {
 // sdq_wg_cluster_fit_splits (w4a16.h) with this device's slots and cluster capacities; 0 where the cluster sum is off
 template <typename T>
 int wg_cluster_fit_splits(const SdqW4A16Params& p) {
-  if (p.m <= 96 || p.m > 256 || !sdq_w4a16_wg_cluster()) return 0;
+  if (p.m <= 96 || p.m > 256 || p.group_k16 % 8 || p.k % 128 || !sdq_w4a16_wg_cluster()) return 0;  // (before the queries)
   const int sms = sm_count_now();
   int cap[9] = {};
   for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, 8, true>::max_clusters(sp);
