@@ -73,8 +73,8 @@ class schedule_set:
     mode "r256" is the automatic schedule with 256-row launches at M > 256 (int4_cuda.set_wgmma_rows(256), the rule
     before the warp-specialized kernel took every row in one launch); "nocl" the automatic schedule with the
     warp-specialized split-K summed by a second kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False));
-    "wave" the automatic schedule with two splits in clusters where one launch's last wave is part-empty
-    (int4_cuda.set_wgmma_wave_splits(True))."""
+    "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
+    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39)."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -86,8 +86,8 @@ class schedule_set:
             self.old_rows = int4_cuda.set_wgmma_rows(256)
         elif self.mode == "nocl":
             self.old_cl = int4_cuda.set_wgmma_cluster(False)
-        elif self.mode == "wave":
-            self.old_wave = int4_cuda.set_wgmma_wave_splits(True)
+        elif self.mode in ("wave", "nowave"):
+            self.old_wave = int4_cuda.set_wgmma_wave_splits(self.mode == "wave")
         elif self.mode != "auto":
             self.old = int4_cuda.set_wgmma_schedule(self.mode)
         return self
@@ -309,9 +309,9 @@ def main(argv=None):
     ap.add_argument("--schedule", default="auto", help="schedules of the 128-token tile to check and time, each config "
                                                         "in each (auto,split,stream,ws: int4_cuda.set_wgmma_schedule; r256: auto "
                                                         "with 256-row launches, int4_cuda.set_wgmma_rows; nocl: "
-                                                        "no cluster split-K sum, int4_cuda.set_wgmma_cluster; wave: "
-                                                        "two splits at M > 256 where waves gain, "
-                                                        "int4_cuda.set_wgmma_wave_splits)")
+                                                        "no cluster split-K sum, int4_cuda.set_wgmma_cluster; nowave "
+                                                        "/ wave: without / with two splits at M > 256 where "
+                                                        "waves gain, int4_cuda.set_wgmma_wave_splits)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

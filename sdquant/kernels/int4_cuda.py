@@ -462,12 +462,12 @@ def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=
 
 def set_wgmma_wave_splits(on: bool) -> bool:
     """Whether the wgmma kernel's one-launch path at M > 256 runs two splits summed in clusters of 2 where its tiles
-    alone leave the last wave part-empty (csrc/w4a16.h ``sdq_wg_wave_splits``; off by default until measured, see
-    docs/BENCHMARKS.md Pending 32), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule wave).
-    Returns the previous setting (False where the extension is not built)."""
+    alone leave the last wave part-empty (csrc/w4a16.h ``sdq_wg_wave_splits``; on by default, measured in
+    docs/BENCHMARKS.md "Two splits for the one-launch path's last wave"), from now on in this process. For A/B runs
+    (bench/int4_wgmma.py --schedule nowave). Returns the previous setting (True where the extension is not built)."""
     ext = extension()
     if ext is None:
-        return False
+        return True
     return bool(ext.set_wg_wave_splits(1 if on else 0))
 
 

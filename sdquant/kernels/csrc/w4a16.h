@@ -119,8 +119,10 @@ static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, 
 // twice the CTAs at half the work each take at most 90% of the waves' time: 4096x6144 M = 1024 (192 tiles: 2 waves 73%
 // full -> 3 waves of half the work), 8192x10240 M = 1024 (320 tiles: 3 -> 5 half waves), 4096x28672 M = 512; not
 // 8192x28672 M = 1024 (896 tiles: 6.8 waves). Only where pairs pack the device (pair_clusters: clusters of 2 resident at
-// once, x 2 >= 90% of the slots) and each split keeps >= 8 stages of 128 K. Returns 2 or 1. Not measured yet, so off
-// unless sdq_w4a16_set_wg_wave_splits(1) (docs/BENCHMARKS.md Pending 32).
+// once, x 2 >= 90% of the slots) and each split keeps >= 8 stages of 128 K. Returns 2 or 1. On by default since H100
+// int4_wgmma runs 38-39 (4096x6144 M = 1024 -14%, 8192x10240 M = 1024 -9..-15%, 8192x28672 M = 512 -5..-8%, no loss
+// where it applies; docs/BENCHMARKS.md "Two splits for the one-launch path's last wave");
+// sdq_w4a16_set_wg_wave_splits(0) turns it off for A/Bs.
 static inline int sdq_wg_wave_splits(int m, int n, int k, int group_k16, int slots, int pair_clusters) {
   if (m <= 256 || group_k16 % 8 || k % 128 || k / 128 < 16 || 20 * pair_clusters < 9 * slots) return 1;
   const long long tiles = (long long)((m + 127) / 128) * (n / 256);
@@ -165,7 +167,7 @@ int sdq_w4a16_wg_rows(void);
 // through [splits, m, n] fp32 partials and a second kernel (0). Returns the previous setting.
 int sdq_w4a16_set_wg_cluster(int on);
 int sdq_w4a16_wg_cluster(void);
-// Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1) or not (0, the default until measured).
+// Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).
 int sdq_w4a16_set_wg_wave_splits(int on);
 int sdq_w4a16_wg_wave_splits(void);
 // The rows a launch of *p's variant takes (p->m, n, k, group_k16, is_bf16, variant set): 32 for variants 0-61; 256

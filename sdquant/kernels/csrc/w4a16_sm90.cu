@@ -220,7 +220,7 @@ namespace {
 int g_wg_schedule = 0;
 int g_wg_rows = 0;
 int g_wg_cluster = 1;
-int g_wg_wave = 0;
+int g_wg_wave = 1;
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
   const int old = g_wg_schedule;
