@@ -170,6 +170,12 @@ int sdq_w4a16_wg_cluster(void);
 // Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).
 int sdq_w4a16_set_wg_wave_splits(int on);
 int sdq_w4a16_wg_wave_splits(void);
+// The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
+// write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
+// sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).
+void* sdq_w4a16_set_ws_trace(void* trace);
+void* sdq_w4a16_ws_trace(void);
+int sdq_w4a16_ws_trace_built(void);
 // The rows a launch of *p's variant takes (p->m, n, k, group_k16, is_bf16, variant set): 32 for variants 0-61; 256
 // or, where the setting above allows, p->m for 62-63. Callers split larger M into launches of that many rows.
 int sdq_w4a16_launch_rows(const SdqW4A16Params* p);

@@ -236,6 +236,13 @@ int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast
 
 int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
 
+// the warp-specialized kernel's phase trace: a device buffer's address (0 = off) for a -DSDQ_WS_TRACE=1 build's launches
+// (bench/ws_trace.py); returns whether this build writes it
+int64_t set_ws_trace(int64_t ptr) {
+  sdq_w4a16_set_ws_trace(reinterpret_cast<void*>(static_cast<intptr_t>(ptr)));
+  return sdq_w4a16_ws_trace_built();
+}
+
 int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentCUDAStream()); }
 
 }  // namespace
@@ -258,5 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
+  mod.def("set_ws_trace", &set_ws_trace,
+          "trace buffer address for the warp-specialized kernel (0 off); returns 1 in a -DSDQ_WS_TRACE=1 build");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");
 }

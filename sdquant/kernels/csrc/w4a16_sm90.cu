@@ -246,6 +246,16 @@ extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
   return old;
 }
 extern "C" int sdq_w4a16_wg_wave_splits(void) { return g_wg_wave; }
+namespace {
+void* g_ws_trace = nullptr;
+}
+extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
+  void* old = g_ws_trace;
+  g_ws_trace = trace;
+  return old;
+}
+extern "C" void* sdq_w4a16_ws_trace(void) { return g_ws_trace; }
+extern "C" int sdq_w4a16_ws_trace_built(void) { return SDQ_WS_TRACE; }
 
 extern "C" int sdq_w4a16_wg_path(const SdqW4A16Params* p) {
   if (p->variant != 62 && p->variant != 63) return -1;

@@ -720,6 +720,35 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
           : "memory");
 }
 
+// Phase trace of the warp-specialized kernel (bench/ws_trace.py; -DSDQ_WS_TRACE=1 builds only, none of this code
+// exists otherwise). Each CTA writes 16 u64 at trace[16 * linear CTA id] when the host has set a buffer
+// (sdq_w4a16_set_ws_trace): 0 globaltimer at entry, 1 clock64 at entry, 2 after the barrier init, 3 consumer 0 past
+// its first full barrier (first stage in shared memory), 4 consumer 0 past its main loop, 5 past the first cluster
+// barrier (= 4 without the cluster sum), 6 consumer 0 at its end, 7 globaltimer there, 8 SM id, 9 producer after the
+// prologue's copies, 10 producer after its last copy, 11 stages, 12 consumer 0's cycles waiting on full barriers,
+// 13 consumer warpgroup 1 past its main loop, 14 split, 15 feature tile. Clocks are the SM's own (compare within a CTA).
+#ifndef SDQ_WS_TRACE
+#define SDQ_WS_TRACE 0
+#endif
+#if SDQ_WS_TRACE
+__device__ unsigned long long* sdq_ws_trace_ptr;
+__device__ __forceinline__ unsigned long long ws_gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void ws_trace(int slot, unsigned long long v) {
+  if (sdq_ws_trace_ptr)
+    sdq_ws_trace_ptr[16ull * (blockIdx.x + gridDim.x * (blockIdx.y + static_cast<unsigned long long>(gridDim.y) *
+                                                                            blockIdx.z)) + slot] = v;
+}
+#define SDQ_WS_T(slot, v) ws_trace(slot, static_cast<unsigned long long>(v))
+#else
+#define SDQ_WS_T(slot, v) \
+  do {                    \
+  } while (0)
+#endif
+
 // ring_wait without its deadlock trap: a __trap() reachable after setmaxnreg makes ptxas 13.0 allocate the whole kernel
 // under the launch bound's cap (168 / 128 registers here): it then spills and serializes the wgmmas (C7512)
 __device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t phase) {
@@ -795,6 +824,18 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
   const int nst_all = p.k / (16 * KS);
   const int st0 = static_cast<int>(static_cast<long long>(nst_all) * split / p.splits);
   const int nst = static_cast<int>(static_cast<long long>(nst_all) * (split + 1) / p.splits) - st0;
+#if SDQ_WS_TRACE
+  if (tid == 0) {
+    SDQ_WS_T(0, ws_gtime());
+    SDQ_WS_T(1, clock64());
+    uint32_t smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    SDQ_WS_T(8, smid);
+    SDQ_WS_T(11, nst);
+    SDQ_WS_T(14, split);
+    SDQ_WS_T(15, blockIdx.y);
+  }
+#endif
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);            // the issuer's expect_tx arrival
@@ -803,6 +844,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
     mbar_fence_init();
   }
   __syncthreads();
+  if (tid == 0) SDQ_WS_T(2, clock64());
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform warpgroup index
   if (role == WGS) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
@@ -817,6 +859,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
       for (int s = 0; s < pre; ++s)
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, false,
                                   true);
+      SDQ_WS_T(9, clock64());
       for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
         const int slot = r % STAGES;
         // (ring_wait's trap here, in the producer, leaves the consumers' allocation alone: a consumer that never frees
@@ -825,6 +868,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
                                   true, true);
       }
+      SDQ_WS_T(10, clock64());
     }
     if constexpr (CL) {  // the consumers' two cluster barriers (their partials written; every split's read)
       cluster_sync_all();
@@ -852,10 +896,20 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
+#if SDQ_WS_TRACE
+  long long waited = 0;
+#endif
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
     const uint32_t st = sbase + slot * L::STAGE;
+#if SDQ_WS_TRACE
+    const long long w0 = clock64();
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
+    waited += clock64() - w0;
+    if (s == 0 && tid == 0) SDQ_WS_T(3, clock64());
+#else
+    ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
+#endif
     wg_load_group<T, NU, L>(st, 0, wg, warp, g8, sp, zl, zh);  // (one group a stage: the group is a multiple of it)
     wg_stage_mma<T, NTOK, KS, NU, L>(st, wg, warp, lane, acc, af, sp, zl, zh, [](int) {}, [&](int k0) {
       // at step 1 every wgmma of the previous stage has retired: free its slot
@@ -866,6 +920,13 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 #pragma unroll
   for (int u = 0; u < NU; ++u) wg_fence_acc(acc[u]);
   if (p.pdl) griddep_launch_dependents();
+#if SDQ_WS_TRACE
+  if (tid == 0) {
+    SDQ_WS_T(4, clock64());
+    SDQ_WS_T(12, waited);
+  }
+  if (tid == 128) SDQ_WS_T(13, clock64());
+#endif
 
   T* y = static_cast<T*>(p.c);
   if constexpr (CL) {
@@ -881,6 +942,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
                      "f"(acc[j][i]), "f"(acc[j][i + 1]), "f"(acc[j][i + 2]), "f"(acc[j][i + 3])
                      : "memory");
     cluster_sync_all();
+    if (tid == 0) SDQ_WS_T(5, clock64());
     // vector v holds acc[j][4c .. 4c + 3] (j = v / (ND / 4), c = v % (ND / 4)): rows 8c + 2 t4 + e, columns + 8 h
     auto store = [&](int v, const float4& a) {
       const int j = v / (ND / 4), c = v % (ND / 4);
@@ -905,6 +967,12 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
       default: cluster_sum<8, NV, NT>(sbase, tid, store); break;
     }
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
+#if SDQ_WS_TRACE
+    if (tid == 0) {
+      SDQ_WS_T(6, clock64());
+      SDQ_WS_T(7, ws_gtime());
+    }
+#endif
     return;
   }
   // y (one split) or split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
@@ -925,6 +993,14 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
             else __stcg(p.partial + static_cast<size_t>(split) * p.m * p.n + at, v);
           }
         }
+#if SDQ_WS_TRACE
+  if (tid == 0) {
+    const unsigned long long c = clock64();
+    SDQ_WS_T(5, c);
+    SDQ_WS_T(6, c);
+    SDQ_WS_T(7, ws_gtime());
+  }
+#endif
 }
 
 // The activation tensor map of a launch: [m, k] row-major, boxes of 64 K x NTOK rows, 128-byte swizzle, rows past m
@@ -1003,6 +1079,10 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaKern::setup()) return rc;
+#if SDQ_WS_TRACE
+    unsigned long long* trace = static_cast<unsigned long long*>(sdq_w4a16_ws_trace());
+    cudaMemcpyToSymbolAsync(sdq_ws_trace_ptr, &trace, sizeof(trace), 0, cudaMemcpyHostToDevice, stream);
+#endif
     CUtensorMap map;
     if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
     cudaLaunchAttribute attr[2];
