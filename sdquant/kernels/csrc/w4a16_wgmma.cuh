@@ -781,29 +781,90 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
                : "memory");
   return v;
 }
-// The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
-// S at a time (independent loads in flight) and added in split order; store(v, sum) writes one vector's outputs
-template <int S, int NV, int NT, typename Store>
-__device__ __forceinline__ void cluster_sum(uint32_t sbase, int tid, Store&& store) {
+// The output tile through shared memory (the warp-specialized kernel's epilogue). A consumer thread's accumulators are
+// 8 x 8 blocks of the wgmma fragment, rows = features and columns = tokens. Written straight to y, each store put 2
+// bytes into 4 rows at once, and a CTA's epilogue took ~8 us (bench/ws_trace.py, H100: 8192x28672 and 4096x4096 at one
+// split). Instead stmatrix .trans writes each block transposed into a [token][256 features] tile in the activation
+// dtype (rows padded by 16 bytes, so a block's eight 16-byte rows land in different banks), and the consumers copy the
+// tile's rows to y 16 bytes a thread, a warp one whole 512-byte row. Same values, same rounding (Ops<T>::pack).
+constexpr int WS_OUT_ROWB = 256 * 2 + 16;
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
+               : "memory");
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack_out(float x, float y) {
+  const auto v = Ops<T>::pack(x, y);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+// The two blocks (h = 0, 1) of accumulator vector (j, c): f = acc[j][4c .. 4c + 3] = (h0 e0, h0 e1, h1 e0, h1 e1) for
+// tokens 8c + 2 t4 + e and features 64 warp + 16 (NU wg + j) + 8 h + g8. Lanes 0-15 give the rows' addresses: lane
+// 8h + i row i (token 8c + i) of block h.
+template <typename T, int NU>
+__device__ __forceinline__ void stage_out(uint32_t tile, int wg, int warp, int lane, int j, int c, float f0, float f1,
+                                          float f2, float f3) {
+  const int i = lane & 7, h = (lane >> 3) & 1;
+  const uint32_t at = tile + static_cast<uint32_t>((8 * c + i) * WS_OUT_ROWB + 2 * (64 * warp + 16 * (NU * wg + j) + 8 * h));
+  stmatrix_x2_trans(at, pack_out<T>(f0, f1), pack_out<T>(f2, f3));
+}
+// Rows r0 .. r1 - 1 of the staged tile (tokens m0 + r, rows past m skipped) to y's 256 columns from 64 nb0, by the
+// NT consumer threads (ct = their index), after a barrier among them
+template <typename T, int NT>
+__device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile, int r0, int r1, int m0, int nb0,
+                                         int ct) {
+  T* y = static_cast<T*>(p.c) + static_cast<size_t>(m0) * p.n + 64 * nb0;
+  const int rend = r1 < p.m - m0 ? r1 : p.m - m0;
+  if ((reinterpret_cast<uintptr_t>(p.c) & 15) == 0) {  // 16-byte pieces, 32 a row
+    for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
+      const int r = r0 + idx / 32, q = idx % 32;
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
+      *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
+    }
+  } else {  // (an output not 16-byte aligned: element by element, still a warp's consecutive columns)
+    for (int idx = ct; idx < (rend - r0) * 256; idx += NT) {
+      const int r = r0 + idx / 256, col = idx % 256;
+      unsigned short v;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 2 * col)));
+      memcpy(y + static_cast<size_t>(r) * p.n + col, &v, 2);
+    }
+  }
+}
+// The cluster's sum for one consumer thread. CTA r of the S takes the 8-token blocks c of the tile in
+// [NC r / S, NC (r + 1) / S) (so its part of y is whole rows): for each, its NU accumulator vectors v = j NC + c of
+// every split, read S at a time (independent loads in flight) and added in split order; stage(j, c, sum) keeps the
+// sums. Returns the first and last block + 1.
+template <int S, int NU, int NC, int NT, typename Stage>
+__device__ __forceinline__ int2 cluster_sum(uint32_t sbase, int tid, Stage&& stage) {
   uint32_t base[S];
 #pragma unroll
   for (int q = 0; q < S; ++q) base[q] = dsmem_map(sbase, static_cast<uint32_t>(q)) + 16u * static_cast<uint32_t>(tid);
   const int r = static_cast<int>(cluster_rank());
-#pragma unroll 2
-  for (int v = r; v < NV; v += S) {
-    float4 part[S];
+  const int c0 = NC * r / S, c1 = NC * (r + 1) / S;
+  for (int c = c0; c < c1; ++c) {
+    float4 part[NU][S];
 #pragma unroll
-    for (int q = 0; q < S; ++q) part[q] = ld_dsmem4(base[q] + 16u * static_cast<uint32_t>(v * NT));
-    float4 a = part[0];
+    for (int j = 0; j < NU; ++j)
 #pragma unroll
-    for (int q = 1; q < S; ++q) {
-      a.x += part[q].x;
-      a.y += part[q].y;
-      a.z += part[q].z;
-      a.w += part[q].w;
+      for (int q = 0; q < S; ++q) part[j][q] = ld_dsmem4(base[q] + 16u * static_cast<uint32_t>((j * NC + c) * NT));
+#pragma unroll
+    for (int j = 0; j < NU; ++j) {
+      float4 a = part[j][0];
+#pragma unroll
+      for (int q = 1; q < S; ++q) {
+        a.x += part[j][q].x;
+        a.y += part[j][q].y;
+        a.z += part[j][q].z;
+        a.w += part[j][q].w;
+      }
+      stage(j, c, a);
     }
-    store(v, a);
   }
+  return make_int2(c0, c1);
 }
 
 template <typename T, int NTOK, int KS, bool CL>
@@ -882,7 +943,6 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
 template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split) {
-  using O = Ops<T>;  // (the epilogue)
   using L = WgSmem<NTOK, 1, KS>;
   constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
@@ -928,7 +988,6 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   if (tid == 128) SDQ_WS_T(13, clock64());
 #endif
 
-  T* y = static_cast<T*>(p.c);
   if constexpr (CL) {
     constexpr int NT = 128 * WGS, NA = NU * ND;  // consumer threads; accumulators a thread
     // both consumer warpgroups are past their last wgmma (the last stage's tiles are read until then)
@@ -943,29 +1002,22 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
                      : "memory");
     cluster_sync_all();
     if (tid == 0) SDQ_WS_T(5, clock64());
-    // vector v holds acc[j][4c .. 4c + 3] (j = v / (ND / 4), c = v % (ND / 4)): rows 8c + 2 t4 + e, columns + 8 h
-    auto store = [&](int v, const float4& a) {
-      const int j = v / (ND / 4), c = v % (ND / 4);
-      const float f[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int row = m0 + 8 * c + 2 * t4 + e;
-          if (row < p.m)
-            y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h] = O::one(f[2 * h + e]);
-        }
-    };
-    constexpr int NV = NA / 4;
+    // the sums staged after this CTA's own fp32 accumulators (which the other CTAs read until the last barrier)
+    const uint32_t tile = sbase + static_cast<uint32_t>(NT * NA * 4);
+    static_assert(NT * NA * 4 + NTOK * WS_OUT_ROWB <= TmaSmem<NTOK, KS>::BAR_AT, "the staged tile fits the stages");
+    auto stage = [&](int j, int c, const float4& a) { stage_out<T, NU>(tile, wg, warp, lane, j, c, a.x, a.y, a.z, a.w); };
+    int2 cr;
     switch (p.splits) {
-      case 2: cluster_sum<2, NV, NT>(sbase, tid, store); break;
-      case 3: cluster_sum<3, NV, NT>(sbase, tid, store); break;
-      case 4: cluster_sum<4, NV, NT>(sbase, tid, store); break;
-      case 5: cluster_sum<5, NV, NT>(sbase, tid, store); break;
-      case 6: cluster_sum<6, NV, NT>(sbase, tid, store); break;
-      case 7: cluster_sum<7, NV, NT>(sbase, tid, store); break;
-      default: cluster_sum<8, NV, NT>(sbase, tid, store); break;
+      case 2: cr = cluster_sum<2, NU, NC, NT>(sbase, tid, stage); break;
+      case 3: cr = cluster_sum<3, NU, NC, NT>(sbase, tid, stage); break;
+      case 4: cr = cluster_sum<4, NU, NC, NT>(sbase, tid, stage); break;
+      case 5: cr = cluster_sum<5, NU, NC, NT>(sbase, tid, stage); break;
+      case 6: cr = cluster_sum<6, NU, NC, NT>(sbase, tid, stage); break;
+      case 7: cr = cluster_sum<7, NU, NC, NT>(sbase, tid, stage); break;
+      default: cr = cluster_sum<8, NU, NC, NT>(sbase, tid, stage); break;
     }
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+    copy_out<T, NT>(p, tile, 8 * cr.x, 8 * cr.y, m0, nb0, tid);
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
 #if SDQ_WS_TRACE
     if (tid == 0) {
@@ -975,8 +1027,29 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 #endif
     return;
   }
-  // y (one split) or split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
-  const bool one = p.splits == 1;
+  if (p.splits == 1) {  // y through the staged tile (the stages are spent once both warpgroups pass the barrier)
+    constexpr int NT = 128 * WGS;
+    static_assert(NTOK * WS_OUT_ROWB <= TmaSmem<NTOK, KS>::BAR_AT, "the staged tile fits the stages");
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+#pragma unroll
+    for (int j = 0; j < NU; ++j)
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+        stage_out<T, NU>(sbase, wg, warp, lane, j, c, acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
+                         acc[j][4 * c + 3]);
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+    copy_out<T, NT>(p, sbase, 0, NTOK, m0, nb0, tid);
+#if SDQ_WS_TRACE
+    if (tid == 0) {
+      const unsigned long long c = clock64();
+      SDQ_WS_T(5, c);
+      SDQ_WS_T(6, c);
+      SDQ_WS_T(7, ws_gtime());
+    }
+#endif
+    return;
+  }
+  // split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
 #pragma unroll
   for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -988,9 +1061,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
           const int row = m0 + 8 * c + 2 * t4 + e;
           if (row < p.m) {
             const size_t at = static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h;
-            const float v = acc[j][4 * c + 2 * h + e];
-            if (one) y[at] = O::one(v);
-            else __stcg(p.partial + static_cast<size_t>(split) * p.m * p.n + at, v);
+            __stcg(p.partial + static_cast<size_t>(split) * p.m * p.n + at, acc[j][4 * c + 2 * h + e]);
           }
         }
 #if SDQ_WS_TRACE
