@@ -732,6 +732,7 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
 #endif
 #if SDQ_WS_TRACE
 __device__ unsigned long long* sdq_ws_trace_ptr;
+void* ws_trace_sent = nullptr;  // this translation unit's sdq_ws_trace_ptr, as last copied
 __device__ __forceinline__ unsigned long long ws_gtime() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -781,12 +782,14 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
                : "memory");
   return v;
 }
-// The output tile through shared memory (the warp-specialized kernel's epilogue). A consumer thread's accumulators are
-// 8 x 8 blocks of the wgmma fragment, rows = features and columns = tokens. Written straight to y, each store put 2
-// bytes into 4 rows at once, and a CTA's epilogue took ~8 us (bench/ws_trace.py, H100: 8192x28672 and 4096x4096 at one
-// split). Instead stmatrix .trans writes each block transposed into a [token][256 features] tile in the activation
-// dtype (rows padded by 16 bytes, so a block's eight 16-byte rows land in different banks), and the consumers copy the
-// tile's rows to y 16 bytes a thread, a warp one whole 512-byte row. Same values, same rounding (Ops<T>::pack).
+// The output tile through shared memory (the warp-specialized kernel's epilogue at one split). A consumer thread's
+// accumulators are 8 x 8 blocks of the wgmma fragment, rows = features and columns = tokens. Written straight to y,
+// each store put 2 bytes into 4 rows at once, 128 stores a thread, and a CTA's epilogue took ~8 us (bench/ws_trace.py,
+// H100: 8192x28672 and 4096x4096 at one split). Instead stmatrix .trans writes each block transposed into a
+// [token][256 features] tile in the activation dtype (rows padded by 16 bytes, so a block's eight 16-byte rows land in
+// different banks), and the consumers copy the tile's rows to y 16 bytes a thread, a warp one whole 512-byte row. Same
+// values, same rounding (Ops<T>::pack). The cluster sum keeps its direct stores: a CTA there stores 1/S of the tile
+// (16-64 a thread), and staging them measured -5..+5% (int4_wgmma run 41).
 constexpr int WS_OUT_ROWB = 256 * 2 + 16;
 __device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
   asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
@@ -834,37 +837,29 @@ __device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile,
     }
   }
 }
-// The cluster's sum for one consumer thread. CTA r of the S takes the 8-token blocks c of the tile in
-// [NC r / S, NC (r + 1) / S) (so its part of y is whole rows): for each, its NU accumulator vectors v = j NC + c of
-// every split, read S at a time (independent loads in flight) and added in split order; stage(j, c, sum) keeps the
-// sums. Returns the first and last block + 1.
-template <int S, int NU, int NC, int NT, typename Stage>
-__device__ __forceinline__ int2 cluster_sum(uint32_t sbase, int tid, Stage&& stage) {
+// The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
+// S at a time (independent loads in flight) and added in split order; store(v, sum) writes one vector's outputs
+template <int S, int NV, int NT, typename Store>
+__device__ __forceinline__ void cluster_sum(uint32_t sbase, int tid, Store&& store) {
   uint32_t base[S];
 #pragma unroll
   for (int q = 0; q < S; ++q) base[q] = dsmem_map(sbase, static_cast<uint32_t>(q)) + 16u * static_cast<uint32_t>(tid);
   const int r = static_cast<int>(cluster_rank());
-  const int c0 = NC * r / S, c1 = NC * (r + 1) / S;
-  for (int c = c0; c < c1; ++c) {
-    float4 part[NU][S];
+#pragma unroll 2
+  for (int v = r; v < NV; v += S) {
+    float4 part[S];
 #pragma unroll
-    for (int j = 0; j < NU; ++j)
+    for (int q = 0; q < S; ++q) part[q] = ld_dsmem4(base[q] + 16u * static_cast<uint32_t>(v * NT));
+    float4 a = part[0];
 #pragma unroll
-      for (int q = 0; q < S; ++q) part[j][q] = ld_dsmem4(base[q] + 16u * static_cast<uint32_t>((j * NC + c) * NT));
-#pragma unroll
-    for (int j = 0; j < NU; ++j) {
-      float4 a = part[j][0];
-#pragma unroll
-      for (int q = 1; q < S; ++q) {
-        a.x += part[j][q].x;
-        a.y += part[j][q].y;
-        a.z += part[j][q].z;
-        a.w += part[j][q].w;
-      }
-      stage(j, c, a);
+    for (int q = 1; q < S; ++q) {
+      a.x += part[q].x;
+      a.y += part[q].y;
+      a.z += part[q].z;
+      a.w += part[q].w;
     }
+    store(v, a);
   }
-  return make_int2(c0, c1);
 }
 
 template <typename T, int NTOK, int KS, bool CL>
@@ -943,6 +938,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
 template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split) {
+  using O = Ops<T>;  // (the cluster sum's stores)
   using L = WgSmem<NTOK, 1, KS>;
   constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
@@ -1002,22 +998,30 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
                      : "memory");
     cluster_sync_all();
     if (tid == 0) SDQ_WS_T(5, clock64());
-    // the sums staged after this CTA's own fp32 accumulators (which the other CTAs read until the last barrier)
-    const uint32_t tile = sbase + static_cast<uint32_t>(NT * NA * 4);
-    static_assert(NT * NA * 4 + NTOK * WS_OUT_ROWB <= TmaSmem<NTOK, KS>::BAR_AT, "the staged tile fits the stages");
-    auto stage = [&](int j, int c, const float4& a) { stage_out<T, NU>(tile, wg, warp, lane, j, c, a.x, a.y, a.z, a.w); };
-    int2 cr;
+    // vector v holds acc[j][4c .. 4c + 3] (j = v / (ND / 4), c = v % (ND / 4)): rows 8c + 2 t4 + e, columns + 8 h
+    T* y = static_cast<T*>(p.c);
+    auto store = [&](int v, const float4& a) {
+      const int j = v / (ND / 4), c = v % (ND / 4);
+      const float f[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * c + 2 * t4 + e;
+          if (row < p.m)
+            y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + g8 + 16 * (NU * wg + j) + 8 * h] = O::one(f[2 * h + e]);
+        }
+    };
+    constexpr int NV = NA / 4;
     switch (p.splits) {
-      case 2: cr = cluster_sum<2, NU, NC, NT>(sbase, tid, stage); break;
-      case 3: cr = cluster_sum<3, NU, NC, NT>(sbase, tid, stage); break;
-      case 4: cr = cluster_sum<4, NU, NC, NT>(sbase, tid, stage); break;
-      case 5: cr = cluster_sum<5, NU, NC, NT>(sbase, tid, stage); break;
-      case 6: cr = cluster_sum<6, NU, NC, NT>(sbase, tid, stage); break;
-      case 7: cr = cluster_sum<7, NU, NC, NT>(sbase, tid, stage); break;
-      default: cr = cluster_sum<8, NU, NC, NT>(sbase, tid, stage); break;
+      case 2: cluster_sum<2, NV, NT>(sbase, tid, store); break;
+      case 3: cluster_sum<3, NV, NT>(sbase, tid, store); break;
+      case 4: cluster_sum<4, NV, NT>(sbase, tid, store); break;
+      case 5: cluster_sum<5, NV, NT>(sbase, tid, store); break;
+      case 6: cluster_sum<6, NV, NT>(sbase, tid, store); break;
+      case 7: cluster_sum<7, NV, NT>(sbase, tid, store); break;
+      default: cluster_sum<8, NV, NT>(sbase, tid, store); break;
     }
-    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-    copy_out<T, NT>(p, tile, 8 * cr.x, 8 * cr.y, m0, nb0, tid);
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
 #if SDQ_WS_TRACE
     if (tid == 0) {
@@ -1150,9 +1154,11 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaKern::setup()) return rc;
-#if SDQ_WS_TRACE
-    unsigned long long* trace = static_cast<unsigned long long*>(sdq_w4a16_ws_trace());
-    cudaMemcpyToSymbolAsync(sdq_ws_trace_ptr, &trace, sizeof(trace), 0, cudaMemcpyHostToDevice, stream);
+#if SDQ_WS_TRACE  // (a synchronous copy, only when the buffer changed: none inside a CUDA graph capture once set)
+    if (void* want = sdq_w4a16_ws_trace(); want != ws_trace_sent) {
+      cudaMemcpyToSymbol(sdq_ws_trace_ptr, &want, sizeof(want));
+      ws_trace_sent = want;
+    }
 #endif
     CUtensorMap map;
     if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
