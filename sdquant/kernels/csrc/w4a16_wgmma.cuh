@@ -333,62 +333,6 @@ __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, 
       [](int) {}, [](int) {});
 }
 
-// The output tile through shared memory: the epilogue of both wgmma kernels wherever a CTA stores a whole tile of y.
-// A thread's accumulators are 8 x 8 blocks of the wgmma fragment, rows = features and columns = tokens. Written
-// straight to y, each store put 2 bytes into 4 rows at once, up to 128 stores a thread, and the warp-specialized
-// kernel's epilogue took ~8 us a CTA (bench/ws_trace.py, H100: 8192x28672 and 4096x4096 at one split). Instead
-// stmatrix .trans writes each block transposed into a [token][256 features] tile in the activation dtype (rows padded
-// by 16 bytes, so a block's eight 16-byte rows land in different banks), and the threads copy the tile's rows to y 16
-// bytes a thread, a warp one whole 512-byte row. Same values, same rounding (Ops<T>::pack). The cluster sum keeps its
-// direct stores: a CTA there stores 1/S of the tile (16-64 a thread), and staging them measured -5..+5% (ab_build
-// run 15).
-constexpr int WS_OUT_ROWB = 256 * 2 + 16;
-__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
-               : "memory");
-}
-template <typename T>
-__device__ __forceinline__ uint32_t pack_out(float x, float y) {
-  const auto v = Ops<T>::pack(x, y);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-// The two blocks (h = 0, 1) of accumulator vector (j, c): f = acc[j][4c .. 4c + 3] = (h0 e0, h0 e1, h1 e0, h1 e1) for
-// tokens 8c + 2 t4 + e and features 64 warp + 16 (NU wg + j) + 8 h + g8. Lanes 0-15 give the rows' addresses: lane
-// 8h + i row i (token 8c + i) of block h.
-template <typename T, int NU>
-__device__ __forceinline__ void stage_out(uint32_t tile, int wg, int warp, int lane, int j, int c, float f0, float f1,
-                                          float f2, float f3) {
-  const int i = lane & 7, h = (lane >> 3) & 1;
-  const uint32_t at = tile + static_cast<uint32_t>((8 * c + i) * WS_OUT_ROWB + 2 * (64 * warp + 16 * (NU * wg + j) + 8 * h));
-  stmatrix_x2_trans(at, pack_out<T>(f0, f1), pack_out<T>(f2, f3));
-}
-// Rows r0 .. r1 - 1 of the staged tile (tokens m0 + r, rows past m skipped) to y's 256 columns from 64 nb0, by the
-// NT consumer threads (ct = their index), after a barrier among them
-template <typename T, int NT>
-__device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile, int r0, int r1, int m0, int nb0,
-                                         int ct) {
-  T* y = static_cast<T*>(p.c) + static_cast<size_t>(m0) * p.n + 64 * nb0;
-  const int rend = r1 < p.m - m0 ? r1 : p.m - m0;
-  if ((reinterpret_cast<uintptr_t>(p.c) & 15) == 0) {  // 16-byte pieces, 32 a row
-    for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
-      const int r = r0 + idx / 32, q = idx % 32;
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
-      *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
-    }
-  } else {  // (an output not 16-byte aligned: element by element, still a warp's consecutive columns)
-    for (int idx = ct; idx < (rend - r0) * 256; idx += NT) {
-      const int r = r0 + idx / 256, col = idx % 256;
-      unsigned short v;
-      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 2 * col)));
-      memcpy(y + static_cast<size_t>(r) * p.n + col, &v, 2);
-    }
-  }
-}
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
@@ -490,6 +434,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // acc[j][4c + 2h + e] = y[token m0 + 8c + 2t4 + e][feature 64 (nb0 + warp) + 16u + 8h + g8], u = NU wg + j;
   // wg_pos(q, ...) is that element's offset in split q's partial ([splits, m, n] fp32), wg_pos(0, ...) its offset
   // in y
+  T* y = static_cast<T*>(p.c);
   const auto wg_pos = [&](int m0, int nb0, int q, int u, int c, int h, int e) -> size_t {
     return (static_cast<size_t>(q) * p.m + m0 + 8 * c + 2 * t4 + e) * p.n + 64 * (nb0 + warp) + g8 + 16 * u + 8 * h;
   };
@@ -505,19 +450,8 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
           for (int e = 0; e < 2; ++e)
             if (m0 + 8 * c + 2 * t4 + e < p.m) f(NU * wg + j, c, h, e, acc[j][4 * c + 2 * h + e]);
   };
-  // y through the staged tile of the warp-specialized kernel's epilogue (stage_out / copy_out below): the stages are
-  // free once every warpgroup has retired its last wgmma and every copy has landed (mainloop's end)
-  static_assert(NTOK * WS_OUT_ROWB <= STAGES * L::STAGE, "the staged tile fits the stages");
   const auto store_y = [&](int m0, int nb0) {
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < NU; ++j)
-#pragma unroll
-      for (int c = 0; c < NTOK / 8; ++c)
-        stage_out<T, NU>(sbase, wg, warp, lane, j, c, acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
-                         acc[j][4 * c + 3]);
-    __syncthreads();
-    copy_out<T, NT>(p, sbase, 0, NTOK, m0, nb0, tid);
+    each_valid(m0, [&](int u, int c, int h, int e, float v) { y[wg_pos(m0, nb0, 0, u, c, h, e)] = O::one(v); });
   };
   // Partial accumulators, as they sit in registers (float4 j of thread tid at j * NT + tid: coalesced, constant
   // offsets), NU * NC float4s a thread, `slot` float4s a CTA
@@ -847,6 +781,61 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
                : "r"(remote)
                : "memory");
   return v;
+}
+// The output tile through shared memory (the warp-specialized kernel's epilogue at one split). A consumer thread's
+// accumulators are 8 x 8 blocks of the wgmma fragment, rows = features and columns = tokens. Written straight to y,
+// each store put 2 bytes into 4 rows at once, 128 stores a thread, and a CTA's epilogue took ~8 us (bench/ws_trace.py,
+// H100: 8192x28672 and 4096x4096 at one split). Instead stmatrix .trans writes each block transposed into a
+// [token][256 features] tile in the activation dtype (rows padded by 16 bytes, so a block's eight 16-byte rows land in
+// different banks), and the consumers copy the tile's rows to y 16 bytes a thread, a warp one whole 512-byte row. Same
+// values, same rounding (Ops<T>::pack). The cluster sum keeps its direct stores: a CTA there stores 1/S of the tile
+// (16-64 a thread), and staging them measured -5..+5% (int4_wgmma run 41).
+constexpr int WS_OUT_ROWB = 256 * 2 + 16;
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
+               : "memory");
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack_out(float x, float y) {
+  const auto v = Ops<T>::pack(x, y);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+// The two blocks (h = 0, 1) of accumulator vector (j, c): f = acc[j][4c .. 4c + 3] = (h0 e0, h0 e1, h1 e0, h1 e1) for
+// tokens 8c + 2 t4 + e and features 64 warp + 16 (NU wg + j) + 8 h + g8. Lanes 0-15 give the rows' addresses: lane
+// 8h + i row i (token 8c + i) of block h.
+template <typename T, int NU>
+__device__ __forceinline__ void stage_out(uint32_t tile, int wg, int warp, int lane, int j, int c, float f0, float f1,
+                                          float f2, float f3) {
+  const int i = lane & 7, h = (lane >> 3) & 1;
+  const uint32_t at = tile + static_cast<uint32_t>((8 * c + i) * WS_OUT_ROWB + 2 * (64 * warp + 16 * (NU * wg + j) + 8 * h));
+  stmatrix_x2_trans(at, pack_out<T>(f0, f1), pack_out<T>(f2, f3));
+}
+// Rows r0 .. r1 - 1 of the staged tile (tokens m0 + r, rows past m skipped) to y's 256 columns from 64 nb0, by the
+// NT consumer threads (ct = their index), after a barrier among them
+template <typename T, int NT>
+__device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile, int r0, int r1, int m0, int nb0,
+                                         int ct) {
+  T* y = static_cast<T*>(p.c) + static_cast<size_t>(m0) * p.n + 64 * nb0;
+  const int rend = r1 < p.m - m0 ? r1 : p.m - m0;
+  if ((reinterpret_cast<uintptr_t>(p.c) & 15) == 0) {  // 16-byte pieces, 32 a row
+    for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
+      const int r = r0 + idx / 32, q = idx % 32;
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
+      *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
+    }
+  } else {  // (an output not 16-byte aligned: element by element, still a warp's consecutive columns)
+    for (int idx = ct; idx < (rend - r0) * 256; idx += NT) {
+      const int r = r0 + idx / 256, col = idx % 256;
+      unsigned short v;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 2 * col)));
+      memcpy(y + static_cast<size_t>(r) * p.n + col, &v, 2);
+    }
+  }
 }
 // The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
 // S at a time (independent loads in flight) and added in split order; store(v, sum) writes one vector's outputs
