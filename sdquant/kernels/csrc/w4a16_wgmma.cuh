@@ -789,7 +789,7 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 // [token][256 features] tile in the activation dtype (rows padded by 16 bytes, so a block's eight 16-byte rows land in
 // different banks), and the consumers copy the tile's rows to y 16 bytes a thread, a warp one whole 512-byte row. Same
 // values, same rounding (Ops<T>::pack). The cluster sum keeps its direct stores: a CTA there stores 1/S of the tile
-// (16-64 a thread), and staging them measured -5..+5% (int4_wgmma run 41).
+// (16-64 a thread), and staging them measured -5..+5% (ab_build run 15).
 constexpr int WS_OUT_ROWB = 256 * 2 + 16;
 __device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
   asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
