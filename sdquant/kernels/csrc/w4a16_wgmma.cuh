@@ -813,28 +813,20 @@ __device__ __forceinline__ void stage_out(uint32_t tile, int wg, int warp, int l
   stmatrix_x2_trans(at, pack_out<T>(f0, f1), pack_out<T>(f2, f3));
 }
 // Rows r0 .. r1 - 1 of the staged tile (tokens m0 + r, rows past m skipped) to y's 256 columns from 64 nb0, by the
-// NT consumer threads (ct = their index), after a barrier among them
+// NT consumer threads (ct = their index), after a barrier among them: 16-byte pieces, 32 a row (y 16-byte aligned:
+// TmaKern::launch refuses other outputs)
 template <typename T, int NT>
 __device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile, int r0, int r1, int m0, int nb0,
                                          int ct) {
   T* y = static_cast<T*>(p.c) + static_cast<size_t>(m0) * p.n + 64 * nb0;
   const int rend = r1 < p.m - m0 ? r1 : p.m - m0;
-  if ((reinterpret_cast<uintptr_t>(p.c) & 15) == 0) {  // 16-byte pieces, 32 a row
-    for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
-      const int r = r0 + idx / 32, q = idx % 32;
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
-      *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
-    }
-  } else {  // (an output not 16-byte aligned: element by element, still a warp's consecutive columns)
-    for (int idx = ct; idx < (rend - r0) * 256; idx += NT) {
-      const int r = r0 + idx / 256, col = idx % 256;
-      unsigned short v;
-      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 2 * col)));
-      memcpy(y + static_cast<size_t>(r) * p.n + col, &v, 2);
-    }
+  for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
+    const int r = r0 + idx / 32, q = idx % 32;
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
+    *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
   }
 }
 // The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
@@ -1154,6 +1146,7 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaKern::setup()) return rc;
+    if (reinterpret_cast<uintptr_t>(p.c) % 16) return -1;  // copy_out's 16-byte stores (the op's outputs always are)
 #if SDQ_WS_TRACE  // (a synchronous copy, only when the buffer changed: none inside a CUDA graph capture once set)
     if (void* want = sdq_w4a16_ws_trace(); want != ws_trace_sent) {
       cudaMemcpyToSymbol(sdq_ws_trace_ptr, &want, sizeof(want));
