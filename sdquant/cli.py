@@ -300,7 +300,7 @@ def cmd_tune(args) -> int:
     if not hasattr(dispatch, "measure_crossovers"):
         raise SdquantError("tune-kernels: this build has no crossover measurement")
     path = dispatch.measure_crossovers(output=args.output)
-    print(f"wrote {path}")
+    print(f"wrote {path}; SDQUANT_KERNEL_TABLE={path} makes quantized layers plan from it")
     return EXIT_OK
 
 

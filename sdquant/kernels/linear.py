@@ -27,6 +27,7 @@ tensors once.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -72,16 +73,41 @@ def _interpreting() -> bool:
         return False
 
 
+TABLE_ENV = "SDQUANT_KERNEL_TABLE"  # a crossover table (JSON, e.g. from `sdquant tune-kernels`) used instead of the shipped one
+_WARNED_DEVICES: set = set()  # GPU models already told that the shipped table was measured on another model
+
+
+def _warn_other_gpu(device: torch.device, table: dict) -> None:
+    """One warning a process and GPU model when the shipped crossover table comes from another GPU model: its
+    crossovers (where dequantize + cuBLAS overtakes the kernels) are that GPU's, so a plan may pick the slower path."""
+    measured = table.get("device")
+    here = torch.cuda.get_device_name(device)
+    if measured and here != measured and here not in _WARNED_DEVICES:
+        _WARNED_DEVICES.add(here)
+        warnings.warn(f"the shipped kernel crossover table was measured on {measured}, this GPU is {here}: layers "
+                      f"plan from it as they are; `sdquant tune-kernels --output T.json` measures this GPU's, and "
+                      f"{TABLE_ENV}=T.json (or prepare(..., table=...)) uses it", stacklevel=3)
+
+
 def _table_for(device: torch.device, mode: str, table):
-    """The crossover table to plan from: for kernels="auto" on a GPU, or anywhere when one is passed."""
+    """The crossover table to plan from: for kernels="auto" on a GPU, or anywhere when one is passed. On a GPU
+    without one passed: the file named by $SDQUANT_KERNEL_TABLE, else the shipped table."""
     if mode != "auto" or (device.type != "cuda" and table is None):
         return None
     if isinstance(table, dict):
         dispatch.validate_table(table)
         return table
+    if table is None and os.environ.get(TABLE_ENV):
+        path = os.environ[TABLE_ENV]
+        if not os.path.isfile(path):
+            raise ConfigError(TABLE_ENV, f"crossover table {path} does not exist")
+        return dispatch.load_table(path)
     if table is None and not dispatch.SHIPPED_TABLE.exists():
         return None  # no measured table for this build: dispatch's defaults
-    return dispatch.load_table(table)
+    loaded = dispatch.load_table(table)
+    if table is None:
+        _warn_other_gpu(device, loaded)
+    return loaded
 
 
 class _Prepared(nn.Module):

@@ -236,3 +236,44 @@ def test_wrong_input_width_is_a_shape_error():
     from sdquant.errors import ShapeError
     with pytest.raises(ShapeError, match="expects 128"):
         _fp8_layer()(torch.randn(2, 64))
+
+
+# ------------------------------------------------------------------- which table a GPU layer plans from
+def test_the_table_named_by_the_environment_replaces_the_shipped_one(tmp_path, monkeypatch):
+    """$SDQUANT_KERNEL_TABLE (e.g. the output of `sdquant tune-kernels`) is what a GPU layer with no table passed
+    plans from; a missing file is a ConfigError naming the variable. (No GPU is touched: the table is only read.)"""
+    from sdquant.kernels import linear
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(_table(device="NVIDIA H100 80GB HBM3")))
+    monkeypatch.setenv(linear.TABLE_ENV, str(path))
+    got = linear._table_for(torch.device("cuda"), "auto", None)
+    assert got["device"] == "NVIDIA H100 80GB HBM3" and got["buckets"] == BUCKETS
+    assert linear._table_for(torch.device("cpu"), "auto", None) is None      # a CPU layer keeps the reference op
+    assert linear._table_for(torch.device("cuda"), "reference", None) is None
+    monkeypatch.setenv(linear.TABLE_ENV, str(tmp_path / "absent.json"))
+    with pytest.raises(ConfigError) as e:
+        linear._table_for(torch.device("cuda"), "auto", None)
+    assert e.value.field == linear.TABLE_ENV and "absent.json" in str(e.value)
+
+
+def test_a_gpu_unlike_the_shipped_tables_is_warned_once(monkeypatch):
+    """Planning from the shipped table on another GPU model warns once a process and model, naming both GPUs and the
+    way to measure this one; the table's own GPU, or a table passed in, is not warned about."""
+    from sdquant.kernels import linear
+    if not dispatch.SHIPPED_TABLE.exists():
+        pytest.skip("this build ships no crossover table")
+    monkeypatch.delenv(linear.TABLE_ENV, raising=False)
+    monkeypatch.setattr(linear, "_WARNED_DEVICES", set())
+    shipped = dispatch.load_table()["device"]
+    name = {"gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["gpu"])
+    with pytest.warns(UserWarning, match=f"measured on {shipped}, this GPU is NVIDIA H100 80GB HBM3") as rec:
+        linear._table_for(torch.device("cuda"), "auto", None)
+    assert "tune-kernels" in str(rec[0].message) and linear.TABLE_ENV in str(rec[0].message)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear._table_for(torch.device("cuda"), "auto", None)            # the same model: no second warning
+        linear._table_for(torch.device("cuda"), "auto", _table())          # a table passed in: none
+        name["gpu"] = shipped
+        linear._table_for(torch.device("cuda"), "auto", None)            # the table's own GPU: none
