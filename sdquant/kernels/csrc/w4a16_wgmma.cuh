@@ -744,8 +744,20 @@ __device__ __forceinline__ void ws_trace(int slot, unsigned long long v) {
                                                                             blockIdx.z)) + slot] = v;
 }
 #define SDQ_WS_T(slot, v) ws_trace(slot, static_cast<unsigned long long>(v))
+// the end of a CTA without a cluster sum (slot 5 = slot 6: no cluster barrier), stamped by thread 0
+__device__ __forceinline__ void ws_trace_end(int tid) {
+  if (tid != 0) return;
+  const unsigned long long c = clock64();
+  SDQ_WS_T(5, c);
+  SDQ_WS_T(6, c);
+  SDQ_WS_T(7, ws_gtime());
+}
+#define SDQ_WS_T_END(tid) ws_trace_end(tid)
 #else
 #define SDQ_WS_T(slot, v) \
+  do {                    \
+  } while (0)
+#define SDQ_WS_T_END(tid) \
   do {                    \
   } while (0)
 #endif
@@ -1035,14 +1047,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
                          acc[j][4 * c + 3]);
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
     copy_out<T, NT>(p, sbase, 0, NTOK, m0, nb0, tid);
-#if SDQ_WS_TRACE
-    if (tid == 0) {
-      const unsigned long long c = clock64();
-      SDQ_WS_T(5, c);
-      SDQ_WS_T(6, c);
-      SDQ_WS_T(7, ws_gtime());
-    }
-#endif
+    SDQ_WS_T_END(tid);
     return;
   }
   // split `split`'s plain fp32 partial ([splits, m, n], summed by wg_reduce_kernel)
@@ -1060,14 +1065,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
             __stcg(p.partial + static_cast<size_t>(split) * p.m * p.n + at, acc[j][4 * c + 2 * h + e]);
           }
         }
-#if SDQ_WS_TRACE
-  if (tid == 0) {
-    const unsigned long long c = clock64();
-    SDQ_WS_T(5, c);
-    SDQ_WS_T(6, c);
-    SDQ_WS_T(7, ws_gtime());
-  }
-#endif
+  SDQ_WS_T_END(tid);
 }
 
 // The activation tensor map of a launch: [m, k] row-major, boxes of 64 K x NTOK rows, 128-byte swizzle, rows past m
