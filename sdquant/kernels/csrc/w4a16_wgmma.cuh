@@ -834,11 +834,8 @@ __device__ __forceinline__ void copy_out(const SdqW4A16Params& p, uint32_t tile,
   const int rend = r1 < p.m - m0 ? r1 : p.m - m0;
   for (int idx = ct; idx < (rend - r0) * 32; idx += NT) {
     const int r = r0 + idx / 32, q = idx % 32;
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q)));
-    *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) = v;
+    *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * p.n + 8 * q) =
+        lds128(tile + static_cast<uint32_t>(r * WS_OUT_ROWB + 16 * q));
   }
 }
 // The cluster's sum for one consumer thread: its 4-accumulator vectors r, r + S, ... (NV of them) of every split, read
