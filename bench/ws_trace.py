@@ -10,7 +10,7 @@ buffer set with ``set_ws_trace`` (16 u64 a CTA, slots listed in w4a16_wgmma.cuh 
    default build's, and prints per-phase medians / 90th percentiles over the CTAs in microseconds:
    start skew (globaltimer at entry after the first CTA's), init (barrier setup), first (until the first stage is
    in shared memory), loop (the main loop after it; "waiting" = the part spent on full barriers), sync (the first
-   cluster barrier: waiting for the slowest split), sum (the cluster sum and the stores), cta (entry to end), and the
+   cluster barrier: waiting for the slowest split; at one split the whole epilogue), sum (the cluster sum and the stores), cta (entry to end), and the
    launch's span (first entry to last end).
 
     python bench/ws_trace.py --points 4096x4096x128,4096x6144x128,14336x4096x128 --out $OUT

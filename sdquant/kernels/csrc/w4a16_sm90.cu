@@ -2,6 +2,8 @@
 // w4a16_kernel.cuh; the w4a16_part_*.cu files instantiate them per (dtype, token tiles).
 #include "w4a16_wgmma.cuh"  // (includes w4a16_kernel.cuh)
 
+#include <utility>  // std::exchange (the process settings)
+
 #define SDQ_DECL(NAME) extern "C" int sdq_w4a16_part_##NAME(int, int, const SdqW4A16Params*, cudaStream_t);
 SDQ_DECL(f16_nt1)
 SDQ_DECL(f16_nt2)
@@ -221,38 +223,26 @@ int g_wg_schedule = 0;
 int g_wg_rows = 0;
 int g_wg_cluster = 1;
 int g_wg_wave = 1;
+void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
-  const int old = g_wg_schedule;
-  g_wg_schedule = mode >= 0 && mode <= 3 ? mode : 0;
-  return old;
+  return std::exchange(g_wg_schedule, mode >= 0 && mode <= 3 ? mode : 0);
 }
 extern "C" int sdq_w4a16_wg_schedule(void) { return g_wg_schedule; }
 extern "C" int sdq_w4a16_set_wg_rows(int rows) {
-  const int old = g_wg_rows;
-  g_wg_rows = rows == 256 ? 256 : 0;
-  return old;
+  return std::exchange(g_wg_rows, rows == 256 ? 256 : 0);
 }
 extern "C" int sdq_w4a16_wg_rows(void) { return g_wg_rows; }
 extern "C" int sdq_w4a16_set_wg_cluster(int on) {
-  const int old = g_wg_cluster;
-  g_wg_cluster = on ? 1 : 0;
-  return old;
+  return std::exchange(g_wg_cluster, on ? 1 : 0);
 }
 extern "C" int sdq_w4a16_wg_cluster(void) { return g_wg_cluster; }
 extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
-  const int old = g_wg_wave;
-  g_wg_wave = on ? 1 : 0;
-  return old;
+  return std::exchange(g_wg_wave, on ? 1 : 0);
 }
 extern "C" int sdq_w4a16_wg_wave_splits(void) { return g_wg_wave; }
-namespace {
-void* g_ws_trace = nullptr;
-}
 extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
-  void* old = g_ws_trace;
-  g_ws_trace = trace;
-  return old;
+  return std::exchange(g_ws_trace, trace);
 }
 extern "C" void* sdq_w4a16_ws_trace(void) { return g_ws_trace; }
 extern "C" int sdq_w4a16_ws_trace_built(void) { return SDQ_WS_TRACE; }
