@@ -299,8 +299,8 @@ def cmd_tune(args) -> int:
     from sdquant.kernels import dispatch
     if not hasattr(dispatch, "measure_crossovers"):
         raise SdquantError("tune-kernels: this build has no crossover measurement")
-    path = dispatch.measure_crossovers(output=args.output)
-    print(f"wrote {path}; SDQUANT_KERNEL_TABLE={path} makes quantized layers plan from it")
+    dispatch.measure_crossovers(args.output)
+    print(f"wrote {args.output}; SDQUANT_KERNEL_TABLE={args.output} makes quantized layers plan from it")
     return EXIT_OK
 
 

@@ -28,6 +28,8 @@ def test_help_for_every_command(cmd, capsys):
     (["verify", "/nonexistent.sd2"], "cannot open"),
     (["eval", "tiny-llama", "--text", "/nonexistent.txt"], "--text: file not found"),
     (["export", "/nonexistent.sd2", "--format", "onnx", "--output", "x"], "file not found"),
+    pytest.param(["tune-kernels", "--output", "/nonexistent-dir/t.json"], "needs a CUDA GPU",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     assert main(argv) == 2
