@@ -1216,13 +1216,13 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL, MC>> {
     return per_current_device(slot[size], [size] {
       cudaLaunchConfig_t cfg = {};
       cudaLaunchAttribute attr[1];
-      cfg.gridDim = MC ? dim3(1, size, 1) : dim3(1, 1, size);
+      cfg.gridDim = dim3(1, 1, size);
       cfg.blockDim = dim3(THREADS);
       cfg.dynamicSmemBytes = SMEM;
       attr[0].id = cudaLaunchAttributeClusterDimension;
       attr[0].val.clusterDim.x = 1;
-      attr[0].val.clusterDim.y = MC ? static_cast<unsigned>(size) : 1;
-      attr[0].val.clusterDim.z = MC ? 1 : static_cast<unsigned>(size);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = static_cast<unsigned>(size);
       cfg.attrs = attr;
       cfg.numAttrs = 1;
       int n = 0;
@@ -1326,9 +1326,8 @@ bool wg_cluster_ok(const SdqW4A16Params& p, int ntok) {
 // Whether a warp-specialized launch without the cluster sum multicasts its activation tiles to pairs of feature tiles
 // (MC in w4a16_wgmma_tma_kernel): sdq_w4a16_set_wg_multicast allows it, the 128-token tile, and an even number of
 // 256-feature tiles.
-template <typename K>
-bool wg_multicast_ok(const SdqW4A16Params& p, int ntok) {
-  return sdq_w4a16_wg_multicast() && ntok == 128 && p.n % 512 == 0 && 2 * K::max_clusters(2) >= sm_count_now() - 2;
+inline bool wg_multicast_ok(const SdqW4A16Params& p, int ntok) {
+  return sdq_w4a16_wg_multicast() && ntok == 128 && p.n % 512 == 0;
 }
 
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
@@ -1383,7 +1382,7 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (!ws) return sk ? 1 : 0;
     if constexpr (WS && NTOK == 128) {
       if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return 3;
-      if (wg_multicast_ok<TmaKern<T, NTOK, WKS, false, true>>(p, NTOK)) return 4;
+      if (wg_multicast_ok(p, NTOK)) return 4;
     }
     return 2;
   }
@@ -1392,8 +1391,7 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
       if (op == 3) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
       if constexpr (NTOK == 128) {
         if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return TmaKern<T, NTOK, WKS, true>::launch(p, stream);
-        using Pair = TmaKern<T, NTOK, WKS, false, true>;
-        if (wg_multicast_ok<Pair>(p, NTOK)) return Pair::launch(p, stream);
+        if (wg_multicast_ok(p, NTOK)) return TmaKern<T, NTOK, WKS, false, true>::launch(p, stream);
       }
       return TmaKern<T, NTOK, WKS>::launch(p, stream);
     }
