@@ -142,7 +142,6 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="4096x4096x128,4096x6144x128,14336x4096x128,8192x28672x128")
     ap.add_argument("--nocl", action="store_true", help="the split-K sum by a second kernel, not in a cluster")
-    ap.add_argument("--nomc", action="store_true", help="no activation multicast to CTA pairs")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     import ab_build
@@ -155,9 +154,6 @@ def main(argv=None) -> None:
     if args.nocl:
         int4_cuda.set_wgmma_cluster(False)
         ext_t.set_wg_cluster(0)
-    if args.nomc:
-        int4_cuda.set_wgmma_multicast(False)
-        ext_t.set_wg_multicast(0)
     rows = []
     for (k, n, m, sp) in parse_points(args.points):
         row = run_point(ext_t, k, n, m, sp, dev)

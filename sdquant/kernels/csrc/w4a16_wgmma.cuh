@@ -670,7 +670,7 @@ struct TmaSmem {
 // an arrival on a barrier of any CTA of the cluster (bar: a shared::cluster address, from mapa)
 __device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, bool on) {
   asm volatile(
-      "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::
+      "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n}\n" ::
           "r"(bar),
       "r"(static_cast<int>(on))
       : "memory");
@@ -1206,7 +1206,6 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL, MC>> {
       cfg.numAttrs += 1;
     }
     cudaLaunchKernelEx(&cfg, kernel, p, map);
-    cfg.numAttrs = p.pdl ? 1 : 0;  // (the second kernel: no cluster)
     return !CL && p.splits > 1 ? wg_launch_reduce<T>(cfg, p) : static_cast<int>(cudaGetLastError());
   }
   // clusters of `size` CTAs that can be resident at once (0 where the launch could not run), once per size and device
