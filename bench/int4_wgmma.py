@@ -74,24 +74,20 @@ class schedule_set:
     before the warp-specialized kernel took every row in one launch); "nocl" the automatic schedule with the
     warp-specialized split-K summed by a second kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False));
     "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
-    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "nomc" the
-    automatic schedule with every warp-specialized CTA copying its own activation tiles (int4_cuda.set_wgmma_multicast(
-    False); "mc" forces the pairs on)."""
+    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39)."""
 
     def __init__(self, mode: str):
         self.mode = mode
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = self.old_rows = self.old_cl = self.old_wave = self.old_mc = None
+        self.old = self.old_rows = self.old_cl = self.old_wave = None
         if self.mode == "r256":
             self.old_rows = int4_cuda.set_wgmma_rows(256)
         elif self.mode == "nocl":
             self.old_cl = int4_cuda.set_wgmma_cluster(False)
         elif self.mode in ("wave", "nowave"):
             self.old_wave = int4_cuda.set_wgmma_wave_splits(self.mode == "wave")
-        elif self.mode in ("mc", "nomc"):
-            self.old_mc = int4_cuda.set_wgmma_multicast(self.mode == "mc")
         elif self.mode != "auto":
             self.old = int4_cuda.set_wgmma_schedule(self.mode)
         return self
@@ -106,8 +102,6 @@ class schedule_set:
             int4_cuda.set_wgmma_cluster(self.old_cl)
         if self.old_wave is not None:
             int4_cuda.set_wgmma_wave_splits(self.old_wave)
-        if self.old_mc is not None:
-            int4_cuda.set_wgmma_multicast(self.old_mc)
         return False
 
 
@@ -317,9 +311,7 @@ def main(argv=None):
                                                         "with 256-row launches, int4_cuda.set_wgmma_rows; nocl: "
                                                         "no cluster split-K sum, int4_cuda.set_wgmma_cluster; nowave "
                                                         "/ wave: without / with two splits at M > 256 where "
-                                                        "waves gain, int4_cuda.set_wgmma_wave_splits; nomc / mc: "
-                                                        "without / with the activation multicast to CTA pairs, "
-                                                        "int4_cuda.set_wgmma_multicast)")
+                                                        "waves gain, int4_cuda.set_wgmma_wave_splits)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

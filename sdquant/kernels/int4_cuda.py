@@ -445,15 +445,14 @@ def set_wgmma_cluster(on: bool) -> bool:
     return bool(ext.set_wg_cluster(1 if on else 0))
 
 
-WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster", 4: "ws-mc"}
+WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster"}
 
 
 def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=torch.bfloat16,
                splits: int = 0) -> str:
     """Which path a launch of the wgmma kernel (variants 62-63) of m rows takes with this many splits (0: automatic):
     "split" (split-K), "stream" (stream-K), "ws" (the warp-specialized split-K, splits summed by a second kernel) or
-    "ws-cluster" (summed inside a cluster), "ws-mc" (the warp-specialized kernel with each activation tile multicast to
-    a pair of CTAs); "" where the extension is not built or the config is another kernel."""
+    "ws-cluster" (summed inside a cluster); "" where the extension is not built or the config is another kernel."""
     ext = extension()
     if ext is None:
         return ""
@@ -470,17 +469,6 @@ def set_wgmma_wave_splits(on: bool) -> bool:
     if ext is None:
         return True
     return bool(ext.set_wg_wave_splits(1 if on else 0))
-
-
-def set_wgmma_multicast(on: bool) -> bool:
-    """Whether the warp-specialized wgmma kernel without the cluster sum runs its CTAs in pairs of feature tiles, each
-    activation tile copied once into both CTAs' shared memory (TMA multicast; on by default where the feature tiles
-    pair up), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule nomc). Returns the previous
-    setting (True where the extension is not built)."""
-    ext = extension()
-    if ext is None:
-        return True
-    return bool(ext.set_wg_multicast(1 if on else 0))
 
 
 def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:

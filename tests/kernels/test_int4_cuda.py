@@ -280,7 +280,6 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_rows(256) == 0
         assert int4_cuda.set_wgmma_cluster(False) is True
         assert int4_cuda.set_wgmma_wave_splits(False) is True
-        assert int4_cuda.set_wgmma_multicast(False) is True
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
         assert int4_cuda.wgmma_max_clusters(2) == 0

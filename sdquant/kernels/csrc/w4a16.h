@@ -170,10 +170,6 @@ int sdq_w4a16_wg_cluster(void);
 // Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).
 int sdq_w4a16_set_wg_wave_splits(int on);
 int sdq_w4a16_wg_wave_splits(void);
-// Whether the warp-specialized kernel without the cluster sum multicasts each activation tile to a pair of CTAs (1, the
-// default) or has every CTA copy its own (0).
-int sdq_w4a16_set_wg_multicast(int on);
-int sdq_w4a16_wg_multicast(void);
 // The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
 // write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
 // sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).

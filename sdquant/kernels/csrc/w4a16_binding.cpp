@@ -236,8 +236,6 @@ int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast
 
 int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
 
-int64_t set_wg_multicast(int64_t on) { return sdq_w4a16_set_wg_multicast(static_cast<int>(on)); }
-
 // the warp-specialized kernel's phase trace: a device buffer's address (0 = off) for a -DSDQ_WS_TRACE=1 build's launches
 // (bench/ws_trace.py); returns whether this build writes it
 int64_t set_ws_trace(int64_t ptr) {
@@ -254,8 +252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
-  mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum, "
-          "4 ws + activations multicast to pairs)");
+  mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum)");
   mod.def("wg_max_clusters", &wg_max_clusters, "clusters of that many warp-specialized CTAs resident at once");
   mod.def("launch_rows", &launch_rows, "rows a launch of a variant takes at this M (larger M: several launches)");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
@@ -268,9 +265,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
-  mod.def("set_wg_multicast", &set_wg_multicast,
-          "the warp-specialized kernel without the cluster sum multicasts activation tiles to CTA pairs (1) or not (0); "
-          "returns the old");
   mod.def("set_ws_trace", &set_ws_trace,
           "trace buffer address for the warp-specialized kernel (0 off); returns 1 in a -DSDQ_WS_TRACE=1 build");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");

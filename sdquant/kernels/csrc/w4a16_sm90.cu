@@ -223,7 +223,6 @@ int g_wg_schedule = 0;
 int g_wg_rows = 0;
 int g_wg_cluster = 1;
 int g_wg_wave = 1;
-int g_wg_mc = 1;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
@@ -242,10 +241,6 @@ extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
   return std::exchange(g_wg_wave, on ? 1 : 0);
 }
 extern "C" int sdq_w4a16_wg_wave_splits(void) { return g_wg_wave; }
-extern "C" int sdq_w4a16_set_wg_multicast(int on) {
-  return std::exchange(g_wg_mc, on ? 1 : 0);
-}
-extern "C" int sdq_w4a16_wg_multicast(void) { return g_wg_mc; }
 extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
   return std::exchange(g_ws_trace, trace);
 }

@@ -667,14 +667,6 @@ struct TmaSmem {
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
 };
-// an arrival on a barrier of any CTA of the cluster (bar: a shared::cluster address, from mapa)
-__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, bool on) {
-  asm volatile(
-      "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n}\n" ::
-          "r"(bar),
-      "r"(static_cast<int>(on))
-      : "memory");
-}
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
@@ -682,13 +674,11 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
       : "memory");
 }
 // A stage's copies, each predicated on `on` (thread 0 when the slot is free): the weights and scales / zeros
-// (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w). With MC (the
-// multicast pair, w4a16_wgmma_tma_kernel), rank `mc` of the pair copies only its half of the activation sub-tiles, each
-// into both CTAs' shared memory at the same offset, signalling both CTAs' barriers at `full`'s offset.
-template <int NTOK, int KS, bool MC = false>
+// (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w).
+template <int NTOK, int KS>
 __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const CUtensorMap* tx, uint32_t st,
                                                 uint32_t full, int ks0, int nb0, int m0, bool on, bool with_w,
-                                                bool with_x, int mc = 0) {
+                                                bool with_x) {
   using L = WgSmem<NTOK, 1, KS>;
   const int q = on ? 1 : 0;
   if (with_w) {
@@ -719,18 +709,7 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
           : "memory");
     }
   }
-  if (with_x && MC) {
-    static_assert(KS % 8 == 0, "the pair splits a stage's 64-K sub-tiles evenly");
-#pragma unroll
-    for (int sub = mc; sub < KS / 4; sub += 2)
-      asm volatile(
-          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-          " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-          " [%0], [%1, {%2, %3}], [%5], %6;\n}\n" ::"r"(st + sub * NTOK * 128),
-          "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full),
-          "h"(static_cast<uint16_t>(3))
-          : "memory");
-  } else if (with_x)
+  if (with_x)
 #pragma unroll
     for (int sub = 0; sub < KS / 4; ++sub)  // 64-K sub-tiles of NTOK x 128 bytes
       asm volatile(
@@ -884,21 +863,15 @@ __device__ __forceinline__ void cluster_sum(uint32_t sbase, int tid, Store&& sto
   }
 }
 
-template <typename T, int NTOK, int KS, bool CL, bool MC>
+template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split);
-// MC: the activation tile multicast to a pair of CTAs (a cluster of 2 along the feature tiles: the same token tile and
-// split, features 256 apart). Each CTA copies half of a stage's activation sub-tiles into both CTAs' shared memory, so
-// the pair reads its activations from L2 once instead of twice (a CTA's stage reads 50 KB: 32 KB of activations, 16 KB
-// of weights, 2 KB of scales). A slot is then written by both CTAs' copies, so it is free only once both CTAs' consumers
-// are done with it: every consumer warp arrives on the empty barriers of both. The barriers are initialized before a
-// cluster barrier (the peer's copies may signal them from then on), and the pair leaves through a cluster barrier (no
-// CTA exits while the other may still arrive on its barriers or receive its copies).
-template <typename T, int NTOK, int KS, bool CL = false, bool MC = false>
+template <typename T, int NTOK, int KS, bool CL = false>
 __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a16_wgmma_tma_kernel(
     const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
+  using O = Ops<T>;
   using L = WgSmem<NTOK, 1, KS>;
-  constexpr int WGS = WsRegs<NTOK>::WGS;
+  constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
@@ -923,37 +896,34 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);            // the issuer's expect_tx arrival
-      mbar_init(empty0 + 8 * s, (MC ? 2 : 1) * 4 * WGS);  // one arrival a consumer warp (of both CTAs with MC)
+      mbar_init(empty0 + 8 * s, 4 * WGS);     // one arrival a consumer warp
     }
     mbar_fence_init();
   }
-  if constexpr (MC)
-    cluster_sync_all();
-  else
-    __syncthreads();
+  __syncthreads();
   if (tid == 0) SDQ_WS_T(2, clock64());
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform warpgroup index
   if (role == WGS) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
     if (tid == 128 * WGS) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-      const int pre = nst < STAGES ? nst : STAGES, mc = MC ? static_cast<int>(cluster_rank()) : 0;
+      const int pre = nst < STAGES ? nst : STAGES;
       // the first stages' weights before the PDL wait (they do not depend on the previous kernel), then activations
       for (int s = 0; s < pre; ++s)
-        tma_issue_stage<NTOK, KS, MC>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true,
-                                      true, false, mc);
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, true,
+                                  false);
       if (p.pdl) griddep_wait();
       for (int s = 0; s < pre; ++s)
-        tma_issue_stage<NTOK, KS, MC>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true,
-                                      false, true, mc);
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + s * L::STAGE, full0 + 8 * s, (st0 + s) * KS, nb0, m0, true, false,
+                                  true);
       SDQ_WS_T(9, clock64());
       for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
         const int slot = r % STAGES;
         // (ring_wait's trap here, in the producer, leaves the consumers' allocation alone: a consumer that never frees
         // its slot ends the kernel with an error instead of hanging it)
         ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
-        tma_issue_stage<NTOK, KS, MC>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0,
-                                      true, true, true, mc);
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
+                                  true, true);
       }
       SDQ_WS_T(10, clock64());
     }
@@ -963,11 +933,10 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::CONS));
-    ws_consumer<T, NTOK, KS, CL, MC>(p, sbase, full0, empty0, nst, m0, nb0, split);
+    ws_consumer<T, NTOK, KS, CL>(p, sbase, full0, empty0, nst, m0, nb0, split);
   }
-  if constexpr (MC) cluster_sync_all();  // (every thread of the pair, both roles: see MC above)
 }
-template <typename T, int NTOK, int KS, bool CL, bool MC>
+template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split) {
   using O = Ops<T>;  // (the cluster sum's stores)
@@ -984,11 +953,6 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
-  uint32_t empty_pair[2] = {empty0, empty0};  // (MC) the empty barriers of both CTAs of the pair
-  if constexpr (MC) {
-    empty_pair[0] = dsmem_map(empty0, 0);
-    empty_pair[1] = dsmem_map(empty0, 1);
-  }
 #if SDQ_WS_TRACE
   long long waited = 0;
 #endif
@@ -1006,15 +970,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     wg_load_group<T, NU, L>(st, 0, wg, warp, g8, sp, zl, zh);  // (one group a stage: the group is a multiple of it)
     wg_stage_mma<T, NTOK, KS, NU, L>(st, wg, warp, lane, acc, af, sp, zl, zh, [](int) {}, [&](int k0) {
       // at step 1 every wgmma of the previous stage has retired: free its slot
-      if (k0 == 1) {
-        const uint32_t slot_at = 8 * ((s + STAGES - 1) % STAGES);
-        if constexpr (MC) {
-          mbar_arrive_cluster_if(empty_pair[0] + slot_at, s > 0 && lane == 0);
-          mbar_arrive_cluster_if(empty_pair[1] + slot_at, s > 0 && lane == 0);
-        } else {
-          mbar_arrive_if(empty0 + slot_at, s > 0 && lane == 0);
-        }
-      }
+      if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
     });
   }
   wg_wait<0>();
@@ -1177,13 +1133,12 @@ int wg_launch_reduce(cudaLaunchConfig_t cfg, const SdqW4A16Params& p) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int NTOK, int KS, bool CL = false, bool MC = false>
-struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL, MC>> {
+template <typename T, int NTOK, int KS, bool CL = false>
+struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   static constexpr int THREADS = WsRegs<NTOK>::THREADS;
   static constexpr int SMEM = TmaSmem<NTOK, KS>::TOTAL;
   static_assert(!CL || TmaSmem<NTOK, KS>::BAR_AT >= 4 * 128 * NTOK * 2, "a CTA's fp32 accumulators fit the stages");
-  static_assert(!(CL && MC), "the cluster sum and the multicast pair are separate forms");
-  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL, MC>;
+  static constexpr auto kernel = w4a16_wgmma_tma_kernel<T, NTOK, KS, CL>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaKern::setup()) return rc;
     if (reinterpret_cast<uintptr_t>(p.c) % 16) return -1;  // copy_out's 16-byte stores (the op's outputs always are)
@@ -1197,12 +1152,11 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL, MC>> {
     if (const int rc = tma_x_map(p, NTOK, &map)) return rc;
     cudaLaunchAttribute attr[2];
     cudaLaunchConfig_t cfg = TmaKern::config(dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
-    if constexpr (CL || MC) {  // the splits of a tile as one cluster (CL); pairs of feature tiles (MC)
-      if (MC && (p.n / 256) % 2) return -1;
+    if constexpr (CL) {  // the splits of a tile as one cluster
       attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
       attr[cfg.numAttrs].val.clusterDim.x = 1;
-      attr[cfg.numAttrs].val.clusterDim.y = MC ? 2 : 1;
-      attr[cfg.numAttrs].val.clusterDim.z = MC ? 1 : static_cast<unsigned>(p.splits);
+      attr[cfg.numAttrs].val.clusterDim.y = 1;
+      attr[cfg.numAttrs].val.clusterDim.z = static_cast<unsigned>(p.splits);
       cfg.numAttrs += 1;
     }
     cudaLaunchKernelEx(&cfg, kernel, p, map);
@@ -1322,13 +1276,6 @@ bool wg_cluster_ok(const SdqW4A16Params& p, int ntok) {
   return sdq_w4a16_wg_wave_splits() && p.m > 256 && p.splits == 2 && 20 * fit >= 9 * sm_count_now();
 }
 
-// Whether a warp-specialized launch without the cluster sum multicasts its activation tiles to pairs of feature tiles
-// (MC in w4a16_wgmma_tma_kernel): sdq_w4a16_set_wg_multicast allows it, the 128-token tile, and an even number of
-// 256-feature tiles.
-inline bool wg_multicast_ok(const SdqW4A16Params& p, int ntok) {
-  return sdq_w4a16_wg_multicast() && ntok == 128 && p.n % 512 == 0;
-}
-
 // op: 0 launch, 1 resident CTAs per SM, 2 blocks a CTA, 3 scratch floats, 4 kind, 5 warps (as run_op in
 // w4a16_kernel.cuh), 6 whether this launch runs stream-K (p.splits is then the grid); the token tile from p.m.
 // v = 62: the last CTA of a tile sums the splits; 63: a second kernel does.
@@ -1376,22 +1323,17 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
-  if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster
-                  // sum, 4 warp-specialized with the activations multicast to pairs
+  if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster sum
     if (!ws) return sk ? 1 : 0;
-    if constexpr (WS && NTOK == 128) {
+    if constexpr (WS && NTOK == 128)
       if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return 3;
-      if (wg_multicast_ok(p, NTOK)) return 4;
-    }
     return 2;
   }
   if constexpr (WS)
     if (ws) {  // (scratch: split-K's plain [splits, m, n] partials, as the single-role kernel's, cluster or not)
       if (op == 3) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
-      if constexpr (NTOK == 128) {
+      if constexpr (NTOK == 128)
         if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return TmaKern<T, NTOK, WKS, true>::launch(p, stream);
-        if (wg_multicast_ok(p, NTOK)) return TmaKern<T, NTOK, WKS, false, true>::launch(p, stream);
-      }
       return TmaKern<T, NTOK, WKS>::launch(p, stream);
     }
   if constexpr (NTOK == 128)
