@@ -2,19 +2,23 @@
 
 The CUDA extension is built a second time with -DSDQ_WS_TRACE=1 (bench/ab_build.py's build, its own module). In that
 build every CTA of the warp-specialized kernel writes clock64 / globaltimer stamps at its phase boundaries into a
-buffer set with ``set_ws_trace`` (16 u64 a CTA, slots listed in w4a16_wgmma.cuh above ``ws_trace``). For each point
+buffer set with ``set_ws_trace`` (32 u64 a CTA, slots listed in w4a16_wgmma.cuh above ``ws_trace``). For each point
 (K x N x M, optional forced splits) this script
 1. times the default build's op beside cuBLAS bf16 (bench/gemm.py's method: weights rotated past 3x the L2, CUDA
    graph, median) and the traced build's op the same way, trace off, so the cost of the instrumentation is visible;
-2. runs the traced op once more after an L2 flush with the trace on, checks its output is bit-identical to the
-   default build's, and prints per-phase medians / 90th percentiles over the CTAs in microseconds:
+2. runs the traced op once more after an L2 flush with the trace on (or, with --warm N, traces the last of N
+   back-to-back calls over the rotating weights: the steady state the timing sees, activations in L2 and each launch
+   overlapping the previous one's tail), checks its output is bit-identical to the default build's, and prints
+   per-phase medians / 90th percentiles over the CTAs in microseconds:
    start skew (globaltimer at entry after the first CTA's), init (barrier setup), first (until the first stage is
-   in shared memory), loop (the main loop after it; "waiting" = the part spent on full barriers), sync (the first
+   in shared memory), loop (the main loop after it; "waiting" = the part spent on full barriers, "late" = the part of
+   that from the ring's third pass on, past the prologue's requests), sync (the first
    cluster barrier: waiting for the slowest split; at one split the whole epilogue), sum (the cluster sum and the stores), cta (entry to end), and the
    launch's span (first entry to last end).
 
     python bench/ws_trace.py --points 4096x4096x128,4096x6144x128,14336x4096x128 --out $OUT
     python bench/ws_trace.py --points 4096x4096x128:4,4096x4096x256 --nocl --out $OUT   # 4 forced splits; no cluster
+    python bench/ws_trace.py --points 8192x28672x1024 --warm 20 --out $OUT   # the steady state
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
 
-SLOTS = 16
-PHASES = ("skew", "init", "first", "loop", "waiting", "sync", "sum", "cta")
+SLOTS = 32
+PHASES = ("skew", "init", "first", "loop", "waiting", "late", "sync", "sum", "cta")
 
 
 def log(*a):
@@ -55,8 +59,9 @@ def _pct(vals: list, q: float) -> float:
 
 
 def analyse(trace, n_ctas: int) -> dict:
-    """Per-phase statistics (µs) of one traced launch. ``trace``: the 16-u64-a-CTA rows (any int sequence of
-    sequences, one per CTA of the grid, in launch order). Rows with no entry stamp are CTAs that did not run the
+    """Per-phase statistics (µs) of one traced launch. ``trace``: the 32-u64-a-CTA rows (any int sequence of
+    sequences, one per CTA of the grid, in launch order; rows of 16, as builds before slot 16 wrote, give "late" 0).
+    Rows with no entry stamp are CTAs that did not run the
     warp-specialized kernel (an error: reported as ``missing``). Clock cycles are turned into µs with the SM clock
     each CTA measured against the globaltimer over its own life."""
     rows = [list(map(int, r)) for r in trace[:n_ctas]]
@@ -72,6 +77,7 @@ def analyse(trace, n_ctas: int) -> dict:
         per["first"].append((r[3] - r[2]) / mhz)
         per["loop"].append((r[4] - r[3]) / mhz)
         per["waiting"].append(r[12] / mhz)
+        per["late"].append((r[16] if len(r) > 16 else 0) / mhz)
         per["sync"].append((r[5] - r[4]) / mhz)
         per["sum"].append((r[6] - r[5]) / mhz)
         per["cta"].append((r[6] - r[1]) / mhz)
@@ -91,7 +97,7 @@ def line(p: dict) -> str:
     return " | ".join(cells)
 
 
-def run_point(ext_t, k: int, n: int, m: int, splits: int, dev) -> dict:
+def run_point(ext_t, k: int, n: int, m: int, splits: int, dev, warm: int = 0) -> dict:
     from sdquant.kernels import int4_cuda, int4_layout
     dtype = torch.bfloat16
     qw = gemm.random_int4(n, k, device=dev, seed=k + n)
@@ -111,7 +117,7 @@ def run_point(ext_t, k: int, n: int, m: int, splits: int, dev) -> dict:
         la = lays[i]
         return ext_t.w4a16(x, la["qweight"], la["scales"], la["zeros"], la["locks"], splits, False, v, t, 0, 0)
 
-    row = {"K": k, "N": n, "M": m, "splits_forced": splits,
+    row = {"K": k, "N": n, "M": m, "splits_forced": splits, "warm": warm,
            "path": int4_cuda.wgmma_path(m, n, k, gemm.GS, cfg, dtype, splits),
            "splits": splits or int4_cuda.auto_splits(m, n, k, gemm.GS, cfg, dtype)}
     row["bf16_us"] = round(gemm.time_rotating(lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]),
@@ -122,11 +128,14 @@ def run_point(ext_t, k: int, n: int, m: int, splits: int, dev) -> dict:
     ctas = ((m + 127) // 128) * (n // 256) * max(1, row["splits"])
     buf = torch.zeros(ctas * SLOTS + SLOTS, dtype=torch.int64, device=dev)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    y_ref = default(0)
+    last = (warm - 1) % ncopy if warm > 0 else 0
+    y_ref = default(last)
     flush.fill_(1)
     torch.cuda.synchronize()
     built = ext_t.set_ws_trace(buf.data_ptr())
-    y = traced(0)
+    for i in range(warm - 1):  # back to back, no sync: each launch overwrites the trace, the last one's stays
+        traced(i % ncopy)
+    y = traced(last)
     torch.cuda.synchronize()
     ext_t.set_ws_trace(0)
     row["identical"] = bool(torch.equal(y, y_ref))
@@ -142,6 +151,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="4096x4096x128,4096x6144x128,14336x4096x128,8192x28672x128")
     ap.add_argument("--nocl", action="store_true", help="the split-K sum by a second kernel, not in a cluster")
+    ap.add_argument("--warm", type=int, default=0, help="trace the last of this many back-to-back calls (0: one call "
+                                                         "after an L2 flush)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     import ab_build
@@ -156,7 +167,7 @@ def main(argv=None) -> None:
         ext_t.set_wg_cluster(0)
     rows = []
     for (k, n, m, sp) in parse_points(args.points):
-        row = run_point(ext_t, k, n, m, sp, dev)
+        row = run_point(ext_t, k, n, m, sp, dev, args.warm)
         rows.append(row)
         tr = row["trace"]
         log(f"{k}x{n} M={m} path {row['path']} splits {row['splits']}: bf16 {row['bf16_us']} op {row['op_us']} "

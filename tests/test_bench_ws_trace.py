@@ -1,5 +1,5 @@
 """bench/ws_trace.py's host side: the point list and the per-phase statistics it makes of the warp-specialized
-kernel's trace rows (16 u64 a CTA, slots as w4a16_wgmma.cuh lists them), on synthetic rows with known phases."""
+kernel's trace rows (32 u64 a CTA, slots as w4a16_wgmma.cuh lists them), on synthetic rows with known phases."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 ws_trace = pytest.importorskip("ws_trace")
 
 
-def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8):
+def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8, late=0.0):
     """A CTA's trace row from phase lengths in µs at an SM clock of `mhz` (cycles per µs)."""
     c1 = 1_000_000
     c2 = c1 + int(init * mhz)
@@ -20,7 +20,8 @@ def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8):
     c5 = c4 + int(sync * mhz)
     c6 = c5 + int(total_sum * mhz)
     g7 = g0_ns + int((c6 - c1) / mhz * 1e3)
-    return [g0_ns, c1, c2, c3, c4, c5, c6, g7, sm, 0, 0, stages, int(waiting * mhz), c4, 0, 0]
+    head = [g0_ns, c1, c2, c3, c4, c5, c6, g7, sm, 0, 0, stages, int(waiting * mhz), c4, 0, 0, int(late * mhz)]
+    return head + [0] * 15
 
 
 def test_parse_points():
@@ -28,9 +29,9 @@ def test_parse_points():
 
 
 def test_analyse_recovers_the_phases():
-    rows = [_row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0),
-            _row(7_000, 1800.0, 0.5, 2.5, 6.0, 1.0, 3.0, 2.0, sm=1, stages=7),
-            [0] * 16]  # a CTA that never wrote its stamps
+    rows = [_row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0, late=0.5),
+            _row(7_000, 1800.0, 0.5, 2.5, 6.0, 1.0, 3.0, 2.0, sm=1, stages=7, late=0.25),
+            [0] * 32]  # a CTA that never wrote its stamps
     got = ws_trace.analyse(rows, 3)
     assert got["ctas"] == 2 and got["missing"] == 1 and got["sms"] == 2
     assert got["stages"] == [7, 8]
@@ -39,6 +40,7 @@ def test_analyse_recovers_the_phases():
     assert got["first"]["max"] == pytest.approx(2.5, abs=0.01)
     assert got["loop"]["med"] == pytest.approx(7.0, abs=0.01)  # median of 8 and 6
     assert got["waiting"]["max"] == pytest.approx(2.0, abs=0.01)
+    assert got["late"]["max"] == pytest.approx(0.5, abs=0.01) and got["late"]["med"] == pytest.approx(0.375, abs=0.01)
     assert got["sync"]["max"] == pytest.approx(3.0, abs=0.01)
     assert got["cta"]["max"] == pytest.approx(0.5 + 2.5 + 6.0 + 3.0 + 2.0, abs=0.02)  # the second CTA
     # first entry to last end: the second CTA ends at 2 + 14 µs
@@ -48,3 +50,10 @@ def test_analyse_recovers_the_phases():
 
 def test_analyse_reports_a_launch_without_stamps():
     assert ws_trace.analyse([[0] * 16, [0] * 16], 2) == {"missing": 2}
+
+
+def test_analyse_reads_rows_of_older_builds():
+    """Rows of 16 u64 (builds before slot 16, the steady-state waiting, existed) still analyse, with "late" 0."""
+    row = _row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0, late=0.5)[:16]
+    got = ws_trace.analyse([row], 1)
+    assert got["ctas"] == 1 and got["late"]["max"] == 0.0 and got["loop"]["max"] == pytest.approx(8.0, abs=0.01)

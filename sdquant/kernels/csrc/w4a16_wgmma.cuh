@@ -721,12 +721,13 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
 }
 
 // Phase trace of the warp-specialized kernel (bench/ws_trace.py; -DSDQ_WS_TRACE=1 builds only, none of this code
-// exists otherwise). Each CTA writes 16 u64 at trace[16 * linear CTA id] when the host has set a buffer
+// exists otherwise). Each CTA writes 32 u64 at trace[32 * linear CTA id] when the host has set a buffer
 // (sdq_w4a16_set_ws_trace): 0 globaltimer at entry, 1 clock64 at entry, 2 after the barrier init, 3 consumer 0 past
 // its first full barrier (first stage in shared memory), 4 consumer 0 past its main loop, 5 past the first cluster
 // barrier (= 4 without the cluster sum), 6 consumer 0 at its end, 7 globaltimer there, 8 SM id, 9 producer after the
 // prologue's copies, 10 producer after its last copy, 11 stages, 12 consumer 0's cycles waiting on full barriers,
-// 13 consumer warpgroup 1 past its main loop, 14 split, 15 feature tile. Clocks are the SM's own (compare within a CTA).
+// 13 consumer warpgroup 1 past its main loop, 14 split, 15 feature tile, 16 the part of 12 in stages from 2 x STAGES on
+// (the ring's steady state, past the prologue's requests), 17-31 unused. Clocks are the SM's own (compare within a CTA).
 #ifndef SDQ_WS_TRACE
 #define SDQ_WS_TRACE 0
 #endif
@@ -740,7 +741,7 @@ __device__ __forceinline__ unsigned long long ws_gtime() {
 }
 __device__ __forceinline__ void ws_trace(int slot, unsigned long long v) {
   if (sdq_ws_trace_ptr)
-    sdq_ws_trace_ptr[16ull * (blockIdx.x + gridDim.x * (blockIdx.y + static_cast<unsigned long long>(gridDim.y) *
+    sdq_ws_trace_ptr[32ull * (blockIdx.x + gridDim.x * (blockIdx.y + static_cast<unsigned long long>(gridDim.y) *
                                                                             blockIdx.z)) + slot] = v;
 }
 #define SDQ_WS_T(slot, v) ws_trace(slot, static_cast<unsigned long long>(v))
@@ -954,7 +955,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
 #if SDQ_WS_TRACE
-  long long waited = 0;
+  long long waited = 0, waited_late = 0;
 #endif
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
@@ -962,7 +963,9 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 #if SDQ_WS_TRACE
     const long long w0 = clock64();
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
-    waited += clock64() - w0;
+    const long long dw = clock64() - w0;
+    waited += dw;
+    if (s >= 2 * STAGES) waited_late += dw;
     if (s == 0 && tid == 0) SDQ_WS_T(3, clock64());
 #else
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
@@ -981,6 +984,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   if (tid == 0) {
     SDQ_WS_T(4, clock64());
     SDQ_WS_T(12, waited);
+    SDQ_WS_T(16, waited_late);
   }
   if (tid == 128) SDQ_WS_T(13, clock64());
 #endif
