@@ -35,7 +35,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FP8_KERNELS = ("triton", "scaled_mm", "dequant", "dense", "reference")
 INT_KERNELS = ("cuda", "triton", "dequant", "dense", "reference")
 MODES = ("auto", "reference", "triton", "cuda", "torch")
-SHIPPED_TABLE = Path(__file__).with_name("crossover_h200.json")
+SHIPPED_DIR = Path(__file__).parent  # the shipped tables: crossover_<gpu>.json, each naming its GPU model in "device"
+SHIPPED_TABLE = SHIPPED_DIR / "crossover_h200.json"  # the default, for GPU models no shipped table was measured on
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,29 @@ def load_table(path: Optional[os.PathLike] = None) -> dict:
     _LOADED.clear()
     _LOADED[key] = table
     return table
+
+
+_SHIPPED_DEVICES: Dict[Tuple[str, int], Optional[str]] = {}  # (path, mtime_ns) -> the GPU model a shipped table names
+
+
+def shipped_table(device_name: Optional[str] = None) -> Path:
+    """The shipped crossover table measured on the GPU model ``device_name`` (``torch.cuda.get_device_name``): the
+    ``crossover_*.json`` beside this module whose "device" is that name; else the default (SHIPPED_TABLE, the H200's).
+    Only the "device" field of each file is read here (once per file version); the chosen table is validated when
+    loaded."""
+    default = SHIPPED_DIR / SHIPPED_TABLE.name
+    if device_name:
+        for p in sorted(SHIPPED_DIR.glob("crossover_*.json")):
+            key = (str(p), p.stat().st_mtime_ns)
+            if key not in _SHIPPED_DEVICES:
+                try:
+                    dev = json.loads(p.read_text()).get("device")
+                except (OSError, ValueError, AttributeError):
+                    dev = None  # an unreadable file is never chosen by name (load_table reports it if named)
+                _SHIPPED_DEVICES[key] = dev if isinstance(dev, str) else None
+            if _SHIPPED_DEVICES[key] == device_name:
+                return p
+    return default
 
 
 def validate_table(table: dict, where: str = "table") -> None:

@@ -77,11 +77,11 @@ TABLE_ENV = "SDQUANT_KERNEL_TABLE"  # a crossover table (JSON, e.g. from `sdquan
 _WARNED_DEVICES: set = set()  # GPU models already told that the shipped table was measured on another model
 
 
-def _warn_other_gpu(device: torch.device, table: dict) -> None:
-    """One warning a process and GPU model when the shipped crossover table comes from another GPU model: its
-    crossovers (where dequantize + cuBLAS overtakes the kernels) are that GPU's, so a plan may pick the slower path."""
+def _warn_other_gpu(here: str, table: dict) -> None:
+    """One warning a process and GPU model when no shipped crossover table was measured on this GPU model (``here``)
+    and the default one, from another model, is used: its crossovers (where dequantize + cuBLAS overtakes the
+    kernels) are that GPU's, so a plan may pick the slower path."""
     measured = table.get("device")
-    here = torch.cuda.get_device_name(device)
     if measured and here != measured and here not in _WARNED_DEVICES:
         _WARNED_DEVICES.add(here)
         warnings.warn(f"the shipped kernel crossover table was measured on {measured}, this GPU is {here}: layers "
@@ -91,7 +91,8 @@ def _warn_other_gpu(device: torch.device, table: dict) -> None:
 
 def _table_for(device: torch.device, mode: str, table):
     """The crossover table to plan from: for kernels="auto" on a GPU, or anywhere when one is passed. On a GPU
-    without one passed: the file named by $SDQUANT_KERNEL_TABLE, else the shipped table."""
+    without one passed: the file named by $SDQUANT_KERNEL_TABLE, else the shipped table of this GPU model
+    (dispatch.shipped_table), else the default shipped table (with a warning)."""
     if mode != "auto" or (device.type != "cuda" and table is None):
         return None
     if isinstance(table, dict):
@@ -102,11 +103,14 @@ def _table_for(device: torch.device, mode: str, table):
         if not os.path.isfile(path):
             raise ConfigError(TABLE_ENV, f"crossover table {path} does not exist")
         return dispatch.load_table(path)
-    if table is None and not dispatch.SHIPPED_TABLE.exists():
+    if table is not None:
+        return dispatch.load_table(table)
+    here = torch.cuda.get_device_name(device)
+    path = dispatch.shipped_table(here)
+    if not path.exists():
         return None  # no measured table for this build: dispatch's defaults
-    loaded = dispatch.load_table(table)
-    if table is None:
-        _warn_other_gpu(device, loaded)
+    loaded = dispatch.load_table(path)
+    _warn_other_gpu(here, loaded)
     return loaded
 
 

@@ -277,3 +277,32 @@ def test_a_gpu_unlike_the_shipped_tables_is_warned_once(monkeypatch):
         linear._table_for(torch.device("cuda"), "auto", _table())          # a table passed in: none
         name["gpu"] = shipped
         linear._table_for(torch.device("cuda"), "auto", None)            # the table's own GPU: none
+
+
+def test_each_gpu_model_plans_from_the_shipped_table_measured_on_it(tmp_path, monkeypatch):
+    """Shipped tables (crossover_*.json) are chosen by the GPU model they name: an H100 plans from the H100's table
+    with no warning, a model no table names falls back to the default (the H200's) with the warning, and files that
+    are not tables are never chosen by name. (No GPU is touched: the device name is patched.)"""
+    from sdquant.kernels import linear
+    monkeypatch.delenv(linear.TABLE_ENV, raising=False)
+    monkeypatch.setattr(linear, "_WARNED_DEVICES", set())
+    (tmp_path / "crossover_h200.json").write_text(json.dumps(_table(device="NVIDIA H200")))
+    h100 = _table(device="NVIDIA H100 80GB HBM3")
+    h100["entries"][2]["us"]["cuda"] = [4, 5, 19, 79, 899]  # tell the two tables apart
+    (tmp_path / "crossover_h100.json").write_text(json.dumps(h100))
+    (tmp_path / "crossover_junk.json").write_text("[1, 2")
+    monkeypatch.setattr(dispatch, "SHIPPED_DIR", tmp_path)
+    name = {"gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["gpu"])
+    assert dispatch.shipped_table("NVIDIA H100 80GB HBM3") == tmp_path / "crossover_h100.json"
+    assert dispatch.shipped_table("NVIDIA A100-SXM4-80GB") == tmp_path / "crossover_h200.json"
+    assert dispatch.shipped_table(None) == tmp_path / "crossover_h200.json"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = linear._table_for(torch.device("cuda"), "auto", None)
+    assert got["device"] == "NVIDIA H100 80GB HBM3" and got["entries"][2]["us"]["cuda"][0] == 4
+    name["gpu"] = "NVIDIA A100-SXM4-80GB"
+    with pytest.warns(UserWarning, match="measured on NVIDIA H200, this GPU is NVIDIA A100-SXM4-80GB"):
+        got = linear._table_for(torch.device("cuda"), "auto", None)
+    assert got["device"] == "NVIDIA H200"
