@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdquant.errors import SdquantError
+from sdquant.errors import ConfigError, SdquantError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--windows", type=int, default=None, help="first K non-overlapping windows (default all)")
 
     t = sub.add_parser("tune-kernels", help="re-measure the kernel crossover table on this GPU")
-    t.add_argument("--output", required=True, help="JSON file to write")
+    t.add_argument("--output", required=True, help="JSON file to write (rewritten after every shape)")
+    t.add_argument("--budget-s", type=float, default=None,
+                   help="skip the shapes not started within this many seconds (default: measure all)")
     return p
 
 
@@ -299,7 +301,9 @@ def cmd_tune(args) -> int:
     from sdquant.kernels import dispatch
     if not hasattr(dispatch, "measure_crossovers"):
         raise SdquantError("tune-kernels: this build has no crossover measurement")
-    dispatch.measure_crossovers(args.output)
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise ConfigError("--budget-s", f"must be positive, got {args.budget_s}")
+    dispatch.measure_crossovers(args.output, budget_s=args.budget_s)
     print(f"wrote {args.output}; SDQUANT_KERNEL_TABLE={args.output} makes quantized layers plan from it")
     return EXIT_OK
 

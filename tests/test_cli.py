@@ -28,6 +28,7 @@ def test_help_for_every_command(cmd, capsys):
     (["verify", "/nonexistent.sd2"], "cannot open"),
     (["eval", "tiny-llama", "--text", "/nonexistent.txt"], "--text: file not found"),
     (["export", "/nonexistent.sd2", "--format", "onnx", "--output", "x"], "file not found"),
+    (["tune-kernels", "--output", "t.json", "--budget-s", "0"], "--budget-s: must be positive"),
     pytest.param(["tune-kernels", "--output", "/nonexistent-dir/t.json"], "needs a CUDA GPU",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")),
 ])

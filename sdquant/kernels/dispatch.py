@@ -249,16 +249,21 @@ def write_table(table: dict, path: os.PathLike) -> Path:
 def measure_crossovers(path: os.PathLike, shapes: Optional[Sequence[Tuple[int, int]]] = None,
                        ms: Sequence[int] = DEFAULT_BUCKETS, kinds: Sequence[str] = ("fp8", "int4"),
                        dtype: str = "bfloat16", group_size: int = 128, tune: bool = True,
-                       log=print) -> dict:
+                       log=print, budget_s: Optional[float] = None) -> dict:
     """Re-measure the crossover table on the current GPU and write it to ``path`` (JSON, atomically).
 
     ``shapes`` are (K, N) pairs (in_features, out_features); by default the Llama-family set of
     ``bench/gemm_fp8.py``. Every available kernel of each kind and the bf16 F.linear baseline are timed per
     M (CUDA graphs, weights rotated past L2, medians); with ``tune`` the Triton fp8 tile config is chosen per
-    M from a small sweep. Needs a CUDA GPU. Returns the table.
+    M from a small sweep. The table is rewritten after every shape, so an interrupted run leaves the shapes it
+    finished; with ``budget_s``, shapes not started within that many seconds are skipped (and logged). Needs a
+    CUDA GPU. Returns the table.
     """
+    import time
+
     from sdquant.kernels import crossover  # the timing code (needs a GPU; imported only here)
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     table = crossover.measure(shapes=shapes, ms=ms, kinds=kinds, dtype=dtype, group_size=group_size,
-                              tune=tune, log=log)
+                              tune=tune, log=log, deadline=deadline, on_entry=lambda t: write_table(t, path))
     write_table(table, path)
     return table
