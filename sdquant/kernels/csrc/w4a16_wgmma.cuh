@@ -657,12 +657,19 @@ struct WsRegs {
   static constexpr int CONS = FIT > 240 ? 240 : FIT;
   static_assert(PROD + WGS * CONS <= (WGS + 1) * CAP, "the consumers' registers come from the producer's");
 };
+// The 128-token tile's stage depth: 8 (four 128-K stages of 50 KB, the default) or 4 (eight 64-K stages of 26 KB: the
+// same bytes in flight, each slot freed half a 128-K stage sooner; -DSDQ_WS_KS128=4 for A/Bs)
+#ifndef SDQ_WS_KS128
+#define SDQ_WS_KS128 8
+#endif
+constexpr int WS_KS128 = SDQ_WS_KS128;
 template <int NTOK, int KS>
 struct TmaSmem {
   using L = WgSmem<NTOK, 1, KS>;
   static constexpr int FIT = (225 * 1024 / WsRegs<NTOK>::MINB - 1024 - 256) / L::STAGE;
-  static constexpr int STAGES = NTOK == 128 ? 4 : (SDQ_WS_STAGES_SMALL < FIT ? SDQ_WS_STAGES_SMALL : FIT);
-  static_assert(STAGES >= 3 && (NTOK != 128 || KS == 8), "128 tokens: four 128-K stages of 50 KB, one CTA a SM");
+  static constexpr int WANT = NTOK == 128 ? (KS == 8 ? 4 : 8) : SDQ_WS_STAGES_SMALL;
+  static constexpr int STAGES = WANT < FIT ? WANT : FIT;
+  static_assert(STAGES >= 3 && (NTOK != 128 || KS == 8 || KS == 4), "128 tokens: 128-K or 64-K stages, one CTA a SM");
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
   static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
@@ -1262,8 +1269,8 @@ int wg_cluster_fit_splits(const SdqW4A16Params& p) {
   if (p.m <= 96 || p.m > 256 || p.group_k16 % 8 || p.k % 128 || !sdq_w4a16_wg_cluster()) return 0;  // (before the queries)
   const int sms = sm_count_now();
   int cap[9] = {};
-  for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, 8, true>::max_clusters(sp);
-  return sdq_wg_cluster_fit_splits(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, 128, 8>::per_sm(), sms, cap);
+  for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, WS_KS128, true>::max_clusters(sp);
+  return sdq_wg_cluster_fit_splits(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, 128, WS_KS128>::per_sm(), sms, cap);
 }
 
 // The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile where sdq_wg_ws_auto (w4a16.h) or
@@ -1282,7 +1289,7 @@ bool wg_ws(const SdqW4A16Params& p) {
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 3;
     const int sms = sm_count_now();
-    return sdq_wg_ws_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, 8>::per_sm(), sms) != 0 ||
+    return sdq_wg_ws_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, WS_KS128>::per_sm(), sms) != 0 ||
            (SEP && wg_cluster_fit_splits<T>(p) >= 2);
   }
 }
@@ -1339,7 +1346,7 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 template <typename T, int NTOK, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   constexpr bool WS = SEP && (NTOK == 128 || SDQ_WS_SMALL);  // (only these instantiate TmaKern)
-  constexpr int WKS = NTOK == 128 ? 8 : 4;
+  constexpr int WKS = NTOK == 128 ? WS_KS128 : 4;
   const bool ws = WS && wg_ws<T, NTOK, SEP>(p);
   if constexpr (WS)
     if (op == 1 && ws) return TmaKern<T, NTOK, WKS>::per_sm();
@@ -1388,7 +1395,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
   if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
   if (op == 8) return wgmma_rows<T>(v, p);
-  if (op == 10) return TmaKern<T, 128, 8, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
+  if (op == 10) return TmaKern<T, 128, WS_KS128, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
   if (op == 11) return v == 63 ? wg_cluster_fit_splits<T>(p) : 0;  // the cluster-fitting split count at M = 97-256
   if (op == 0 && (p.n % 256 || p.k % 64 || p.group_k16 % 2 || (p.m > 256 && wgmma_rows<T>(v, p) < p.m))) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
