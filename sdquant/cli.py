@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--output", required=True, help="JSON file to write (rewritten after every shape)")
     t.add_argument("--budget-s", type=float, default=None,
                    help="skip the shapes not started within this many seconds (default: measure all)")
+    t.add_argument("--resume", action="store_true",
+                   help="keep the shapes already in --output (same GPU model and buckets) and measure the rest")
     return p
 
 
@@ -303,7 +305,7 @@ def cmd_tune(args) -> int:
         raise SdquantError("tune-kernels: this build has no crossover measurement")
     if args.budget_s is not None and args.budget_s <= 0:
         raise ConfigError("--budget-s", f"must be positive, got {args.budget_s}")
-    dispatch.measure_crossovers(args.output, budget_s=args.budget_s)
+    dispatch.measure_crossovers(args.output, budget_s=args.budget_s, resume=args.resume)
     print(f"wrote {args.output}; SDQUANT_KERNEL_TABLE={args.output} makes quantized layers plan from it")
     return EXIT_OK
 

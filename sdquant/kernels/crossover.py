@@ -113,71 +113,81 @@ def _fp8_tune_candidates(m: int, n: int, k: int) -> List[List[int]]:
     return out
 
 
+def todo(shapes: Sequence[Tuple[int, int]], kinds: Sequence[str], prior: Sequence[dict],
+         dtype: str) -> List[Tuple[int, int, str]]:
+    """The (K, N, kind) a run still has to measure, in run order: every shape and kind not among the ``prior``
+    entries (a resumed table's) of this activation dtype."""
+    done = {(e["kind"], e["K"], e["N"]) for e in prior if e.get("dtype", dtype) == dtype}
+    return [(k, n, kind) for (k, n) in shapes for kind in kinds if (kind, k, n) not in done]
+
+
 def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int] = dispatch.DEFAULT_BUCKETS,
             kinds: Sequence[str] = ("fp8", "int4"), dtype: str = "bfloat16", group_size: int = 128,
             tune: bool = True, log=print, trials: int = 7, deadline: Optional[float] = None,
-            on_entry: Optional[Callable[[dict], None]] = None) -> dict:
+            on_entry: Optional[Callable[[dict], None]] = None, prior: Sequence[dict] = ()) -> dict:
     """Time every available kernel (and bf16 F.linear) per (shape, M); returns a version-1 table.
     ``deadline`` (time.perf_counter() value): shapes not started by then are skipped (and logged);
-    ``on_entry(table)`` is called with the partial table after each shape (to save progress)."""
+    ``on_entry(table)`` is called with the partial table after each shape (to save progress); ``prior``: entries of
+    an earlier run on this GPU with these buckets (``dispatch.resumable_entries``), kept, and not measured again."""
     if not torch.cuda.is_available():
         raise ConfigError("kernels.tune", "measuring kernel crossovers needs a CUDA GPU, and none is visible")
     dev = torch.device("cuda", torch.cuda.current_device())
     act = getattr(torch, dtype)
     shapes = tuple(shapes or LLAMA_SHAPES)
     ms = list(ms)
-    entries = []
+    entries = list(prior)
+    if prior:
+        log(f"resuming: {len(prior)} entries kept")
 
     def table() -> dict:
         return {"version": 1, "device": torch.cuda.get_device_name(dev), "buckets": ms, "entries": list(entries),
                 "meta": {"torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype,
                          "group_size": group_size, "date": time.strftime("%Y-%m-%d"),
                          "method": "CUDA graph of calls over weight copies rotating past L2; median of replays"}}
-    for (k, n) in shapes:
-        for kind in kinds:
-            t_shape = time.perf_counter()
-            if deadline is not None and t_shape > deadline:
-                log(f"skipped {kind} K={k} N={n}: out of time")
-                continue
-            entry = {"kind": kind, "N": n, "K": k, "dtype": dtype, "us": {}, "triton_config": [None] * len(ms)}
-            if kind == "fp8":
-                proto = random_fp8_layer(n, k, "cpu")
-                copies = [Fp8Linear(proto.weight_q, None).to(dev) for _ in range(n_copies(n * k))]
-            else:
-                proto = random_int4_layer(n, k, "cpu", group_size)
-                copies = [QuantLinear(proto.weight_q).to(dev) for _ in range(n_copies(n * k // 2))]
-            for c in copies:
-                c.prepare(dev, act, kernels="reference")
-            names = [x for x in copies[0].available_kernels(dev, act) if x != "reference"]
-            if kind == "int4":  # build the int4 kernels' layouts once per copy
-                names = [x for x in names if x == "dequant" or all(c.attach_int4(x, dev, act) for c in copies)]
-            dense = [torch.randn(n, k, device=dev, dtype=act) / math.sqrt(k) for _ in range(n_copies(n * k * 2, 2 ** 30))]
-            rows: Dict[str, List[Optional[float]]] = {nm: [None] * len(ms) for nm in ["bf16", *names]}
-            for i, m in enumerate(ms):
-                x = torch.randn(m, k, device=dev, dtype=act)
-                rows["bf16"][i] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in dense], trials)
-                for nm in names:
-                    cfg = ()
-                    try:
-                        if nm == "triton" and kind == "fp8" and tune and m <= 64:
-                            best = None
-                            for cand in _fp8_tune_candidates(m, n, k):
-                                t = time_graph([lambda c=c, cand=cand: c._run("triton", x, cand) for c in copies], 3)
-                                if best is None or t < best[0]:
-                                    best = (t, cand)
-                            cfg = tuple(best[1])
-                            entry["triton_config"][i] = list(cfg)
-                        rows[nm][i] = time_graph([lambda c=c: c._run(nm, x, cfg) for c in copies], trials)
-                    except Exception as e:  # a kernel that fails here is simply not chosen for this bucket
-                        log(f"  {kind} {k}x{n} M={m} {nm}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                        rows[nm][i] = None
-                log(f"{kind} K={k} N={n} M={m}: " + " ".join(
-                    f"{nm}={v[i]:.1f}" if v[i] else f"{nm}=-" for nm, v in rows.items()))
-            entry["us"] = rows
-            entries.append(entry)
-            del copies, dense
-            torch.cuda.empty_cache()
-            log(f"  ({time.perf_counter() - t_shape:.1f} s)")
-            if on_entry is not None:
-                on_entry(table())
+    for (k, n, kind) in todo(shapes, kinds, prior, dtype):
+        t_shape = time.perf_counter()
+        if deadline is not None and t_shape > deadline:
+            log(f"skipped {kind} K={k} N={n}: out of time")
+            continue
+        entry = {"kind": kind, "N": n, "K": k, "dtype": dtype, "us": {}, "triton_config": [None] * len(ms)}
+        if kind == "fp8":
+            proto = random_fp8_layer(n, k, "cpu")
+            copies = [Fp8Linear(proto.weight_q, None).to(dev) for _ in range(n_copies(n * k))]
+        else:
+            proto = random_int4_layer(n, k, "cpu", group_size)
+            copies = [QuantLinear(proto.weight_q).to(dev) for _ in range(n_copies(n * k // 2))]
+        for c in copies:
+            c.prepare(dev, act, kernels="reference")
+        names = [x for x in copies[0].available_kernels(dev, act) if x != "reference"]
+        if kind == "int4":  # build the int4 kernels' layouts once per copy
+            names = [x for x in names if x == "dequant" or all(c.attach_int4(x, dev, act) for c in copies)]
+        dense = [torch.randn(n, k, device=dev, dtype=act) / math.sqrt(k) for _ in range(n_copies(n * k * 2, 2 ** 30))]
+        rows: Dict[str, List[Optional[float]]] = {nm: [None] * len(ms) for nm in ["bf16", *names]}
+        for i, m in enumerate(ms):
+            x = torch.randn(m, k, device=dev, dtype=act)
+            rows["bf16"][i] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in dense], trials)
+            for nm in names:
+                cfg = ()
+                try:
+                    if nm == "triton" and kind == "fp8" and tune and m <= 64:
+                        best = None
+                        for cand in _fp8_tune_candidates(m, n, k):
+                            t = time_graph([lambda c=c, cand=cand: c._run("triton", x, cand) for c in copies], 3)
+                            if best is None or t < best[0]:
+                                best = (t, cand)
+                        cfg = tuple(best[1])
+                        entry["triton_config"][i] = list(cfg)
+                    rows[nm][i] = time_graph([lambda c=c: c._run(nm, x, cfg) for c in copies], trials)
+                except Exception as e:  # a kernel that fails here is simply not chosen for this bucket
+                    log(f"  {kind} {k}x{n} M={m} {nm}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    rows[nm][i] = None
+            log(f"{kind} K={k} N={n} M={m}: " + " ".join(
+                f"{nm}={v[i]:.1f}" if v[i] else f"{nm}=-" for nm, v in rows.items()))
+        entry["us"] = rows
+        entries.append(entry)
+        del copies, dense
+        torch.cuda.empty_cache()
+        log(f"  ({time.perf_counter() - t_shape:.1f} s)")
+        if on_entry is not None:
+            on_entry(table())
     return table()

@@ -246,24 +246,50 @@ def write_table(table: dict, path: os.PathLike) -> Path:
     return p
 
 
+def resumable_entries(path: os.PathLike, device_name: str, buckets: Sequence[int], dtype: str = "bfloat16",
+                      group_size: int = 128) -> List[dict]:
+    """The entries of an earlier ``measure_crossovers`` run at ``path`` that a resumed run keeps: none where the file
+    does not exist; a ConfigError naming --resume where it was measured on another GPU model, with other buckets, or
+    for another activation dtype or group size (its numbers would not belong in this table)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    table = load_table(p)
+    meta = table.get("meta") or {}
+    theirs = {"GPU": table.get("device"), "buckets": table["buckets"], "dtype": meta.get("dtype", dtype),
+              "group size": meta.get("group_size", group_size)}
+    ours = {"GPU": device_name, "buckets": list(buckets), "dtype": dtype, "group size": group_size}
+    for what in theirs:
+        if theirs[what] != ours[what]:
+            raise ConfigError("--resume", f"{p} was measured with {what} {theirs[what]}, this run's is {ours[what]}: "
+                                          f"write to another file, or delete it to start over")
+    return [dict(e) for e in table["entries"]]
+
+
 def measure_crossovers(path: os.PathLike, shapes: Optional[Sequence[Tuple[int, int]]] = None,
                        ms: Sequence[int] = DEFAULT_BUCKETS, kinds: Sequence[str] = ("fp8", "int4"),
                        dtype: str = "bfloat16", group_size: int = 128, tune: bool = True,
-                       log=print, budget_s: Optional[float] = None) -> dict:
+                       log=print, budget_s: Optional[float] = None, resume: bool = False) -> dict:
     """Re-measure the crossover table on the current GPU and write it to ``path`` (JSON, atomically).
 
     ``shapes`` are (K, N) pairs (in_features, out_features); by default the Llama-family set of
     ``bench/gemm_fp8.py``. Every available kernel of each kind and the bf16 F.linear baseline are timed per
     M (CUDA graphs, weights rotated past L2, medians); with ``tune`` the Triton fp8 tile config is chosen per
     M from a small sweep. The table is rewritten after every shape, so an interrupted run leaves the shapes it
-    finished; with ``budget_s``, shapes not started within that many seconds are skipped (and logged). Needs a
-    CUDA GPU. Returns the table.
+    finished; with ``budget_s``, shapes not started within that many seconds are skipped (and logged); with
+    ``resume``, the entries already in ``path`` (``resumable_entries``) are kept and not measured again, so a table
+    can be completed over several runs. Needs a CUDA GPU. Returns the table.
     """
     import time
 
+    import torch
+
     from sdquant.kernels import crossover  # the timing code (needs a GPU; imported only here)
     deadline = None if budget_s is None else time.perf_counter() + budget_s
+    prior = (resumable_entries(path, torch.cuda.get_device_name(), ms, dtype, group_size)
+             if resume and torch.cuda.is_available() else [])
     table = crossover.measure(shapes=shapes, ms=ms, kinds=kinds, dtype=dtype, group_size=group_size,
-                              tune=tune, log=log, deadline=deadline, on_entry=lambda t: write_table(t, path))
+                              tune=tune, log=log, deadline=deadline, on_entry=lambda t: write_table(t, path),
+                              prior=prior)
     write_table(table, path)
     return table

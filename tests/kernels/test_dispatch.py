@@ -306,3 +306,30 @@ def test_each_gpu_model_plans_from_the_shipped_table_measured_on_it(tmp_path, mo
     with pytest.warns(UserWarning, match="measured on NVIDIA H200, this GPU is NVIDIA A100-SXM4-80GB"):
         got = linear._table_for(torch.device("cuda"), "auto", None)
     assert got["device"] == "NVIDIA H200"
+
+
+# ------------------------------------------------------------------- tune-kernels over several runs
+def test_a_resumed_tuning_run_keeps_what_the_earlier_one_measured(tmp_path):
+    """`sdquant tune-kernels --resume`: an earlier run's table on the same GPU model, buckets, dtype and group size
+    is kept and only the missing (shape, kind) pairs are measured; a table from anything else is a ConfigError
+    naming --resume and what differs; no file is nothing to keep. (The timing itself needs a GPU; this is the
+    bookkeeping around it.)"""
+    from sdquant.kernels import crossover
+    path = tmp_path / "t.json"
+    assert dispatch.resumable_entries(path, "NVIDIA H100 80GB HBM3", BUCKETS) == []
+    earlier = _table(device="NVIDIA H100 80GB HBM3", meta={"dtype": "bfloat16", "group_size": 128})
+    dispatch.write_table(earlier, path)
+    kept = dispatch.resumable_entries(path, "NVIDIA H100 80GB HBM3", BUCKETS)
+    assert [(e["kind"], e["K"], e["N"]) for e in kept] == [("fp8", 14336, 4096), ("fp8", 8192, 28672),
+                                                           ("int4", 4096, 4096)]
+    shapes = [(14336, 4096), (4096, 4096), (8192, 28672)]
+    assert crossover.todo(shapes, ("fp8", "int4"), kept, "bfloat16") == [(14336, 4096, "int4"), (4096, 4096, "fp8"),
+                                                                      (8192, 28672, "int4")]
+    assert len(crossover.todo(shapes, ("fp8", "int4"), kept, "float16")) == 6  # other-dtype entries do not count
+    for args, what in [(("NVIDIA H200", BUCKETS), "GPU NVIDIA H100 80GB HBM3"),
+                       (("NVIDIA H100 80GB HBM3", [1, 16, 64]), "buckets"),
+                       (("NVIDIA H100 80GB HBM3", BUCKETS, "float16"), "dtype bfloat16"),
+                       (("NVIDIA H100 80GB HBM3", BUCKETS, "bfloat16", 64), "group size 128")]:
+        with pytest.raises(ConfigError) as e:
+            dispatch.resumable_entries(path, *args)
+        assert e.value.field == "--resume" and what in str(e.value)
