@@ -21,6 +21,7 @@ A layer whose exact (N, K) is not in the table uses the entry of its kind neares
 int4 columns "dequant_cuda" / "dequant_triton" time dequantize+cuBLAS reading that kernel's layout (what a
 layer prepared with one layout runs at large M); where absent, the "dequant" column stands in.
 """
+import functools
 import json
 import math
 import os
@@ -112,27 +113,26 @@ def load_table(path: Optional[os.PathLike] = None) -> dict:
     return table
 
 
-_SHIPPED_DEVICES: Dict[Tuple[str, int], Optional[str]] = {}  # (path, mtime_ns) -> the GPU model a shipped table names
+@functools.lru_cache(maxsize=None)
+def _shipped_by_device(directory: Path) -> Dict[str, Path]:
+    """GPU model -> the shipped table measured on it, from the "device" field of each crossover_*.json in
+    ``directory`` (read once a process: the package's files do not change under it). A file that cannot be read
+    is never chosen by name; load_table reports it where it is named."""
+    out: Dict[str, Path] = {}
+    for p in sorted(directory.glob("crossover_*.json")):
+        try:
+            dev = json.loads(p.read_text()).get("device")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(dev, str):
+            out.setdefault(dev, p)
+    return out
 
 
 def shipped_table(device_name: Optional[str] = None) -> Path:
-    """The shipped crossover table measured on the GPU model ``device_name`` (``torch.cuda.get_device_name``): the
-    ``crossover_*.json`` beside this module whose "device" is that name; else the default (SHIPPED_TABLE, the H200's).
-    Only the "device" field of each file is read here (once per file version); the chosen table is validated when
-    loaded."""
-    default = SHIPPED_DIR / SHIPPED_TABLE.name
-    if device_name:
-        for p in sorted(SHIPPED_DIR.glob("crossover_*.json")):
-            key = (str(p), p.stat().st_mtime_ns)
-            if key not in _SHIPPED_DEVICES:
-                try:
-                    dev = json.loads(p.read_text()).get("device")
-                except (OSError, ValueError, AttributeError):
-                    dev = None  # an unreadable file is never chosen by name (load_table reports it if named)
-                _SHIPPED_DEVICES[key] = dev if isinstance(dev, str) else None
-            if _SHIPPED_DEVICES[key] == device_name:
-                return p
-    return default
+    """The shipped crossover table measured on the GPU model ``device_name`` (``torch.cuda.get_device_name``), else
+    the default one (SHIPPED_TABLE's name, the H200's). The chosen table is validated when loaded."""
+    return _shipped_by_device(SHIPPED_DIR).get(device_name or "", SHIPPED_DIR / SHIPPED_TABLE.name)
 
 
 def validate_table(table: dict, where: str = "table") -> None:
