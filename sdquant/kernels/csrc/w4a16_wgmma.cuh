@@ -877,9 +877,8 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 template <typename T, int NTOK, int KS, bool CL = false>
 __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a16_wgmma_tma_kernel(
     const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
-  using O = Ops<T>;
   using L = WgSmem<NTOK, 1, KS>;
-  constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8;
+  constexpr int WGS = WsRegs<NTOK>::WGS;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
