@@ -63,6 +63,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WS_KS128=4")
+# bench/ws_trace.py's build, and the eight-64-K-slot tile (docs/BENCHMARKS.md, Pending 35)
 
 
 def _cuobjdump():
@@ -79,13 +81,18 @@ def _cuobjdump():
     return str(p) if p.exists() else None
 
 
-@functools.lru_cache(maxsize=1)
-def _experiment_builds() -> dict:
-    """define -> CompletedProcess of the bf16 one-token-tile unit compiled with it: every experiment build at once, as
-    many in parallel as there are cores (each takes ~35 s of one core; the tests below read their own)."""
+def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
+    """define -> CompletedProcess of a unit (by default the bf16 one-token-tile one) compiled with it: every experiment
+    build of that unit at once, as many in parallel as there are cores (each takes ~35-50 s of one core; the tests
+    below read their own). Built once a process per unit and define set, however the arguments are spelled."""
+    return _unit_builds(part, tuple(defines))
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_builds(part: str, defines: tuple) -> dict:
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
-    src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith("bf16_nt1.cu"))
+    src = next(p for p in int4_cuda.PART_SRCS if p.name.endswith(part))
 
     def one(define: str) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as d:
@@ -97,13 +104,14 @@ def _experiment_builds() -> dict:
                       if r.returncode == 0 and dump else None)
             return r
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return dict(zip(EXPERIMENT_DEFINES, pool.map(one, EXPERIMENT_DEFINES)))
+        return dict(zip(defines, pool.map(one, defines)))
 
 
-def _experiment_compiles_without_spills(define: str, kernel: str, count: int) -> None:
-    """The bf16 one-token-tile unit compiled with an experiment's define: `count` instantiations of `kernel`, no
-    spills."""
-    r = _experiment_builds()[define]
+def _experiment_compiles_without_spills(define: str, kernel: str, count: int, part: str = "bf16_nt1.cu",
+                                        defines: tuple = EXPERIMENT_DEFINES) -> None:
+    """A unit (by default the bf16 one-token-tile one) compiled with an experiment's define: `count` instantiations of
+    `kernel`, no spills."""
+    r = _experiment_builds(part, defines)[define]
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stderr.splitlines()
     found = [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and kernel in ln]
@@ -119,6 +127,15 @@ def test_tight_without_l2_prefetch_build_compiles():
     (docs/BENCHMARKS.md, Pending 24), still compiles for sm_90a without spills in all six tight variants, so that a
     build with SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=0 can time it against the shipped one."""
     _experiment_compiles_without_spills("-DSDQ_TIGHT_L2PF=0", "w4a16_tight_kernel", 6)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("define", WGMMA_EXPERIMENT_DEFINES)
+def test_wgmma_experiment_builds_compile(define):
+    """The bf16 wgmma unit's experiment builds: bench/ws_trace.py's traced build (-DSDQ_WS_TRACE=1) and the eight
+    64-K slots of Pending 35 (-DSDQ_WS_KS128=4) compile for sm_90a with both warp-specialized 128-token kernels (the
+    plain and the cluster-sum form) and no spills, so a device call never finds them broken."""
+    _experiment_compiles_without_spills(define, "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:
