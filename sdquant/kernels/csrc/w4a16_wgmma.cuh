@@ -680,6 +680,18 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
       "r"(static_cast<int>(on))
       : "memory");
 }
+// Experimental L2 cache hints on the stage copies (-DSDQ_WS_L2 for A/Bs; 0 = none, the default): bit 0 the activation
+// tiles evict-last (every feature tile of the grid reads them), bit 1 the weights evict-first (the
+// CTAs of the other token tiles read them, launched beside this one)
+#ifndef SDQ_WS_L2
+#define SDQ_WS_L2 0
+#endif
+__device__ __forceinline__ uint64_t ws_policy_x() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t ws_policy_w() { return evict_first_policy(); }
 // A stage's copies, each predicated on `on` (thread 0 when the slot is free): the weights and scales / zeros
 // (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w).
 template <int NTOK, int KS>
@@ -697,12 +709,20 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
     const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * (p.k / 16) + ks0) * 512;
 #pragma unroll
     for (int w = 0; w < WG_BLOCKS; ++w)
-      asm volatile(
-          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-          " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
-              st + L::X_BYTES + w * (KS * 512)),
-          "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
-          : "memory");
+      if constexpr (SDQ_WS_L2 & 2)
+        asm volatile(
+            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+            " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+            "%5;\n}\n" ::"r"(st + L::X_BYTES + w * (KS * 512)),
+            "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q), "l"(ws_policy_w())
+            : "memory");
+      else
+        asm volatile(
+            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+            " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
+                st + L::X_BYTES + w * (KS * 512)),
+            "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
+            : "memory");
     const int ga = ks0 / p.group_k16, gb = (ks0 + KS - 1) / p.group_k16;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // (group slot, scales / zeros): the four blocks' 4 x 128 contiguous bytes
@@ -719,12 +739,21 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
   if (with_x)
 #pragma unroll
     for (int sub = 0; sub < KS / 4; ++sub)  // 64-K sub-tiles of NTOK x 128 bytes
-      asm volatile(
-          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-          " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
-              "r"(st + sub * NTOK * 128),
-          "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
-          : "memory");
+      if constexpr (SDQ_WS_L2 & 1)
+        asm volatile(
+            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+            " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+            "[%1, {%2, %3}], [%5], %6;\n}\n" ::"r"(st + sub * NTOK * 128),
+            "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full),
+            "l"(ws_policy_x())
+            : "memory");
+      else
+        asm volatile(
+            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+            " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
+                "r"(st + sub * NTOK * 128),
+            "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
+            : "memory");
 }
 
 // Phase trace of the warp-specialized kernel (bench/ws_trace.py; -DSDQ_WS_TRACE=1 builds only, none of this code
