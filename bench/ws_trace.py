@@ -12,19 +12,24 @@ buffer set with ``set_ws_trace`` (32 u64 a CTA, slots listed in w4a16_wgmma.cuh 
    per-phase medians / 90th percentiles over the CTAs in microseconds:
    start skew (globaltimer at entry after the first CTA's), init (barrier setup), first (until the first stage is
    in shared memory), loop (the main loop after it; "waiting" = the part spent on full barriers, "late" = the part of
-   that from the ring's third pass on, past the prologue's requests), sync (the first
+   that from the ring's third pass on, past the prologue's requests; "late1" the same for the second consumer
+   warpgroup), age (a late stage's mean time from the producer's request to the end of consumer 0's wait for it),
+   age_w (the same over the late stages it did wait for: how long those copies took to land), pwait (the producer's
+   time waiting for free slots), sync (the first
    cluster barrier: waiting for the slowest split; at one split the whole epilogue), sum (the cluster sum and the stores), cta (entry to end), and the
    launch's span (first entry to last end).
 
     python bench/ws_trace.py --points 4096x4096x128,4096x6144x128,14336x4096x128 --out $OUT
     python bench/ws_trace.py --points 4096x4096x128:4,4096x4096x256 --nocl --out $OUT   # 4 forced splits; no cluster
     python bench/ws_trace.py --points 8192x28672x1024 --warm 20 --out $OUT   # the steady state
+    python bench/ws_trace.py --points 8192x28672x128 --warm 20 --defines=-DSDQ_WS_KS128=4 --out $OUT
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -36,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
 
 SLOTS = 32
-PHASES = ("skew", "init", "first", "loop", "waiting", "late", "sync", "sum", "cta")
+PHASES = ("skew", "init", "first", "loop", "waiting", "late", "late1", "age", "age_w", "pwait", "sync", "sum", "cta")
 
 
 def log(*a):
@@ -78,6 +83,11 @@ def analyse(trace, n_ctas: int) -> dict:
         per["loop"].append((r[4] - r[3]) / mhz)
         per["waiting"].append(r[12] / mhz)
         per["late"].append((r[16] if len(r) > 16 else 0) / mhz)
+        x = r + [0] * (SLOTS - len(r))  # (rows of older builds: the later slots read 0)
+        per["late1"].append(x[22] / mhz)
+        per["age"].append(x[17] / max(x[18], 1) / mhz)
+        per["age_w"].append(x[19] / max(x[20], 1) / mhz)
+        per["pwait"].append(x[21] / mhz)
         per["sync"].append((r[5] - r[4]) / mhz)
         per["sum"].append((r[6] - r[5]) / mhz)
         per["cta"].append((r[6] - r[1]) / mhz)
@@ -153,13 +163,17 @@ def main(argv=None) -> None:
     ap.add_argument("--nocl", action="store_true", help="the split-K sum by a second kernel, not in a cluster")
     ap.add_argument("--warm", type=int, default=0, help="trace the last of this many back-to-back calls (0: one call "
                                                          "after an L2 flush)")
+    ap.add_argument("--defines", default="", help="comma-separated extra nvcc defines for the traced build (e.g. "
+                                                   "-DSDQ_WS_KS128=4: trace an experiment)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     import ab_build
     from sdquant.kernels import int4_cuda
     dev = torch.device("cuda")
     t0 = time.time()
-    ext_t = ab_build.build("sdq_ws_trace", Path(int4_cuda.__file__).parent / "csrc", ["-DSDQ_WS_TRACE=1"])
+    extra = [d for d in args.defines.split(",") if d]
+    ext_t = ab_build.build("sdq_ws_trace" + "".join("_" + re.sub(r"\W", "_", d) for d in extra),
+                           Path(int4_cuda.__file__).parent / "csrc", ["-DSDQ_WS_TRACE=1", *extra])
     if int4_cuda.extension() is None:
         raise SystemExit("the default CUDA extension did not build")
     if args.nocl:
@@ -175,6 +189,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
+            "defines": extra,
             "device": torch.cuda.get_device_name(0), "nocl": args.nocl, "wall_s": round(time.time() - t0, 1)}
     tmp = out / "ws_trace.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}))

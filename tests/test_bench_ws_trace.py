@@ -11,8 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 ws_trace = pytest.importorskip("ws_trace")
 
 
-def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8, late=0.0):
-    """A CTA's trace row from phase lengths in µs at an SM clock of `mhz` (cycles per µs)."""
+def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8, late=0.0, ages=(), waited_ages=(),
+         pwait=0.0, late1=0.0):
+    """A CTA's trace row from phase lengths in µs at an SM clock of `mhz` (cycles per µs); ``ages`` the late stages'
+    request-to-use times, ``waited_ages`` those of the stages consumer 0 waited for."""
     c1 = 1_000_000
     c2 = c1 + int(init * mhz)
     c3 = c2 + int(first * mhz)
@@ -21,7 +23,9 @@ def _row(g0_ns, mhz, init, first, loop, waiting, sync, total_sum, sm, stages=8, 
     c6 = c5 + int(total_sum * mhz)
     g7 = g0_ns + int((c6 - c1) / mhz * 1e3)
     head = [g0_ns, c1, c2, c3, c4, c5, c6, g7, sm, 0, 0, stages, int(waiting * mhz), c4, 0, 0, int(late * mhz)]
-    return head + [0] * 15
+    tail = [int(sum(ages) * mhz), len(ages), int(sum(waited_ages) * mhz), len(waited_ages), int(pwait * mhz),
+            int(late1 * mhz)]
+    return head + tail + [0] * 9
 
 
 def test_parse_points():
@@ -29,8 +33,9 @@ def test_parse_points():
 
 
 def test_analyse_recovers_the_phases():
-    rows = [_row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0, late=0.5),
-            _row(7_000, 1800.0, 0.5, 2.5, 6.0, 1.0, 3.0, 2.0, sm=1, stages=7, late=0.25),
+    rows = [_row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0, late=0.5, ages=(3.0, 4.0, 5.0),
+                 waited_ages=(5.0,), pwait=1.5, late1=0.75),
+            _row(7_000, 1800.0, 0.5, 2.5, 6.0, 1.0, 3.0, 2.0, sm=1, stages=7, late=0.25, ages=(2.0, 2.0)),
             [0] * 32]  # a CTA that never wrote its stamps
     got = ws_trace.analyse(rows, 3)
     assert got["ctas"] == 2 and got["missing"] == 1 and got["sms"] == 2
@@ -42,6 +47,10 @@ def test_analyse_recovers_the_phases():
     assert got["waiting"]["max"] == pytest.approx(2.0, abs=0.01)
     assert got["late"]["max"] == pytest.approx(0.5, abs=0.01) and got["late"]["med"] == pytest.approx(0.375, abs=0.01)
     assert got["sync"]["max"] == pytest.approx(3.0, abs=0.01)
+    assert got["age"]["max"] == pytest.approx(4.0, abs=0.01) and got["age"]["med"] == pytest.approx(3.0, abs=0.01)
+    assert got["age_w"]["max"] == pytest.approx(5.0, abs=0.01)  # the second CTA waited for none: 0
+    assert got["age_w"]["med"] == pytest.approx(2.5, abs=0.01)
+    assert got["pwait"]["max"] == pytest.approx(1.5, abs=0.01) and got["late1"]["max"] == pytest.approx(0.75, abs=0.01)
     assert got["cta"]["max"] == pytest.approx(0.5 + 2.5 + 6.0 + 3.0 + 2.0, abs=0.02)  # the second CTA
     # first entry to last end: the second CTA ends at 2 + 14 µs
     assert got["span_us"] == pytest.approx(16.0, abs=0.01)
@@ -57,3 +66,4 @@ def test_analyse_reads_rows_of_older_builds():
     row = _row(5_000, 1800.0, 0.5, 1.5, 8.0, 2.0, 1.0, 2.0, sm=0, late=0.5)[:16]
     got = ws_trace.analyse([row], 1)
     assert got["ctas"] == 1 and got["late"]["max"] == 0.0 and got["loop"]["max"] == pytest.approx(8.0, abs=0.01)
+    assert got["age"]["max"] == 0.0 and got["pwait"]["max"] == 0.0

@@ -657,6 +657,9 @@ struct WsRegs {
   static constexpr int CONS = FIT > 240 ? 240 : FIT;
   static_assert(PROD + WGS * CONS <= (WGS + 1) * CAP, "the consumers' registers come from the producer's");
 };
+#ifndef SDQ_WS_TRACE  // (bench/ws_trace.py's build; the trace itself is described above ws_trace below)
+#define SDQ_WS_TRACE 0
+#endif
 // The 128-token tile's stage depth: 8 (four 128-K stages of 50 KB, the default) or 4 (eight 64-K stages of 26 KB: the
 // same bytes in flight, each slot freed half a 128-K stage sooner; -DSDQ_WS_KS128=4 for A/Bs)
 #ifndef SDQ_WS_KS128
@@ -671,7 +674,8 @@ struct TmaSmem {
   static constexpr int STAGES = WANT < FIT ? WANT : FIT;
   static_assert(STAGES >= 3 && (NTOK != 128 || KS == 8 || KS == 4), "128 tokens: 128-K or 64-K stages, one CTA a SM");
   static constexpr int BAR_AT = STAGES * L::STAGE;    // full[STAGES], then empty[STAGES]
-  static constexpr int TOTAL = BAR_AT + 16 * STAGES + 1024;
+  static constexpr int STAMPS = SDQ_WS_TRACE ? 8 * STAGES : 0;  // trace builds: each slot's last issue clock
+  static constexpr int TOTAL = BAR_AT + 16 * STAGES + STAMPS + 1024;
   static constexpr uint32_t TX = L::X_BYTES + L::W_BYTES + L::SZ_BYTES;  // bytes a stage's copies bring
 };
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
@@ -763,10 +767,10 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
 // barrier (= 4 without the cluster sum), 6 consumer 0 at its end, 7 globaltimer there, 8 SM id, 9 producer after the
 // prologue's copies, 10 producer after its last copy, 11 stages, 12 consumer 0's cycles waiting on full barriers,
 // 13 consumer warpgroup 1 past its main loop, 14 split, 15 feature tile, 16 the part of 12 in stages from 2 x STAGES on
-// (the ring's steady state, past the prologue's requests), 17-31 unused. Clocks are the SM's own (compare within a CTA).
-#ifndef SDQ_WS_TRACE
-#define SDQ_WS_TRACE 0
-#endif
+// (the ring's steady state, past the prologue's requests), 17 consumer 0's cycles from a late stage's issue to its
+// wait's end, summed over those stages, 18 their count, 19 the same sum over the late stages it waited for (> 64
+// cycles), 20 their count, 21 the producer's cycles waiting for free slots, 22 consumer warpgroup 1's late waits (16's
+// counterpart), 23-31 unused. Clocks are the SM's own (compare within a CTA).
 #if SDQ_WS_TRACE
 __device__ unsigned long long* sdq_ws_trace_ptr;
 void* ws_trace_sent = nullptr;  // this translation unit's sdq_ws_trace_ptr, as last copied
@@ -957,15 +961,27 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
       }
       if (pre == 0 && p.pdl) griddep_wait();
       SDQ_WS_T(9, clock64());
+#if SDQ_WS_TRACE
+      unsigned pwait = 0;  // (32-bit clocks: the producer has 24 registers)
+#endif
       for (int r = STAGES; r < nst; ++r) {  // refill a slot once every consumer warp has freed it
         const int slot = r % STAGES;
         // (ring_wait's trap here, in the producer, leaves the consumers' allocation alone: a consumer that never frees
         // its slot ends the kernel with an error instead of hanging it)
+#if SDQ_WS_TRACE
+        const unsigned p0 = static_cast<unsigned>(clock64());
         ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
+        const unsigned p1 = static_cast<unsigned>(clock64());
+        pwait += p1 - p0;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(empty0 + 8 * STAGES + 8 * slot), "r"(p1) : "memory");
+#else
+        ring_wait(empty0 + 8 * slot, ((r / STAGES) - 1) & 1);
+#endif
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + slot * L::STAGE, full0 + 8 * slot, (st0 + r) * KS, nb0, m0, true,
                                   true, true);
       }
       SDQ_WS_T(10, clock64());
+      SDQ_WS_T(21, pwait);
     }
     if constexpr (CL) {  // the consumers' two cluster barriers (their partials written; every split's read)
       cluster_sync_all();
@@ -995,6 +1011,7 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   uint32_t af[2][NU][4];
 #if SDQ_WS_TRACE
   long long waited = 0, waited_late = 0;
+  unsigned age = 0, age_n = 0, age_w = 0, age_wn = 0;  // (32 bits hold one launch's sums)
 #endif
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
@@ -1004,7 +1021,18 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
     const long long dw = clock64() - w0;
     waited += dw;
-    if (s >= 2 * STAGES) waited_late += dw;
+    if (s >= 2 * STAGES) {  // (the stamp was stored before the slot's expect_tx arrival, so the wait has seen it)
+      waited_late += dw;
+      unsigned issued;  // (the low 32 bits of the producer's clock64: differences wrap correctly)
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(issued) : "r"(empty0 + 8 * STAGES + 8 * slot) : "memory");
+      const unsigned a = static_cast<unsigned>(w0 + dw) - issued;
+      age += a;
+      ++age_n;
+      if (dw > 64) {
+        age_w += a;
+        ++age_wn;
+      }
+    }
     if (s == 0 && tid == 0) SDQ_WS_T(3, clock64());
 #else
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
@@ -1024,8 +1052,15 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     SDQ_WS_T(4, clock64());
     SDQ_WS_T(12, waited);
     SDQ_WS_T(16, waited_late);
+    SDQ_WS_T(17, age);
+    SDQ_WS_T(18, age_n);
+    SDQ_WS_T(19, age_w);
+    SDQ_WS_T(20, age_wn);
   }
-  if (tid == 128) SDQ_WS_T(13, clock64());
+  if (tid == 128) {
+    SDQ_WS_T(13, clock64());
+    SDQ_WS_T(22, waited_late);
+  }
 #endif
 
   if constexpr (CL) {
