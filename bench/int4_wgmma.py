@@ -44,6 +44,8 @@ CHECK_CASES = [  # (K, N, group, symmetric, act_order, dtype, Ms); N % 256 == 0 
     (1536, 1280, -1, False, False, torch.bfloat16, (9, 65)),
     (1536, 256, 96, False, False, torch.float16, (2, 33)),      # a group boundary inside a 64-K stage
     (14336, 4096, 128, True, False, torch.bfloat16, (32, 128)),  # a timed shape: long K, split-K
+    # more tiles than SMs at a short K: stream-K ranges ("wssk") that hold whole tiles as well as parts
+    (1024, 17920, 128, True, False, torch.bfloat16, (200, 256)),
     # M > 256 where the warp-specialized kernel takes every row in one launch (wgmma_rows), with and without split-K
     (4096, 6144, 128, True, False, torch.bfloat16, (520, 1100)),
     (4096, 6144, 128, False, False, torch.float16, (600,)),
@@ -307,7 +309,7 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
     ap.add_argument("--schedule", default="auto", help="schedules of the 128-token tile to check and time, each config "
-                                                        "in each (auto,split,stream,ws: int4_cuda.set_wgmma_schedule; r256: auto "
+                                                        "in each (auto,split,stream,ws,wssk: int4_cuda.set_wgmma_schedule; r256: auto "
                                                         "with 256-row launches, int4_cuda.set_wgmma_rows; nocl: "
                                                         "no cluster split-K sum, int4_cuda.set_wgmma_cluster; nowave "
                                                         "/ wave: without / with two splits at M > 256 where "

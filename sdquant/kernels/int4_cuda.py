@@ -294,7 +294,7 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
-WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3}
+WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3, "wssk": 4}
 
 
 def set_wgmma_schedule(mode: str) -> str:
@@ -303,7 +303,8 @@ def set_wgmma_schedule(mode: str) -> str:
     where it was measured faster, else ``wg_stream_k`` picks stream-K at M > 128 where split-K would leave more than a
     tenth of the resident slots idle over its waves, else split-K), "split" (split-K, the single-role pipeline),
     "stream" (stream-K) or "ws" (variant 63's warp-specialized split-K: a producer warpgroup issues TMA copies; groups a
-    multiple of 128 and K of 128, else split-K). For A/B runs (bench/int4_wgmma.py --schedule). Read at launch time, so
+    multiple of 128 and K of 128, else split-K) or "wssk" (variant 63's stream-K over that pipeline: one CTA a SM, each
+    an equal range of the (tile, stage) units, M <= 256; groups a multiple of 128 and K of 128, else split-K). For A/B runs (bench/int4_wgmma.py --schedule). Read at launch time, so
     set it before a CUDA graph is captured. Returns the previous mode ("auto" where the extension is not built)."""
     if mode not in WGMMA_SCHEDULES:
         raise ValueError(f"mode: {mode!r} is not one of {sorted(WGMMA_SCHEDULES)}")
@@ -445,14 +446,14 @@ def set_wgmma_cluster(on: bool) -> bool:
     return bool(ext.set_wg_cluster(1 if on else 0))
 
 
-WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster"}
+WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster", 4: "ws-stream"}
 
 
 def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=torch.bfloat16,
                splits: int = 0) -> str:
     """Which path a launch of the wgmma kernel (variants 62-63) of m rows takes with this many splits (0: automatic):
     "split" (split-K), "stream" (stream-K), "ws" (the warp-specialized split-K, splits summed by a second kernel) or
-    "ws-cluster" (summed inside a cluster); "" where the extension is not built or the config is another kernel."""
+    "ws-cluster" (summed inside a cluster) or "ws-stream" (stream-K over the warp-specialized pipeline); "" where the extension is not built or the config is another kernel."""
     ext = extension()
     if ext is None:
         return ""

@@ -52,6 +52,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     # 63's warp-specialized split-K at the 128-token tile (a producer warpgroup under setmaxnreg): 2 dtypes x the
     # splits summed by a second kernel or inside a cluster
     assert sum("w4a16_wgmma_tma_kernel" in ln for ln in kernels) == 4
+    # its stream-K form (int4_cuda.set_wgmma_schedule("wssk")): 2 dtypes
+    assert sum("w4a16_wgmma_tma_sk_kernel" in ln for ln in kernels) == 2
     assert sum("wg_reduce_kernel" in ln for ln in kernels) == 2
     # ptxas did not serialize the wgmmas (C7513-C7515: a non-wgmma instruction writing a wgmma's registers while
     # wgmmas are in flight, or too few registers for the pipeline)

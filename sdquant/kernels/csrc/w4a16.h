@@ -155,7 +155,8 @@ int sdq_w4a16_occupancy(int m, int group_k16, int is_bf16, int variant);
 int sdq_probe_evict_first(cudaStream_t stream);
 // The schedule of the wgmma kernel's 128-token tile, for the launches and split/grid queries from now on in this
 // process: 0 automatic (w4a16_wgmma.cuh: wg_ws, then wg_stream_k), 1 split-K, 2 stream-K, 3 variant 63's
-// warp-specialized split-K. Returns the previous setting.
+// warp-specialized split-K, 4 variant 63's stream-K over the warp-specialized pipeline (M <= 256). Returns the previous
+// setting.
 int sdq_w4a16_set_wg_schedule(int mode);
 int sdq_w4a16_wg_schedule(void);
 // Rows a launch of the wgmma kernel (variants 62-63) takes from now on in this process: 0 automatic (every row in one

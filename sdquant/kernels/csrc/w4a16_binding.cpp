@@ -252,12 +252,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
-  mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum)");
+  mod.def("wg_path", &wg_path, "the wgmma kernel's path at this shape (0 split, 1 stream, 2 ws, 3 ws + cluster sum, 4 ws stream-K)");
   mod.def("wg_max_clusters", &wg_max_clusters, "clusters of that many warp-specialized CTAs resident at once");
   mod.def("launch_rows", &launch_rows, "rows a launch of a variant takes at this M (larger M: several launches)");
   mod.def("read_probe", &read_probe, "read-bandwidth probe over the fragment layout (kind 0 linear, 1-3 stream-K loads)");
   mod.def("set_wg_schedule", &set_wg_schedule,
-          "the wgmma kernel's 128-token tile from now on (0 auto, 1 split-K, 2 stream-K, 3 warp-specialized split-K); "
+          "the wgmma kernel's 128-token tile from now on (0 auto, 1 split-K, 2 stream-K, 3 warp-specialized split-K, "
+          "4 warp-specialized stream-K); "
           "returns the old");
   mod.def("set_wg_rows", &set_wg_rows,
           "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");

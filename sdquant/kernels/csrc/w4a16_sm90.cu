@@ -226,7 +226,7 @@ int g_wg_wave = 1;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
-  return std::exchange(g_wg_schedule, mode >= 0 && mode <= 3 ? mode : 0);
+  return std::exchange(g_wg_schedule, mode >= 0 && mode <= 4 ? mode : 0);
 }
 extern "C" int sdq_w4a16_wg_schedule(void) { return g_wg_schedule; }
 extern "C" int sdq_w4a16_set_wg_rows(int rows) {

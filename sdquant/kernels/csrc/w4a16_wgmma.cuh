@@ -1143,6 +1143,205 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   SDQ_WS_T_END(tid);
 }
 
+// ------------------------------------------------------------------ stream-K over the warp-specialized pipeline
+// The 128-token tile's (tile, 128-K stage) units in tile order (token tiles fastest), cut into p.splits equal ranges,
+// one a CTA (grid = one CTA a SM): CTA g takes units [U g / G, U (g + 1) / G). Why: at M = 65-256 the tiles are few
+// and even (8192x28672 M = 128: 112 tiles of 64 stages on 132 SMs, so 20 SMs idle whatever the split-K; M = 256: 224
+// tiles = 1.7 waves), and the split-K or cluster forms keep every CTA's work a whole tile or an equal share of one.
+// The producer's ring runs across the tiles of a CTA's range (a stage's copies name their own tile); the consumers
+// compute a tile's segment, then write y where the segment is the whole tile, else their fp32 partial into one of the
+// CTA's two scratch slots (its first segment's, its last's), and the last CTA of a tile to arrive sums the tile's
+// partials in CTA order and writes y (wgmma_body's stream-K protocol: deterministic, whichever CTA is last). Its outputs
+// are not bit-identical to the split-K forms' (other partial sums), only as close to the reference.
+// Scratch [G, 2, 128 * 256] fp32 and one lock a tile (p.locks, left at zero).
+// 32-bit arithmetic throughout (64-bit divisions are subroutine calls that put a return address on the stack):
+// wg_ws_sk bounds units * 1025 below 2^31.
+struct WsSkRange {  // CTA g's units of a launch
+  int tt, nst_all, grid, units, q, rem;  // units = q grid + rem
+  __device__ __forceinline__ int start(int g) const { return q * g + rem * g / grid; }  // floor(units g / grid)
+  __device__ __forceinline__ int cta_of(int u) const {  // the CTA whose range holds unit u (the last g: start(g) <= u)
+    int g = (u + 1) * grid / units;  // >= the answer's lower neighbour, at most one above the answer
+    if (g >= grid || start(g) > u) --g;
+    return g;
+  }
+};
+__device__ __forceinline__ WsSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
+  WsSkRange r;
+  r.tt = (p.m + 127) / 128;
+  r.nst_all = p.k / (16 * ks);
+  r.grid = p.splits;
+  r.units = r.tt * (p.n / 256) * r.nst_all;
+  r.q = r.units / r.grid;
+  r.rem = r.units - r.q * r.grid;
+  return r;
+}
+template <typename T, int KS>
+__device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0);
+template <typename T, int KS>
+__global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_kernel(
+    const SdqW4A16Params p, const __grid_constant__ CUtensorMap tx) {
+  constexpr int NTOK = 128;
+  using L = WgSmem<NTOK, 1, KS>;
+  constexpr int WGS = WsRegs<NTOK>::WGS;
+  constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
+  extern __shared__ uint8_t wg_smem_raw[];
+  const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT, empty0 = full0 + 8 * STAGES;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * WGS);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  if (role == WGS) {  // the producer: the range's stages in order, whatever tile each belongs to
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
+    if (tid == 128 * WGS) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
+      const WsSkRange rg = ws_sk_range(p, KS);
+      const int u0 = rg.start(blockIdx.x), nu = rg.start(blockIdx.x + 1) - u0;
+      // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time (the producer has
+      // 24 registers)
+      const int t0 = u0 / rg.nst_all, mend = rg.tt * NTOK;
+      int s = u0 - t0 * rg.nst_all, m0 = (t0 % rg.tt) * NTOK, nb0 = (t0 / rg.tt) * WG_BLOCKS;
+      const auto issue = [&](int r, bool with_w, bool with_x) {  // ring entry r
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), s * KS, nb0, m0,
+                                  true, with_w, with_x);
+        if (with_x && ++s == rg.nst_all) {  // the next tile (token tiles fastest)
+          s = 0;
+          if ((m0 += NTOK) == mend) {
+            m0 = 0;
+            nb0 += WG_BLOCKS;
+          }
+        }
+      };
+      const int pre = nu < STAGES ? nu : STAGES;
+      for (int r = 0; r < pre; ++r) {  // (the prologue stage by stage, as the split-K kernel's)
+        issue(r, true, false);
+        if (r == 0 && p.pdl) griddep_wait();
+        issue(r, false, true);
+      }
+      if (pre == 0 && p.pdl) griddep_wait();
+      for (int r = STAGES; r < nu; ++r) {
+        ring_wait(empty0 + 8 * (r % STAGES), ((r / STAGES) - 1) & 1);
+        issue(r, true, true);
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::CONS));
+    ws_sk_consumer<T, KS>(p, sbase, full0, empty0);
+  }
+}
+template <typename T, int KS>
+__device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0,
+                                               uint32_t empty0) {
+  constexpr int NTOK = 128;
+  using L = WgSmem<NTOK, 1, KS>;
+  constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8, NT = 128 * WGS;
+  constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
+  const int tid = threadIdx.x;  // (consumer threads are 0 .. NT - 1)
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  const WsSkRange rg = ws_sk_range(p, KS);
+  const int g = blockIdx.x, u_end = rg.start(g + 1);
+  float acc[NU][ND];
+  uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
+  uint32_t af[2][NU][4];
+  __shared__ int s_last;
+  float4* part = reinterpret_cast<float4*>(p.partial);
+  constexpr size_t SLOT = static_cast<size_t>(NTOK) * 256 / 4;  // float4s a partial slot
+  T* y = static_cast<T*>(p.c);
+  const auto store_y = [&](int m0, int nb0) {  // acc[j][4c + 2h + e]: token m0 + 8c + 2t4 + e, feature 64 (nb0 + warp) + 16 (NU wg + j) + 8h + g8
+#pragma unroll
+    for (int j = 0; j < NU; ++j)
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int row = m0 + 8 * c + 2 * t4 + e;
+            if (row < p.m)
+              y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + 16 * (NU * wg + j) + 8 * h + g8] =
+                  Ops<T>::one(acc[j][4 * c + 2 * h + e]);
+          }
+  };
+  int r = 0;  // ring entry of the next stage
+  for (int u = rg.start(g); u < u_end;) {
+    const int t = u / rg.nst_all, t0 = t * rg.nst_all;
+    const int sa = u - t0, sb = u_end - t0 < rg.nst_all ? u_end - t0 : rg.nst_all;
+    const int m0 = (t % rg.tt) * NTOK, nb0 = (t / rg.tt) * WG_BLOCKS;
+    const bool first = u == rg.start(g);
+#pragma unroll
+    for (int j = 0; j < NU; ++j)
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[j][i] = 0.f;
+    for (int s = sa; s < sb; ++s, ++r) {
+      const int slot = r % STAGES;
+      const uint32_t st = sbase + slot * L::STAGE;
+      ws_wait(full0 + 8 * slot, (r / STAGES) & 1);
+      wg_load_group<T, NU, L>(st, 0, wg, warp, g8, sp, zl, zh);
+      wg_stage_mma<T, NTOK, KS, NU, L>(st, wg, warp, lane, acc, af, sp, zl, zh, [](int) {}, [&](int k0) {
+        // at step 1 every wgmma of the previous ring entry has retired (the segment's first: since the previous
+        // segment's end): free its slot
+        if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((r + STAGES - 1) % STAGES), r > 0 && lane == 0);
+      });
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int j = 0; j < NU; ++j) wg_fence_acc(acc[j]);
+    u = t0 + rg.nst_all;
+    if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's griddepcontrol.wait still waits for this grid)
+    if (sa == 0 && sb == rg.nst_all) {  // the whole tile
+      store_y(m0, nb0);
+      continue;
+    }
+    {  // this segment's partial into slot 2g (the range's first segment) or 2g + 1 (its last), float4 q of thread tid
+      float4* mine = part + (2 * static_cast<size_t>(g) + (first ? 0 : 1)) * SLOT + tid;
+#pragma unroll
+      for (int j = 0; j < NU; ++j)
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+          __stcg(mine + (j * NC + c) * NT, make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
+                                                       acc[j][4 * c + 3]));
+    }
+    // count in on the tile's lock (consumer threads only: the producer takes no part in the epilogue). The barrier
+    // orders every consumer thread's partial stores before thread 0's acq_rel atomic, as split_count_in does.
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+    const int ga = rg.cta_of(t0), gb = rg.cta_of(t0 + rg.nst_all - 1);
+    if (tid == 0) {
+      int old;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.locks + t) : "memory");
+      s_last = old == gb - ga;
+    }
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+    if (!s_last) continue;
+#pragma unroll
+    for (int j = 0; j < NU; ++j)
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[j][i] = 0.f;
+    for (int q = ga; q <= gb; ++q) {  // every CTA of the tile in CTA order: its slot for this tile
+      const float4* src = part + (2 * static_cast<size_t>(q) + (rg.start(q) >= t0 ? 0 : 1)) * SLOT + tid;
+#pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        asm volatile("" ::: "memory");  // loads in batches of one j, not all at once
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const float4 v = __ldcg(src + (j * NC + c) * NT);
+          acc[j][4 * c] += v.x;
+          acc[j][4 * c + 1] += v.y;
+          acc[j][4 * c + 2] += v.z;
+          acc[j][4 * c + 3] += v.w;
+        }
+      }
+    }
+    store_y(m0, nb0);
+    if (tid == 0) p.locks[t] = 0;
+  }
+}
+
 // The activation tensor map of a launch: [m, k] row-major, boxes of 64 K x NTOK rows, 128-byte swizzle, rows past m
 // read as zeros. cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
 inline int tma_x_map(const SdqW4A16Params& p, int ntok, CUtensorMap* map) {
@@ -1266,6 +1465,24 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
   }
 };
 
+// Stream-K over the warp-specialized pipeline (w4a16_wgmma_tma_sk_kernel): a grid of p.splits CTAs
+template <typename T, int KS>
+struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
+  static constexpr int THREADS = WsRegs<128>::THREADS;
+  static constexpr int SMEM = TmaSmem<128, KS>::TOTAL;
+  static constexpr auto kernel = w4a16_wgmma_tma_sk_kernel<T, KS>;
+  static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
+    if (const int rc = TmaSkKern::setup()) return rc;
+    if ((p.m + 127) / 128 * (p.n / 256) > p.n / 64) return -2;  // one lock a tile (p.locks holds N / 64)
+    CUtensorMap map;
+    if (const int rc = tma_x_map(p, 128, &map)) return rc;
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = TmaSkKern::config(dim3(p.splits), p, stream, attr);
+    cudaLaunchKernelEx(&cfg, kernel, p, map);
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false>
 struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>> {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
@@ -1342,6 +1559,21 @@ bool wg_ws(const SdqW4A16Params& p) {
   }
 }
 
+// Stream-K over the warp-specialized pipeline (TmaSkKern) for variant 63 at the 128-token tile, M <= 256 (two token
+// tiles: one lock a tile fits p.locks), groups a multiple of 128 and K of 128, and fewer than 2^31 / 1025 (tile, stage)
+// units (its 32-bit range arithmetic, for grids up to 1024 CTAs); for now only where
+// int4_cuda.set_wgmma_schedule("wssk") forces it (mode 4), until it is measured against the automatic choice.
+template <typename T, int NTOK, bool SEP>
+bool wg_ws_sk(const SdqW4A16Params& p) {
+  if constexpr (!SEP || NTOK != 128) {
+    return false;
+  } else {
+    const long long units = static_cast<long long>((p.m + 127) / 128) * (p.n / 256) * (p.k / (16 * WS_KS128));
+    return p.m <= 256 && p.group_k16 % 8 == 0 && p.k % 128 == 0 && units * 1025 < (1LL << 31) &&
+           sdq_w4a16_wg_schedule() == 4;
+  }
+}
+
 // Whether the warp-specialized split-K sums its splits inside a cluster (CL above): sdq_w4a16_set_wg_cluster allows it, 2-8
 // splits, and every tile's cluster resident at once (one wave, as split-K grids are; else the cluster form could take two).
 template <typename K>
@@ -1395,13 +1627,23 @@ template <typename T, int NTOK, bool SEP>
 int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   constexpr bool WS = SEP && (NTOK == 128 || SDQ_WS_SMALL);  // (only these instantiate TmaKern)
   constexpr int WKS = NTOK == 128 ? WS_KS128 : 4;
+  if constexpr (SEP && NTOK == 128)
+    if (wg_ws_sk<T, NTOK, SEP>(p)) {  // (p.splits is its grid, as for stream-K)
+      if (op == 0) return TmaSkKern<T, WKS>::launch(p, stream);
+      if (op == 1) return TmaSkKern<T, WKS>::per_sm();
+      if (op == 3) return p.splits * 2 * NTOK * 256;  // [G, 2 slots, NTOK * 256] fp32
+      if (op == 6) return 1;
+      if (op == 9) return 4;
+      return 0;
+    }
   const bool ws = WS && wg_ws<T, NTOK, SEP>(p);
   if constexpr (WS)
     if (op == 1 && ws) return TmaKern<T, NTOK, WKS>::per_sm();
   if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
   if (op == 6) return sk ? 1 : 0;
-  if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster sum
+  if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster
+                 // sum (4: stream-K over the warp-specialized pipeline, above)
     if (!ws) return sk ? 1 : 0;
     if constexpr (WS && NTOK == 128)
       if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return 3;
