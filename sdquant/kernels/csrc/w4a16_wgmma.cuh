@@ -51,6 +51,7 @@
 #include "w4a16_kernel.cuh"
 #include "w4a16_wgmma_mma.cuh"
 
+#include "w4a16_ranges.h"
 #include <cudaTypedefs.h>  // CUtensorMap, PFN_cuTensorMapEncodeTiled (the TMA pipeline; header only)
 
 #include <algorithm>
@@ -1154,26 +1155,9 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 // partials in CTA order and writes y (wgmma_body's stream-K protocol: deterministic, whichever CTA is last). Its outputs
 // are not bit-identical to the split-K forms' (other partial sums), only as close to the reference.
 // Scratch [G, 2, 128 * 256] fp32 and one lock a tile (p.locks, left at zero).
-// 32-bit arithmetic throughout (64-bit divisions are subroutine calls that put a return address on the stack):
-// wg_ws_sk bounds units * 1025 below 2^31.
-struct WsSkRange {  // CTA g's units of a launch
-  int tt, nst_all, grid, units, q, rem;  // units = q grid + rem
-  __device__ __forceinline__ int start(int g) const { return q * g + rem * g / grid; }  // floor(units g / grid)
-  __device__ __forceinline__ int cta_of(int u) const {  // the CTA whose range holds unit u (the last g: start(g) <= u)
-    int g = (u + 1) * grid / units;  // >= the answer's lower neighbour, at most one above the answer
-    if (g >= grid || start(g) > u) --g;
-    return g;
-  }
-};
-__device__ __forceinline__ WsSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
-  WsSkRange r;
-  r.tt = (p.m + 127) / 128;
-  r.nst_all = p.k / (16 * ks);
-  r.grid = p.splits;
-  r.units = r.tt * (p.n / 256) * r.nst_all;
-  r.q = r.units / r.grid;
-  r.rem = r.units - r.q * r.grid;
-  return r;
+// The launch's partition (w4a16_ranges.h, CPU-tested): (token tiles x feature tiles) tiles of p.k / 16 KS stages
+__device__ __forceinline__ SdqSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
+  return sdq_sk_range((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
 }
 template <typename T, int KS>
 __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0);
@@ -1201,16 +1185,16 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
     if (tid == 128 * WGS) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-      const WsSkRange rg = ws_sk_range(p, KS);
+      const SdqSkRange rg = ws_sk_range(p, KS);
       const int u0 = rg.start(blockIdx.x), nu = rg.start(blockIdx.x + 1) - u0;
       // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time (the producer has
       // 24 registers)
-      const int t0 = u0 / rg.nst_all, mend = rg.tt * NTOK;
-      int s = u0 - t0 * rg.nst_all, m0 = (t0 % rg.tt) * NTOK, nb0 = (t0 / rg.tt) * WG_BLOCKS;
+      const int tt = (p.m + NTOK - 1) / NTOK, t0 = u0 / rg.nst, mend = tt * NTOK;
+      int s = u0 - t0 * rg.nst, m0 = (t0 % tt) * NTOK, nb0 = (t0 / tt) * WG_BLOCKS;
       const auto issue = [&](int r, bool with_w, bool with_x) {  // ring entry r
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), s * KS, nb0, m0,
                                   true, with_w, with_x);
-        if (with_x && ++s == rg.nst_all) {  // the next tile (token tiles fastest)
+        if (with_x && ++s == rg.nst) {  // the next tile (token tiles fastest)
           s = 0;
           if ((m0 += NTOK) == mend) {
             m0 = 0;
@@ -1244,8 +1228,8 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   const int tid = threadIdx.x;  // (consumer threads are 0 .. NT - 1)
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
-  const WsSkRange rg = ws_sk_range(p, KS);
-  const int g = blockIdx.x, u_end = rg.start(g + 1);
+  const SdqSkRange rg = ws_sk_range(p, KS);
+  const int g = blockIdx.x, u_end = rg.start(g + 1), tt = (p.m + NTOK - 1) / NTOK;
   float acc[NU][ND];
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
@@ -1270,10 +1254,9 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   };
   int r = 0;  // ring entry of the next stage
   for (int u = rg.start(g); u < u_end;) {
-    const int t = u / rg.nst_all, t0 = t * rg.nst_all;
-    const int sa = u - t0, sb = u_end - t0 < rg.nst_all ? u_end - t0 : rg.nst_all;
-    const int m0 = (t % rg.tt) * NTOK, nb0 = (t / rg.tt) * WG_BLOCKS;
-    const bool first = u == rg.start(g);
+    int t, sa, sb;
+    rg.segment(g, u, t, sa, sb);
+    const int t0 = t * rg.nst, m0 = (t % tt) * NTOK, nb0 = (t / tt) * WG_BLOCKS;
 #pragma unroll
     for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -1292,14 +1275,15 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     wg_wait<0>();
 #pragma unroll
     for (int j = 0; j < NU; ++j) wg_fence_acc(acc[j]);
-    u = t0 + rg.nst_all;
+    u = t0 + rg.nst;
     if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's griddepcontrol.wait still waits for this grid)
-    if (sa == 0 && sb == rg.nst_all) {  // the whole tile
+    if (sa == 0 && sb == rg.nst) {  // the whole tile
       store_y(m0, nb0);
       continue;
     }
-    {  // this segment's partial into slot 2g (the range's first segment) or 2g + 1 (its last), float4 q of thread tid
-      float4* mine = part + (2 * static_cast<size_t>(g) + (first ? 0 : 1)) * SLOT + tid;
+    {  // this segment's partial into its slot (rg.slot: the range's first segment's or its last's), float4 i of thread
+       // tid at i * NT + tid
+      float4* mine = part + static_cast<size_t>(rg.slot(g, t)) * SLOT + tid;
 #pragma unroll
       for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -1310,7 +1294,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     // count in on the tile's lock (consumer threads only: the producer takes no part in the epilogue). The barrier
     // orders every consumer thread's partial stores before thread 0's acq_rel atomic, as split_count_in does.
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-    const int ga = rg.cta_of(t0), gb = rg.cta_of(t0 + rg.nst_all - 1);
+    const int ga = rg.cta_of(t0), gb = rg.cta_of(t0 + rg.nst - 1);
     if (tid == 0) {
       int old;
       asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.locks + t) : "memory");
@@ -1323,7 +1307,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
 #pragma unroll
       for (int i = 0; i < ND; ++i) acc[j][i] = 0.f;
     for (int q = ga; q <= gb; ++q) {  // every CTA of the tile in CTA order: its slot for this tile
-      const float4* src = part + (2 * static_cast<size_t>(q) + (rg.start(q) >= t0 ? 0 : 1)) * SLOT + tid;
+      const float4* src = part + static_cast<size_t>(rg.slot(q, t)) * SLOT + tid;
 #pragma unroll
       for (int j = 0; j < NU; ++j) {
         asm volatile("" ::: "memory");  // loads in batches of one j, not all at once
