@@ -1185,18 +1185,22 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
     if (tid == 128 * WGS) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-      const SdqSkRange rg = ws_sk_range(p, KS);
-      const int u0 = rg.start(blockIdx.x), nu = rg.start(blockIdx.x + 1) - u0;
-      // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time (the producer has
-      // 24 registers)
-      const int tt = (p.m + NTOK - 1) / NTOK, t0 = u0 / rg.nst, mend = tt * NTOK;
-      int s = u0 - t0 * rg.nst, m0 = (t0 % tt) * NTOK, nb0 = (t0 / tt) * WG_BLOCKS;
+      int u0, nu;
+      {
+        const SdqSkRange rg = ws_sk_range(p, KS);
+        u0 = rg.start(blockIdx.x);
+        nu = rg.start(blockIdx.x + 1) - u0;
+      }
+      // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time; nothing else kept
+      // (the producer has 24 registers: p.k / (16 KS) and p.m are re-read from the parameters)
+      const int tt = (p.m + NTOK - 1) / NTOK, t0 = u0 / (p.k / (16 * KS));
+      int s = u0 - t0 * (p.k / (16 * KS)), m0 = (t0 % tt) * NTOK, nb0 = (t0 / tt) * WG_BLOCKS;
       const auto issue = [&](int r, bool with_w, bool with_x) {  // ring entry r
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), s * KS, nb0, m0,
                                   true, with_w, with_x);
-        if (with_x && ++s == rg.nst) {  // the next tile (token tiles fastest)
+        if (with_x && ++s == p.k / (16 * KS)) {  // the next tile (token tiles fastest)
           s = 0;
-          if ((m0 += NTOK) == mend) {
+          if ((m0 += NTOK) >= p.m) {
             m0 = 0;
             nb0 += WG_BLOCKS;
           }
@@ -1227,7 +1231,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   constexpr int WGS = WsRegs<NTOK>::WGS, NU = 4 / WGS, ND = NTOK / 2, NC = NTOK / 8, NT = 128 * WGS;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   const int tid = threadIdx.x;  // (consumer threads are 0 .. NT - 1)
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2;
   const SdqSkRange rg = ws_sk_range(p, KS);
   const int g = blockIdx.x, u_end = rg.start(g + 1), tt = (p.m + NTOK - 1) / NTOK;
   float acc[NU][ND];
@@ -1236,21 +1240,24 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   __shared__ int s_last;
   float4* part = reinterpret_cast<float4*>(p.partial);
   constexpr size_t SLOT = static_cast<size_t>(NTOK) * 256 / 4;  // float4s a partial slot
-  T* y = static_cast<T*>(p.c);
-  const auto store_y = [&](int m0, int nb0) {  // acc[j][4c + 2h + e]: token m0 + 8c + 2t4 + e, feature 64 (nb0 + warp) + 16 (NU wg + j) + 8h + g8
+  // y through the kernel's own 32-row staging buffer (after the ring's barriers; the stages are being refilled), 32
+  // tokens a pass: stmatrix .trans of the fragment blocks c = 4P .. 4P + 3 into rows 8c + i - 32P, then 16-byte rows to
+  // y as the one-split epilogue does (direct 2-byte stores from the fragments cost that epilogue 8 us a tile)
+  const uint32_t out = full0 + 16 * STAGES;
+  const auto store_y = [&](int m0, int nb0) {
 #pragma unroll
-    for (int j = 0; j < NU; ++j)
+    for (int P = 0; P < NC / 4; ++P) {
+      const uint32_t tile = out - static_cast<uint32_t>(32 * P * WS_OUT_ROWB);  // (row r of the tile at out + (r - 32P) ROWB)
+      asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");  // the buffer's previous rows are out
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
+      for (int j = 0; j < NU; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int row = m0 + 8 * c + 2 * t4 + e;
-            if (row < p.m)
-              y[static_cast<size_t>(row) * p.n + 64 * (nb0 + warp) + 16 * (NU * wg + j) + 8 * h + g8] =
-                  Ops<T>::one(acc[j][4 * c + 2 * h + e]);
-          }
+        for (int c = 4 * P; c < 4 * P + 4; ++c)
+          stage_out<T, NU>(tile, wg, warp, lane, j, c, acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
+                           acc[j][4 * c + 3]);
+      asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+      copy_out<T, NT>(p, tile, 32 * P, 32 * P + 32, m0, nb0, tid);
+    }
   };
   int r = 0;  // ring entry of the next stage
   for (int u = rg.start(g); u < u_end;) {
@@ -1453,11 +1460,13 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
 template <typename T, int KS>
 struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   static constexpr int THREADS = WsRegs<128>::THREADS;
-  static constexpr int SMEM = TmaSmem<128, KS>::TOTAL;
+  static constexpr int SMEM = TmaSmem<128, KS>::TOTAL + 32 * WS_OUT_ROWB;  // + the 32-row staging buffer
+  static_assert(SMEM <= 227 * 1024, "the ring, its barriers and the staging buffer fit one CTA's shared memory");
   static constexpr auto kernel = w4a16_wgmma_tma_sk_kernel<T, KS>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaSkKern::setup()) return rc;
     if ((p.m + 127) / 128 * (p.n / 256) > p.n / 64) return -2;  // one lock a tile (p.locks holds N / 64)
+    if (reinterpret_cast<uintptr_t>(p.c) % 16) return -1;  // copy_out's 16-byte stores
     CUtensorMap map;
     if (const int rc = tma_x_map(p, 128, &map)) return rc;
     cudaLaunchAttribute attr[1];
