@@ -1,7 +1,8 @@
 """The stream-K partition of the warp-specialized wgmma kernel (csrc/w4a16_ranges.h), compiled with the host C++
-compiler and run on the CPU: the ranges cover every (tile, stage) unit once, cta_of inverts start, and the partial-slot
-protocol the kernel follows (w4a16_wgmma.cuh, ws_sk_consumer) gives every split tile's summing CTA exactly the slots its
-other CTAs wrote, with no slot written twice in a launch."""
+compiler and run on the CPU: the ranges cover every (tile, stage) unit once, cta_of inverts start, and the protocol the
+kernel follows (w4a16_wgmma.cuh, ws_sk_consumer) holds: a cut tile's owner meets it as its range's last segment (so its
+wait comes after all its other work), each peer as its range's first, every CTA writes at most one partial, and the
+owner reads exactly the slots its peers wrote."""
 from __future__ import annotations
 
 import shutil
@@ -37,36 +38,45 @@ static int check(int tiles, int nst, int grid) {
     if (owner[u] == -1) return fail("unit missed", tiles, nst, grid, u, 0);
     if (rg.cta_of(u) != owner[u]) return fail("cta_of", tiles, nst, grid, u, rg.cta_of(u));
   }
-  // the consumer loop: slot writes (slot -> tile), whole tiles, count-ins per tile
-  std::vector<int> slot_tile(2 * grid, -1), whole(tiles, 0), counted(tiles, 0), covered(tiles, 0);
+  // the consumer loop as the kernel runs it: per CTA its segments in order; a peer's partial goes to slot g (one a CTA)
+  // and it counts in; the owner's segment must be its range's last (it waits there), a peer's its range's first
+  std::vector<int> slot_tile(grid, -1), whole(tiles, 0), counted(tiles, 0), owned(tiles, 0), covered(tiles, 0);
   for (int g = 0; g < grid; ++g)
     for (int u = rg.start(g), end = rg.start(g + 1); u < end;) {
       int t, sa, sb;
       rg.segment(g, u, t, sa, sb);
       if (sa != u - t * nst || sb <= sa || sb > nst) return fail("segment", tiles, nst, grid, g, u);
       covered[t] += sb - sa;
+      const bool first = u == rg.start(g);
       u = (t + 1) * nst;
+      const bool last = u >= end;
       if (sa == 0 && sb == nst) {
         ++whole[t];
+        if (rg.peers(t) != 0) return fail("whole tile with peers", tiles, nst, grid, t, rg.peers(t));
         continue;
       }
-      const int s = rg.slot(g, t);
-      if (s != 2 * g && s != 2 * g + 1) return fail("foreign slot", tiles, nst, grid, g, s);
-      if (slot_tile[s] != -1) return fail("slot written twice", tiles, nst, grid, g, s);
-      slot_tile[s] = t;
+      if (g == rg.owner(t)) {
+        if (!last) return fail("owner waits mid-range", tiles, nst, grid, t, g);
+        ++owned[t];
+        continue;
+      }
+      if (!first) return fail("peer part not first", tiles, nst, grid, t, g);
+      if (g <= rg.owner(t) || g > rg.owner(t) + rg.peers(t)) return fail("peer outside", tiles, nst, grid, t, g);
+      if (slot_tile[g] != -1) return fail("slot written twice", tiles, nst, grid, g, t);
+      slot_tile[g] = t;
       ++counted[t];
     }
-  // the summing CTA of each split tile: CTAs ga..gb, each one's slot for the tile, and the count it waits for
+  // each cut tile: one owner, and exactly its peers' slots written for it
   for (int t = 0; t < tiles; ++t) {
     if (covered[t] != nst) return fail("tile coverage", tiles, nst, grid, t, covered[t]);
     if (whole[t]) {
-      if (whole[t] != 1 || counted[t]) return fail("whole tile also split", tiles, nst, grid, t, counted[t]);
+      if (whole[t] != 1 || counted[t] || owned[t]) return fail("whole tile also cut", tiles, nst, grid, t, counted[t]);
       continue;
     }
-    const int ga = rg.cta_of(t * nst), gb = rg.cta_of(t * nst + nst - 1);
-    if (gb - ga + 1 != counted[t]) return fail("count", tiles, nst, grid, t, counted[t]);
-    for (int q = ga; q <= gb; ++q)
-      if (slot_tile[rg.slot(q, t)] != t) return fail("read slot", tiles, nst, grid, t, q);
+    if (owned[t] != 1 || counted[t] != rg.peers(t) || rg.peers(t) < 1)
+      return fail("count", tiles, nst, grid, t, counted[t]);
+    for (int q = rg.owner(t) + 1; q <= rg.owner(t) + rg.peers(t); ++q)
+      if (slot_tile[q] != t) return fail("read slot", tiles, nst, grid, t, q);
   }
   return 0;
 }

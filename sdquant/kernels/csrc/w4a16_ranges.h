@@ -3,10 +3,13 @@
 // and the partial-slot protocol on the CPU.
 //
 // U units (tile, stage) in tile order are cut into G equal ranges, CTA g taking [U g / G, U (g + 1) / G). A CTA's range
-// is a sequence of segments, one a tile it touches; a segment that is the whole tile writes y, the others leave an fp32
-// partial in one of the CTA's two slots (2 g: the range's first segment, 2 g + 1: its last), and the last CTA of a tile
-// to arrive sums the tile's partials in CTA order. 32-bit arithmetic throughout (a 64-bit division is a subroutine call
-// on the GPU); callers keep U * (G + 1) below 2^31.
+// is a sequence of segments, one a tile it touches. A segment that is the whole tile writes y. A tile cut between CTAs
+// is owned by the CTA holding its first unit: for that CTA it is the range's last segment, for the others (its peers,
+// the next CTAs) their range's first, so the peers finish their parts first, each leaves an fp32 partial in its one
+// scratch slot and counts in on the tile's lock, and the owner, at the end of its range, waits for the count, adds the
+// peers' partials to its own accumulators in CTA order and writes y (deterministic; the owner writes no partial). The
+// wait cannot deadlock: peers never wait, and a grid is at most the resident CTAs. 32-bit arithmetic throughout (a
+// 64-bit division is a subroutine call on the GPU); callers keep U * (G + 1) below 2^31.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -34,9 +37,10 @@ struct SdqSkRange {
     sa = u - t * nst;
     sb = end - t * nst < nst ? end - t * nst : nst;
   }
-  // the partial slot that CTA g writes (or that the summing CTA reads) for tile t: 2 g where tile t holds the start
-  // of g's range (its first segment), else 2 g + 1 (its last)
-  SDQ_HD int slot(int g, int t) const { return 2 * g + (start(g) >= t * nst ? 0 : 1); }
+  // a cut tile t: its owner (the CTA holding its first unit) and its peers' count (the CTAs after it that hold its
+  // other units); peers == 0 where one CTA's range holds the whole tile
+  SDQ_HD int owner(int t) const { return cta_of(t * nst); }
+  SDQ_HD int peers(int t) const { return cta_of(t * nst + nst - 1) - owner(t); }
 };
 SDQ_HD SdqSkRange sdq_sk_range(int tiles, int nst, int grid) {
   SdqSkRange r;

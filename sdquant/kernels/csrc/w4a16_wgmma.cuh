@@ -1150,11 +1150,14 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 // and even (8192x28672 M = 128: 112 tiles of 64 stages on 132 SMs, so 20 SMs idle whatever the split-K; M = 256: 224
 // tiles = 1.7 waves), and the split-K or cluster forms keep every CTA's work a whole tile or an equal share of one.
 // The producer's ring runs across the tiles of a CTA's range (a stage's copies name their own tile); the consumers
-// compute a tile's segment, then write y where the segment is the whole tile, else their fp32 partial into one of the
-// CTA's two scratch slots (its first segment's, its last's), and the last CTA of a tile to arrive sums the tile's
-// partials in CTA order and writes y (wgmma_body's stream-K protocol: deterministic, whichever CTA is last). Its outputs
+// compute a tile's segment, then write y where the segment is the whole tile; a tile cut between CTAs is finished by its
+// owner, the CTA holding its first unit, at the end of its range, after its peers (whose ranges start inside the tile)
+// have left their fp32 partials and counted in (w4a16_ranges.h describes the protocol; it is deterministic). Its outputs
 // are not bit-identical to the split-K forms' (other partial sums), only as close to the reference.
-// Scratch [G, 2, 128 * 256] fp32 and one lock a tile (p.locks, left at zero).
+// Scratch [G, 128 * 256] fp32 (one partial a CTA) and one lock a tile (p.locks, left at zero).
+// A first form had every part of a cut tile leave a partial and the last CTA to arrive re-read them all (wgmma_body's
+// protocol): twice the partial traffic, 4-50% slower than the automatic schedule on the H100 except 8192x10240 at
+// M = 256 (int4_wgmma run 42).
 // The launch's partition (w4a16_ranges.h, CPU-tested): (token tiles x feature tiles) tiles of p.k / 16 KS stages
 __device__ __forceinline__ SdqSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
   return sdq_sk_range((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
@@ -1237,7 +1240,6 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   float acc[NU][ND];
   uint32_t sp[NU][2], zl[NU][2], zh[NU][2];
   uint32_t af[2][NU][4];
-  __shared__ int s_last;
   float4* part = reinterpret_cast<float4*>(p.partial);
   constexpr size_t SLOT = static_cast<size_t>(NTOK) * 256 / 4;  // float4s a partial slot
   // y through the kernel's own 32-row staging buffer (after the ring's barriers; the stages are being refilled), 32
@@ -1288,33 +1290,33 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
       store_y(m0, nb0);
       continue;
     }
-    {  // this segment's partial into its slot (rg.slot: the range's first segment's or its last's), float4 i of thread
-       // tid at i * NT + tid
-      float4* mine = part + static_cast<size_t>(rg.slot(g, t)) * SLOT + tid;
+    const int owner = rg.owner(t), peers = rg.peers(t);
+    if (g != owner) {  // a peer (its range's first segment): the partial into slot g, float4 i of thread tid at
+                       // i * NT + tid, then count in on the tile's lock. The barrier orders every consumer thread's
+                       // stores before thread 0's release, as split_count_in does.
+      float4* mine = part + static_cast<size_t>(g) * SLOT + tid;
 #pragma unroll
       for (int j = 0; j < NU; ++j)
 #pragma unroll
         for (int c = 0; c < NC; ++c)
           __stcg(mine + (j * NC + c) * NT, make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
                                                        acc[j][4 * c + 3]));
+      asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+      if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p.locks + t) : "memory");
+      continue;
     }
-    // count in on the tile's lock (consumer threads only: the producer takes no part in the epilogue). The barrier
-    // orders every consumer thread's partial stores before thread 0's acq_rel atomic, as split_count_in does.
-    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-    const int ga = rg.cta_of(t0), gb = rg.cta_of(t0 + rg.nst - 1);
+    // the owner (its range's last segment): wait until every peer has counted in (acquire), then add their partials
+    // in CTA order and write y; the lock goes back to zero for the next launch
     if (tid == 0) {
-      int old;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.locks + t) : "memory");
-      s_last = old == gb - ga;
+      int n;
+      do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p.locks + t) : "memory");
+      } while (n < peers);
+      p.locks[t] = 0;
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-    if (!s_last) continue;
-#pragma unroll
-    for (int j = 0; j < NU; ++j)
-#pragma unroll
-      for (int i = 0; i < ND; ++i) acc[j][i] = 0.f;
-    for (int q = ga; q <= gb; ++q) {  // every CTA of the tile in CTA order: its slot for this tile
-      const float4* src = part + static_cast<size_t>(rg.slot(q, t)) * SLOT + tid;
+    for (int q = owner + 1; q <= owner + peers; ++q) {
+      const float4* src = part + static_cast<size_t>(q) * SLOT + tid;
 #pragma unroll
       for (int j = 0; j < NU; ++j) {
         asm volatile("" ::: "memory");  // loads in batches of one j, not all at once
@@ -1329,7 +1331,6 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
       }
     }
     store_y(m0, nb0);
-    if (tid == 0) p.locks[t] = 0;
   }
 }
 
@@ -1624,7 +1625,7 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
     if (wg_ws_sk<T, NTOK, SEP>(p)) {  // (p.splits is its grid, as for stream-K)
       if (op == 0) return TmaSkKern<T, WKS>::launch(p, stream);
       if (op == 1) return TmaSkKern<T, WKS>::per_sm();
-      if (op == 3) return p.splits * 2 * NTOK * 256;  // [G, 2 slots, NTOK * 256] fp32
+      if (op == 3) return p.splits * NTOK * 256;  // [G, NTOK * 256] fp32: one partial a CTA
       if (op == 6) return 1;
       if (op == 9) return 4;
       return 0;
