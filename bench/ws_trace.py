@@ -22,7 +22,7 @@ buffer set with ``set_ws_trace`` (32 u64 a CTA, slots listed in w4a16_wgmma.cuh 
     python bench/ws_trace.py --points 4096x4096x128,4096x6144x128,14336x4096x128 --out $OUT
     python bench/ws_trace.py --points 4096x4096x128:4,4096x4096x256 --nocl --out $OUT   # 4 forced splits; no cluster
     python bench/ws_trace.py --points 8192x28672x1024 --warm 20 --out $OUT   # the steady state
-    python bench/ws_trace.py --points 8192x28672x128 --warm 20 --defines=-DSDQ_WS_KS128=4 --out $OUT
+    python bench/ws_trace.py --points 8192x28672x128 --warm 20 --defines=-DNAME=VALUE --out $OUT   # an experiment
 """
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def main(argv=None) -> None:
     ap.add_argument("--nocl", action="store_true", help="the split-K sum by a second kernel, not in a cluster")
     ap.add_argument("--warm", type=int, default=0, help="trace the last of this many back-to-back calls (0: one call "
                                                          "after an L2 flush)")
-    ap.add_argument("--defines", default="", help="comma-separated extra nvcc defines for the traced build (e.g. "
-                                                   "-DSDQ_WS_KS128=4: trace an experiment)")
+    ap.add_argument("--defines", default="", help="comma-separated extra nvcc defines for the traced build (trace an "
+                                                   "experiment's build)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     import ab_build

@@ -65,8 +65,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WS_KS128=4")
-# bench/ws_trace.py's build, and the eight-64-K-slot tile (docs/BENCHMARKS.md, Pending 35)
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1",)  # bench/ws_trace.py's build
 
 
 def _cuobjdump():
@@ -134,9 +133,9 @@ def test_tight_without_l2_prefetch_build_compiles():
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("define", WGMMA_EXPERIMENT_DEFINES)
 def test_wgmma_experiment_builds_compile(define):
-    """The bf16 wgmma unit's experiment builds: bench/ws_trace.py's traced build (-DSDQ_WS_TRACE=1) and the eight
-    64-K slots of Pending 35 (-DSDQ_WS_KS128=4) compile for sm_90a with both warp-specialized 128-token kernels (the
-    plain and the cluster-sum form) and no spills, so a device call never finds them broken."""
+    """The bf16 wgmma unit's experiment builds (bench/ws_trace.py's traced build, -DSDQ_WS_TRACE=1) compile for sm_90a
+    with both warp-specialized 128-token kernels (the plain and the cluster-sum form) and no spills, so a device call
+    never finds them broken."""
     _experiment_compiles_without_spills(define, "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
 
 

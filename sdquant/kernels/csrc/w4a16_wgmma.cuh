@@ -661,12 +661,10 @@ struct WsRegs {
 #ifndef SDQ_WS_TRACE  // (bench/ws_trace.py's build; the trace itself is described above ws_trace below)
 #define SDQ_WS_TRACE 0
 #endif
-// The 128-token tile's stage depth: 8 (four 128-K stages of 50 KB, the default) or 4 (eight 64-K stages of 26 KB: the
-// same bytes in flight, each slot freed half a 128-K stage sooner; -DSDQ_WS_KS128=4 for A/Bs)
-#ifndef SDQ_WS_KS128
-#define SDQ_WS_KS128 8
-#endif
-constexpr int WS_KS128 = SDQ_WS_KS128;
+// The 128-token tile's stage depth: 8 K steps (four 128-K stages of 50 KB). Eight 64-K stages of 26 KB in the same
+// shared memory (the same bytes in flight, each slot freed half a stage sooner) were 5-45% slower at M = 128 / 1024 on
+// every Llama shape (ab_build run 20, H100; the build define is at 49e7b03).
+constexpr int WS_KS128 = 8;
 template <int NTOK, int KS>
 struct TmaSmem {
   using L = WgSmem<NTOK, 1, KS>;
@@ -685,18 +683,6 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool on) {
       "r"(static_cast<int>(on))
       : "memory");
 }
-// Experimental L2 cache hints on the stage copies (-DSDQ_WS_L2 for A/Bs; 0 = none, the default): bit 0 the activation
-// tiles evict-last (every feature tile of the grid reads them), bit 1 the weights evict-first (the
-// CTAs of the other token tiles read them, launched beside this one)
-#ifndef SDQ_WS_L2
-#define SDQ_WS_L2 0
-#endif
-__device__ __forceinline__ uint64_t ws_policy_x() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ uint64_t ws_policy_w() { return evict_first_policy(); }
 // A stage's copies, each predicated on `on` (thread 0 when the slot is free): the weights and scales / zeros
 // (with_w), the activation tile (with_x); the expect_tx arrival goes with the first part issued (with_w).
 template <int NTOK, int KS>
@@ -714,20 +700,12 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
     const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * (p.k / 16) + ks0) * 512;
 #pragma unroll
     for (int w = 0; w < WG_BLOCKS; ++w)
-      if constexpr (SDQ_WS_L2 & 2)
-        asm volatile(
-            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-            " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-            "%5;\n}\n" ::"r"(st + L::X_BYTES + w * (KS * 512)),
-            "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q), "l"(ws_policy_w())
-            : "memory");
-      else
-        asm volatile(
-            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-            " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
-                st + L::X_BYTES + w * (KS * 512)),
-            "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
-            : "memory");
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}\n" ::"r"(
+              st + L::X_BYTES + w * (KS * 512)),
+          "l"(b + static_cast<size_t>(w) * (p.k / 16) * 512), "r"(KS * 512), "r"(full), "r"(q)
+          : "memory");
     const int ga = ks0 / p.group_k16, gb = (ks0 + KS - 1) / p.group_k16;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // (group slot, scales / zeros): the four blocks' 4 x 128 contiguous bytes
@@ -744,21 +722,12 @@ __device__ __forceinline__ void tma_issue_stage(const SdqW4A16Params& p, const C
   if (with_x)
 #pragma unroll
     for (int sub = 0; sub < KS / 4; ++sub)  // 64-K sub-tiles of NTOK x 128 bytes
-      if constexpr (SDQ_WS_L2 & 1)
-        asm volatile(
-            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-            " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
-            "[%1, {%2, %3}], [%5], %6;\n}\n" ::"r"(st + sub * NTOK * 128),
-            "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full),
-            "l"(ws_policy_x())
-            : "memory");
-      else
-        asm volatile(
-            "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-            " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
-                "r"(st + sub * NTOK * 128),
-            "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
-            : "memory");
+      asm volatile(
+          "{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
+          " @q cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%5];\n}\n" ::
+              "r"(st + sub * NTOK * 128),
+          "l"(reinterpret_cast<uint64_t>(tx)), "r"(ks0 * 16 + sub * 64), "r"(m0), "r"(q), "r"(full)
+          : "memory");
 }
 
 // Phase trace of the warp-specialized kernel (bench/ws_trace.py; -DSDQ_WS_TRACE=1 builds only, none of this code
