@@ -874,6 +874,26 @@ __device__ __forceinline__ void cluster_sum(uint32_t sbase, int tid, Store&& sto
   }
 }
 
+// A warp-specialized CTA's ring in dynamic shared memory: the stages from a 1024-byte-aligned base, then the full and
+// empty mbarriers (TmaSmem's layout)
+template <int NTOK, int KS>
+struct WsRing {
+  uint32_t sbase, full0, empty0;
+  __device__ __forceinline__ WsRing(uint8_t* raw) {
+    sbase = (smem_addr(raw) + 1023u) & ~1023u;
+    full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT;
+    empty0 = full0 + 8 * TmaSmem<NTOK, KS>::STAGES;
+  }
+  // thread 0: full barriers count the issuer's expect_tx arrival, empty ones an arrival a consumer warp (the caller
+  // syncs the CTA before anyone waits on them)
+  __device__ __forceinline__ void init() const {
+    for (int s = 0; s < TmaSmem<NTOK, KS>::STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * WsRegs<NTOK>::WGS);
+    }
+    mbar_fence_init();
+  }
+};
 template <typename T, int NTOK, int KS, bool CL>
 __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0,
                                             int nst, int m0, int nb0, int split);
@@ -884,8 +904,8 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
   constexpr int WGS = WsRegs<NTOK>::WGS;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   extern __shared__ uint8_t wg_smem_raw[];
-  const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT, empty0 = full0 + 8 * STAGES;
+  const WsRing<NTOK, KS> ring(wg_smem_raw);
+  const uint32_t sbase = ring.sbase, full0 = ring.full0, empty0 = ring.empty0;
   const int tid = threadIdx.x;
   const int m0 = blockIdx.x * NTOK, nb0 = blockIdx.y * WG_BLOCKS, split = blockIdx.z;
   const int nst_all = p.k / (16 * KS);
@@ -903,13 +923,7 @@ __global__ void __launch_bounds__(WsRegs<NTOK>::THREADS, WsRegs<NTOK>::MINB) w4a
     SDQ_WS_T(15, blockIdx.y);
   }
 #endif
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);            // the issuer's expect_tx arrival
-      mbar_init(empty0 + 8 * s, 4 * WGS);     // one arrival a consumer warp
-    }
-    mbar_fence_init();
-  }
+  if (tid == 0) ring.init();
   __syncthreads();
   if (tid == 0) SDQ_WS_T(2, clock64());
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform warpgroup index
@@ -1141,16 +1155,10 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
   constexpr int WGS = WsRegs<NTOK>::WGS;
   constexpr int STAGES = TmaSmem<NTOK, KS>::STAGES;
   extern __shared__ uint8_t wg_smem_raw[];
-  const uint32_t sbase = (smem_addr(wg_smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = sbase + TmaSmem<NTOK, KS>::BAR_AT, empty0 = full0 + 8 * STAGES;
+  const WsRing<NTOK, KS> ring(wg_smem_raw);
+  const uint32_t sbase = ring.sbase, full0 = ring.full0, empty0 = ring.empty0;
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 4 * WGS);
-    }
-    mbar_fence_init();
-  }
+  if (tid == 0) ring.init();
   __syncthreads();
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);
   if (role == WGS) {  // the producer: the range's stages in order, whatever tile each belongs to
