@@ -334,6 +334,36 @@ __device__ __forceinline__ void wg_stage_mma_raw(uint32_t st, int wg, int warp, 
       [](int) {}, [](int) {});
 }
 
+// A split's fp32 partial as a thread's accumulators sit in registers: float4 i = u NC + c (acc[u][4c .. 4c + 3]) at
+// base[i * NT], base = the slot + the thread's index among the NT threads (coalesced, constant offsets)
+template <int NU, int ND, int NT>
+__device__ __forceinline__ void acc_store_partial(float4* base, const float (&acc)[NU][ND]) {
+  constexpr int NC = ND / 4;
+#pragma unroll
+  for (int u = 0; u < NU; ++u)
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+      __stcg(base + (u * NC + c) * NT,
+             make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
+}
+// acc += a partial stored so
+template <int NU, int ND, int NT>
+__device__ __forceinline__ void acc_add_partial(const float4* base, float (&acc)[NU][ND]) {
+  constexpr int NC = ND / 4;
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    asm volatile("" ::: "memory");  // loads in batches of one u (ND registers), not all at once
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const float4 v = __ldcg(base + (u * NC + c) * NT);
+      acc[u][4 * c] += v.x;
+      acc[u][4 * c + 1] += v.y;
+      acc[u][4 * c + 2] += v.z;
+      acc[u][4 * c + 3] += v.w;
+    }
+  }
+}
+
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
@@ -454,35 +484,11 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   const auto store_y = [&](int m0, int nb0) {
     each_valid(m0, [&](int u, int c, int h, int e, float v) { y[wg_pos(m0, nb0, 0, u, c, h, e)] = O::one(v); });
   };
-  // Partial accumulators, as they sit in registers (float4 j of thread tid at j * NT + tid: coalesced, constant
-  // offsets), NU * NC float4s a thread, `slot` float4s a CTA
-  constexpr int NC = NTOK / 8;
+  // Partial slots (acc_store_partial's layout), `slot` float4s a CTA
   constexpr size_t slot = static_cast<size_t>(ND) * 128;
   float4* part = reinterpret_cast<float4*>(p.partial);
-  const auto write_slot = [&](size_t sl) {
-    float4* mine = part + sl * slot + tid;
-#pragma unroll
-    for (int u = 0; u < NU; ++u)
-#pragma unroll
-      for (int c = 0; c < NC; ++c)
-        __stcg(mine + (u * NC + c) * NT,
-               make_float4(acc[u][4 * c], acc[u][4 * c + 1], acc[u][4 * c + 2], acc[u][4 * c + 3]));
-  };
-  const auto add_slot = [&](size_t sl) {
-    const float4* src = part + sl * slot + tid;
-#pragma unroll
-    for (int u = 0; u < NU; ++u) {
-      asm volatile("" ::: "memory");  // loads in batches of one u (NTOK / 2 registers), not all at once
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const float4 v = __ldcg(src + (u * NC + c) * NT);
-        acc[u][4 * c] += v.x;
-        acc[u][4 * c + 1] += v.y;
-        acc[u][4 * c + 2] += v.z;
-        acc[u][4 * c + 3] += v.w;
-      }
-    }
-  };
+  const auto write_slot = [&](size_t sl) { acc_store_partial<NU, ND, NT>(part + sl * slot + tid, acc); };
+  const auto add_slot = [&](size_t sl) { acc_add_partial<NU, ND, NT>(part + sl * slot + tid, acc); };
   // after write_slot: true in the one CTA that arrives last of `count` on the lock (which it then owns)
   __shared__ int s_last;
   const auto last_of = [&](int* lock, int count) -> bool {
@@ -1226,7 +1232,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
   const auto store_y = [&](int m0, int nb0) {
 #pragma unroll
     for (int P = 0; P < NC / 4; ++P) {
-      const uint32_t tile = out - static_cast<uint32_t>(32 * P * WS_OUT_ROWB);  // (row r of the tile at out + (r - 32P) ROWB)
+      const uint32_t tile = out - static_cast<uint32_t>(32 * P * WS_OUT_ROWB);  // row r at out + (r - 32P) ROWB
       asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");  // the buffer's previous rows are out
 #pragma unroll
       for (int j = 0; j < NU; ++j)
@@ -1262,7 +1268,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
 #pragma unroll
     for (int j = 0; j < NU; ++j) wg_fence_acc(acc[j]);
     u = t0 + rg.nst;
-    if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's griddepcontrol.wait still waits for this grid)
+    if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's wait still waits for this grid's end)
     if (sa == 0 && sb == rg.nst) {  // the whole tile
       store_y(m0, nb0);
       continue;
@@ -1271,13 +1277,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     if (g != owner) {  // a peer (its range's first segment): the partial into slot g, float4 i of thread tid at
                        // i * NT + tid, then count in on the tile's lock. The barrier orders every consumer thread's
                        // stores before thread 0's release, as split_count_in does.
-      float4* mine = part + static_cast<size_t>(g) * SLOT + tid;
-#pragma unroll
-      for (int j = 0; j < NU; ++j)
-#pragma unroll
-        for (int c = 0; c < NC; ++c)
-          __stcg(mine + (j * NC + c) * NT, make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
-                                                       acc[j][4 * c + 3]));
+      acc_store_partial<NU, ND, NT>(part + static_cast<size_t>(g) * SLOT + tid, acc);
       asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
       if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p.locks + t) : "memory");
       continue;
@@ -1292,21 +1292,8 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
       p.locks[t] = 0;
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-    for (int q = owner + 1; q <= owner + peers; ++q) {
-      const float4* src = part + static_cast<size_t>(q) * SLOT + tid;
-#pragma unroll
-      for (int j = 0; j < NU; ++j) {
-        asm volatile("" ::: "memory");  // loads in batches of one j, not all at once
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const float4 v = __ldcg(src + (j * NC + c) * NT);
-          acc[j][4 * c] += v.x;
-          acc[j][4 * c + 1] += v.y;
-          acc[j][4 * c + 2] += v.z;
-          acc[j][4 * c + 3] += v.w;
-        }
-      }
-    }
+    for (int q = owner + 1; q <= owner + peers; ++q)
+      acc_add_partial<NU, ND, NT>(part + static_cast<size_t>(q) * SLOT + tid, acc);
     store_y(m0, nb0);
   }
 }
