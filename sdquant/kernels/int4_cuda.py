@@ -301,7 +301,8 @@ def set_wgmma_schedule(mode: str) -> str:
     """How variant 62-63's 128-token tile (M = 65-256) runs, for launches and split / grid queries from now on in this
     process: "auto" (the default: csrc/w4a16.h ``sdq_wg_ws_auto`` picks the warp-specialized split-K for variant 63
     where it was measured faster, else ``wg_stream_k`` picks stream-K at M > 128 where split-K would leave more than a
-    tenth of the resident slots idle over its waves, else split-K), "split" (split-K, the single-role pipeline),
+    tenth of the resident slots idle over its waves -- for variant 63, with groups a multiple of 128 and K of 128, the
+    stream-K over the warp-specialized pipeline -- else split-K), "split" (split-K, the single-role pipeline),
     "stream" (stream-K) or "ws" (variant 63's warp-specialized split-K: a producer warpgroup issues TMA copies; groups a
     multiple of 128 and K of 128, else split-K) or "wssk" (variant 63's stream-K over that pipeline: one CTA a SM, each
     an equal range of the (tile, stage) units, M <= 256; groups a multiple of 128 and K of 128, else split-K). For A/B runs (bench/int4_wgmma.py --schedule). Read at launch time, so

@@ -265,9 +265,9 @@ def test_a_gpu_unlike_the_shipped_tables_is_warned_once(monkeypatch):
     monkeypatch.delenv(linear.TABLE_ENV, raising=False)
     monkeypatch.setattr(linear, "_WARNED_DEVICES", set())
     shipped = dispatch.load_table()["device"]
-    name = {"gpu": "NVIDIA H100 80GB HBM3"}
+    name = {"gpu": "NVIDIA A100-SXM4-80GB"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["gpu"])
-    with pytest.warns(UserWarning, match=f"measured on {shipped}, this GPU is NVIDIA H100 80GB HBM3") as rec:
+    with pytest.warns(UserWarning, match=f"measured on {shipped}, this GPU is NVIDIA A100-SXM4-80GB") as rec:
         linear._table_for(torch.device("cuda"), "auto", None)
     assert "tune-kernels" in str(rec[0].message) and linear.TABLE_ENV in str(rec[0].message)
     import warnings

@@ -42,7 +42,8 @@
 //   splits many, e.g. N = 4096).
 // * Stream-K instead at the 128-token tile where split-K would leave resident slots idle (wg_stream_k, M > 128): a
 //   grid of the slots over the (tile, stage) units, a tile cut between CTAs summed in CTA order by the last of them
-//   (two partial slots a CTA: the first segment's and the last's), variants 62 and 63 alike.
+//   (two partial slots a CTA: the first segment's and the last's); for variant 63 where groups are a multiple of 128
+//   and K of 128, stream-K over the warp-specialized pipeline instead (wg_ws_sk, w4a16_wgmma_tma_sk_kernel below).
 // * Variant 63's split-K at the 128-token tile is warp-specialized where wg_ws picks it (w4a16_wgmma_tma_kernel below):
 //   a producer warpgroup issues every stage's copies by TMA, the two consumer warpgroups run the same stage steps
 //   (wg_stage_mma) with no CTA-wide barrier; 18-26% faster on the large shapes at M = 96-256.
@@ -1519,16 +1520,22 @@ bool wg_ws(const SdqW4A16Params& p) {
 
 // Stream-K over the warp-specialized pipeline (TmaSkKern) for variant 63 at the 128-token tile, M <= 256 (two token
 // tiles: one lock a tile fits p.locks), groups a multiple of 128 and K of 128, and fewer than 2^31 / 1025 (tile, stage)
-// units (its 32-bit range arithmetic, for grids up to 1024 CTAs); for now only where
-// int4_cuda.set_wgmma_schedule("wssk") forces it (mode 4), until it is measured against the automatic choice.
+// units (its 32-bit range arithmetic, for grids up to 1024 CTAs): automatically where variant 63 would otherwise take
+// the single-role stream-K (not wg_ws, and wg_stream_k), or where int4_cuda.set_wgmma_schedule("wssk") forces it
+// (mode 4). int4_wgmma runs 42-43 (H100, same process as the automatic schedule): 8192x10240 at M = 256, the one
+// single-role stream-K point of the seven shapes at M = 128 / 256, 88.3 -> 69.7 us (owner form; the first form
+// 90.6 -> 74.6); where the automatic schedule takes the warp-specialized split-K it was 1% faster to 43% slower
+// (8192x28672 M = 128 91.4 -> 94.2, 4096x4096 M = 128 17.0 -> 24.3), so it does not replace that.
 template <typename T, int NTOK, bool SEP>
 bool wg_ws_sk(const SdqW4A16Params& p) {
   if constexpr (!SEP || NTOK != 128) {
     return false;
   } else {
     const long long units = static_cast<long long>((p.m + 127) / 128) * (p.n / 256) * (p.k / (16 * WS_KS128));
-    return p.m <= 256 && p.group_k16 % 8 == 0 && p.k % 128 == 0 && units * 1025 < (1LL << 31) &&
-           sdq_w4a16_wg_schedule() == 4;
+    if (p.m > 256 || p.group_k16 % 8 || p.k % 128 || units * 1025 >= (1LL << 31)) return false;
+    const int mode = sdq_w4a16_wg_schedule();
+    if (mode != 0) return mode == 4;
+    return !wg_ws<T, NTOK, SEP>(p) && wg_stream_k<T, NTOK, SEP>(p);
   }
 }
 
