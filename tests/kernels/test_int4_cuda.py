@@ -609,6 +609,28 @@ def test_wgmma_cluster_fit_split_rule(tmp_path):
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_ws_stream_k_rule_takes_the_single_role_stream_k_points(tmp_path):
+    """sdq_wg_ws_sk_auto (w4a16.h): stream-K over the warp-specialized pipeline exactly where variant 63's automatic
+    schedule ran the single-role stream-K. The cases are the paths the H100 took in int4_wgmma runs 43-44 (132 SMs, one
+    CTA a SM for both 128-token kernels, its cluster capacities): "ws-stream" (run 44, the rule in place) and "stream"
+    (run 43, before it) -> 1, "ws" / "ws-cluster" -> 0; the new path was 21-32% faster at every point it took."""
+    ws_stream = {(256, 10240, 8192), (144, 10240, 8192), (192, 10240, 8192), (144, 18944, 3584), (192, 18944, 3584),
+                 (256, 18944, 3584)}
+    others = [(m, n, k) for m in (144, 192, 256) for (n, k) in
+              ((28672, 8192), (28672, 4096), (8192, 28672), (4096, 14336), (4096, 4096), (6144, 4096), (128256, 4096),
+               (3584, 18944), (4608, 3584))]
+    others += [(128, n, k) for (n, k) in ((28672, 8192), (28672, 4096), (8192, 28672), (10240, 8192), (4096, 14336),
+                                           (4096, 4096), (6144, 4096))]
+    cases = [(c, 1) for c in sorted(ws_stream)] + [(c, 0) for c in others]
+    cases += [((256, 10240, 8192, 4), 0), ((256, 10240, 8128, 8), 0), ((300, 10240, 8192, 8), 0)]  # group 64, K % 128, M > 256
+    cases = [((*c, 8) if len(c) == 3 else c, want) for c, want in cases]
+    cap = "{0, 0, 66, 39, 30, 22, 17, 15, 15}"
+    got = _run_host_rule(tmp_path, [f"sdq_wg_ws_sk_auto({m}, {n}, {k}, {g}, 132, 132, 132, cap)"
+                                    for (m, n, k, g), _ in cases], prelude=f"static const int cap[9] = {cap};")
+    assert got == [want for _, want in cases]
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_wgmma_wave_split_rule(tmp_path):
     """sdq_wg_wave_splits (w4a16.h): at M > 256, two splits in clusters of 2 where twice the CTAs at half the work take
     at most 90% of the waves' time (132 slots, 66 pairs resident as on the H100). Cases: (m, n, k, group_k16) -> splits."""

@@ -115,6 +115,25 @@ static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, 
   return 0;
 }
 
+// M = 129-256: variant 63's stream-K over the warp-specialized pipeline (w4a16_wgmma.cuh wg_ws_sk) where the automatic
+// schedule would otherwise run the single-role stream-K: neither the warp-specialized split-K (sdq_wg_ws_auto) nor its
+// cluster sum (sdq_wg_cluster_fit_splits >= 2) takes M, and the single-role kernel's split-K grid fills less than 90%
+// of its slots over its waves (wg_stream_k). Groups a multiple of 128, K of 128, fewer than 2^31 / 1025 (tile, stage)
+// units (the kernel's 32-bit range arithmetic). ws_slots / wg_slots: the resident CTAs of the warp-specialized and of the
+// single-role 128-token kernels; max_clusters as for sdq_wg_cluster_fit_splits (all 0 where the cluster sum is off).
+// int4_wgmma runs 43-44 (H100, same process, us): 8192x10240 M = 144 / 192 / 256 86.5 / 86.4 / 88.5 -> 66.8 / 68.4 /
+// 69.7, 3584x18944 78.0 / 80.0 / 84.3 -> 57.3 / 56.8 / 57.5; where the warp-specialized split-K or its cluster sum runs
+// it was 1% faster to 43% slower (4096x4096 M = 128 17.0 -> 24.3), so not there.
+static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_slots, int wg_slots, int sms,
+                                    const int* max_clusters) {
+  if (m <= 128 || m > 256 || group_k16 % 8 || k % 128) return 0;
+  if ((long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 >= (1LL << 31)) return 0;
+  if (sdq_wg_ws_auto(m, n, k, group_k16, ws_slots, sms) ||
+      sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters) >= 2)
+    return 0;
+  return !sdq_wg_split_fills(m, n, k, 128, wg_slots, sms, 9, 10);
+}
+
 // M > 256 (one launch): two splits summed in clusters of 2 where the tiles alone leave the last wave part-empty, so that
 // twice the CTAs at half the work each take at most 90% of the waves' time: 4096x6144 M = 1024 (192 tiles: 2 waves 73%
 // full -> 3 waves of half the work), 8192x10240 M = 1024 (320 tiles: 3 -> 5 half waves), 4096x28672 M = 512; not

@@ -1525,12 +1525,9 @@ bool wg_ws(const SdqW4A16Params& p) {
 
 // Stream-K over the warp-specialized pipeline (TmaSkKern) for variant 63 at the 128-token tile, M <= 256 (two token
 // tiles: one lock a tile fits p.locks), groups a multiple of 128 and K of 128, and fewer than 2^31 / 1025 (tile, stage)
-// units (its 32-bit range arithmetic, for grids up to 1024 CTAs): automatically where variant 63 would otherwise take
-// the single-role stream-K (not wg_ws, and wg_stream_k), or where int4_cuda.set_wgmma_schedule("wssk") forces it
-// (mode 4). int4_wgmma runs 42-43 (H100, same process as the automatic schedule): 8192x10240 at M = 256, the one
-// single-role stream-K point of the seven shapes at M = 128 / 256, 88.3 -> 69.7 us (owner form; the first form
-// 90.6 -> 74.6); where the automatic schedule takes the warp-specialized split-K it was 1% faster to 43% slower
-// (8192x28672 M = 128 91.4 -> 94.2, 4096x4096 M = 128 17.0 -> 24.3), so it does not replace that.
+// units (its 32-bit range arithmetic, for grids up to 1024 CTAs): automatically where sdq_wg_ws_sk_auto (w4a16.h) says,
+// i.e. where variant 63 would otherwise take the single-role stream-K (not wg_ws, and wg_stream_k), or where
+// int4_cuda.set_wgmma_schedule("wssk") forces it (mode 4).
 template <typename T, int NTOK, bool SEP>
 bool wg_ws_sk(const SdqW4A16Params& p) {
   if constexpr (!SEP || NTOK != 128) {
@@ -1540,7 +1537,13 @@ bool wg_ws_sk(const SdqW4A16Params& p) {
     if (p.m > 256 || p.group_k16 % 8 || p.k % 128 || units * 1025 >= (1LL << 31)) return false;
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 4;
-    return !wg_ws<T, NTOK, SEP>(p) && wg_stream_k<T, NTOK, SEP>(p);
+    if (p.m <= NTOK) return false;  // (before the queries)
+    const int sms = sm_count_now();
+    int cap[9] = {};
+    if (sdq_w4a16_wg_cluster())
+      for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, WS_KS128, true>::max_clusters(sp);
+    return sdq_wg_ws_sk_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, WS_KS128>::per_sm(),
+                             sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms, cap) != 0;
   }
 }
 
