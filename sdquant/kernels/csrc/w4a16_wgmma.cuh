@@ -86,16 +86,14 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, 
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-// N = 4, 2 or 1 consecutive 32-bit words from shared memory (one 16-, 8- or 4-byte load)
+// N = 4 or 2 consecutive 32-bit words from shared memory (one 16- or 8-byte load)
 template <int N>
 __device__ __forceinline__ void ld_shared_words(uint32_t a, uint32_t (&w)[N]) {
   if constexpr (N == 4) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a)
                  : "memory");
-  } else if constexpr (N == 1) {
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[0]) : "r"(a) : "memory");
   } else {
-    static_assert(N == 2, "4, 2 or 1 words");
+    static_assert(N == 2, "4 or 2 words");
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(a) : "memory");
   }
 }
@@ -655,12 +653,12 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 #ifndef SDQ_WS_STAGES_SMALL
 #define SDQ_WS_STAGES_SMALL 8
 #endif
-#ifndef SDQ_WS_WGS128  // consumer warpgroups of the 128-token tile (A/B builds: 4 = one 64-feature row tile each)
-#define SDQ_WS_WGS128 2
-#endif
+// Two consumer warpgroups at the 128-token tile. Four of one 64-feature row tile each (640 threads, 112 registers a
+// consumer thread, no spills) gave bit-identical outputs and were 0-5% slower on the large shapes at M = 128 / 1024
+// (ab_build run 21, H100: 8192x28672 M = 1024 707.8 -> 721.0 us); that build's define is at 1cceba2.
 template <int NTOK>
 struct WsRegs {
-  static constexpr int WGS = NTOK == 128 ? SDQ_WS_WGS128 : SDQ_WS_WGS_SMALL;
+  static constexpr int WGS = NTOK == 128 ? 2 : SDQ_WS_WGS_SMALL;
   static constexpr int THREADS = 128 * (WGS + 1), MINB = NTOK == 128 ? 1 : SDQ_WS_MINB_SMALL;
   // setmaxnreg moves registers within the CTA's launch allocation (the launch bound's cap, a multiple of 8, a thread):
   // the consumers' increase must fit in what the producer gives back, or setmaxnreg.inc waits forever (a first
