@@ -76,15 +76,19 @@ class schedule_set:
     before the warp-specialized kernel took every row in one launch); "nocl" the automatic schedule with the
     warp-specialized split-K summed by a second kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False));
     "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
-    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39)."""
+    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "rem32" /
+    "rem64" the automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own
+    (int4_cuda.set_wgmma_remainder)."""
 
     def __init__(self, mode: str):
         self.mode = mode
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = self.old_rows = self.old_cl = self.old_wave = None
-        if self.mode == "r256":
+        self.old = self.old_rows = self.old_cl = self.old_wave = self.old_rem = None
+        if self.mode in ("rem32", "rem64"):
+            self.old_rem = int4_cuda.set_wgmma_remainder(int(self.mode[3:]))
+        elif self.mode == "r256":
             self.old_rows = int4_cuda.set_wgmma_rows(256)
         elif self.mode == "nocl":
             self.old_cl = int4_cuda.set_wgmma_cluster(False)
@@ -104,6 +108,8 @@ class schedule_set:
             int4_cuda.set_wgmma_cluster(self.old_cl)
         if self.old_wave is not None:
             int4_cuda.set_wgmma_wave_splits(self.old_wave)
+        if self.old_rem is not None:
+            int4_cuda.set_wgmma_remainder(self.old_rem)
         return False
 
 
@@ -313,7 +319,9 @@ def main(argv=None):
                                                         "with 256-row launches, int4_cuda.set_wgmma_rows; nocl: "
                                                         "no cluster split-K sum, int4_cuda.set_wgmma_cluster; nowave "
                                                         "/ wave: without / with two splits at M > 256 where "
-                                                        "waves gain, int4_cuda.set_wgmma_wave_splits)")
+                                                        "waves gain, int4_cuda.set_wgmma_wave_splits; rem32 / "
+                                                        "rem64: a last tile of <= 32 / 64 rows as a launch of its "
+                                                        "own, int4_cuda.set_wgmma_remainder)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

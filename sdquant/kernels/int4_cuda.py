@@ -294,6 +294,31 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
+# Rows of a last, part-filled 128-token tile that run as a launch of their own (0: off, the default). Bench-only until
+# measured (docs/BENCHMARKS.md Pending 40): on the H100 8192x28672 took 176.0 us at M = 144 against 91.8 at M = 128
+# and 50.4 at M = 16 in one call (int4_wgmma run 44, gemm run 20), so the tail as a 16-row launch would save ~19%.
+_REM = [0]
+
+
+def set_wgmma_remainder(rows: int) -> int:
+    """From now on in this process, a wgmma launch (variants 62-63, automatic or given) of M > 128 rows whose last
+    128-token tile holds 1..``rows`` rows runs those rows as a second launch with the small-M kernels' automatic
+    config instead (``remainder_rows``); 0 turns it off. Returns the previous setting. For A/B runs
+    (bench/int4_wgmma.py --schedule rem32 / rem64)."""
+    if not 0 <= int(rows) < 128:
+        raise ValueError(f"rows: {rows} is not in 0..127")
+    old = _REM[0]
+    _REM[0] = int(rows)
+    return old
+
+
+def remainder_rows(m: int, config: int) -> int:
+    """The rows of M that ``w4a16_cuda`` runs as a launch of their own under ``set_wgmma_remainder`` (0: none): M mod
+    128 where M > 128, the config is a wgmma one (62 / 63) and the remainder is at most the set rows."""
+    r = m % 128
+    return r if (_REM[0] and m > 128 and 0 < r <= _REM[0] and split_config(config)[0] in WGMMA_VARIANTS) else 0
+
+
 WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3, "wssk": 4}
 
 
@@ -547,8 +572,16 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if config < 0:
         config = auto_config(x2.shape[0], n, k, x2.dtype)
     variant, target = split_config(int(config))
-    y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                  _pdl_mode(), _XS[0])
+    r = remainder_rows(x2.shape[0], int(config))
+    if r:  # the full 128-token tiles, then the last r rows with their own config (row slices stay 16-byte aligned)
+        head = ext.w4a16(x2[:-r], qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
+                         _pdl_mode(), _XS[0])
+        tv, tt = split_config(auto_config(r, n, k, x2.dtype))
+        y = torch.cat([head, ext.w4a16(x2[-r:], qweight, scales, zeros, locks, 0, bool(evict_first), tv, tt,
+                                       _pdl_mode(), _XS[0])])
+    else:
+        y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
+                      _pdl_mode(), _XS[0])
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)

@@ -227,6 +227,25 @@ def test_wgmma_rows_setting_is_checked():
         int4_cuda.set_wgmma_rows(128)
 
 
+def test_wgmma_remainder_rows_rule():
+    """set_wgmma_remainder / remainder_rows: off by default; when set, only the last part-filled 128-token tile of a
+    wgmma launch (M > 128, 1..rows rows) is split off; other kernels' configs and whole tiles never are."""
+    assert int4_cuda.remainder_rows(144, 63) == 0                     # off by default
+    old = int4_cuda.set_wgmma_remainder(64)
+    try:
+        assert [int4_cuda.remainder_rows(m, 63) for m in (144, 192, 200, 256, 128, 100, 1040, 777)] == \
+            [16, 64, 0, 0, 0, 0, 16, 9]
+        assert int4_cuda.remainder_rows(144, 62) == 16
+        assert int4_cuda.remainder_rows(144, 5) == 0                  # a tight-kernel config
+        assert int4_cuda.set_wgmma_remainder(32) == 64
+        assert int4_cuda.remainder_rows(192, 63) == 0 and int4_cuda.remainder_rows(160, 63) == 32
+    finally:
+        int4_cuda.set_wgmma_remainder(old)
+    for bad in (128, -1):
+        with pytest.raises(ValueError, match="rows: .* is not in 0..127"):
+            int4_cuda.set_wgmma_remainder(bad)
+
+
 def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(-1) == (0, 0)
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
