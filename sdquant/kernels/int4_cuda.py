@@ -571,17 +571,16 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         x2 = x2.clone()
     if config < 0:
         config = auto_config(x2.shape[0], n, k, x2.dtype)
-    variant, target = split_config(int(config))
+
+    def launch(rows: torch.Tensor, sp: int, cfg: int) -> torch.Tensor:
+        return ext.w4a16(rows, qweight, scales, zeros, locks, sp, bool(evict_first), *split_config(cfg), _pdl_mode(),
+                         _XS[0])
+
     r = remainder_rows(x2.shape[0], int(config))
     if r:  # the full 128-token tiles, then the last r rows with their own config (row slices stay 16-byte aligned)
-        head = ext.w4a16(x2[:-r], qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                         _pdl_mode(), _XS[0])
-        tv, tt = split_config(auto_config(r, n, k, x2.dtype))
-        y = torch.cat([head, ext.w4a16(x2[-r:], qweight, scales, zeros, locks, 0, bool(evict_first), tv, tt,
-                                       _pdl_mode(), _XS[0])])
+        y = torch.cat([launch(x2[:-r], int(splits), int(config)), launch(x2[-r:], 0, auto_config(r, n, k, x2.dtype))])
     else:
-        y = ext.w4a16(x2, qweight, scales, zeros, locks, int(splits), bool(evict_first), variant, target,
-                      _pdl_mode(), _XS[0])
+        y = launch(x2, int(splits), int(config))
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)

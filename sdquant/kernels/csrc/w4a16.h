@@ -124,10 +124,15 @@ static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, 
 // int4_wgmma runs 43-44 (H100, same process, us): 8192x10240 M = 144 / 192 / 256 86.5 / 86.4 / 88.5 -> 66.8 / 68.4 /
 // 69.7, 3584x18944 78.0 / 80.0 / 84.3 -> 57.3 / 56.8 / 57.5; where the warp-specialized split-K or its cluster sum runs
 // it was 1% faster to 43% slower (4096x4096 M = 128 17.0 -> 24.3), so not there.
+// What that kernel takes at all (forced or automatic): M <= 256, groups a multiple of 128, K of 128, and fewer than
+// 2^31 / 1025 (tile, stage) units.
+static inline int sdq_wg_ws_sk_fits(int m, int n, int k, int group_k16) {
+  return m <= 256 && group_k16 % 8 == 0 && k % 128 == 0 &&
+         (long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 < (1LL << 31);
+}
 static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_slots, int wg_slots, int sms,
                                     const int* max_clusters) {
-  if (m <= 128 || m > 256 || group_k16 % 8 || k % 128) return 0;
-  if ((long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 >= (1LL << 31)) return 0;
+  if (m <= 128 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;
   if (sdq_wg_ws_auto(m, n, k, group_k16, ws_slots, sms) ||
       sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters) >= 2)
     return 0;

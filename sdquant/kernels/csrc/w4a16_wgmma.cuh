@@ -1547,8 +1547,7 @@ bool wg_ws_sk(const SdqW4A16Params& p) {
   if constexpr (!SEP || NTOK != 128) {
     return false;
   } else {
-    const long long units = static_cast<long long>((p.m + 127) / 128) * (p.n / 256) * (p.k / (16 * WS_KS128));
-    if (p.m > 256 || p.group_k16 % 8 || p.k % 128 || units * 1025 >= (1LL << 31)) return false;
+    if (!sdq_wg_ws_sk_fits(p.m, p.n, p.k, p.group_k16)) return false;
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 4;
     if (p.m <= NTOK) return false;  // (before the queries)
