@@ -572,13 +572,16 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if config < 0:
         config = auto_config(x2.shape[0], n, k, x2.dtype)
 
-    def launch(rows: torch.Tensor, sp: int, cfg: int) -> torch.Tensor:
+    def launch(rows: torch.Tensor, sp: int, cfg: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         return ext.w4a16(rows, qweight, scales, zeros, locks, sp, bool(evict_first), *split_config(cfg), _pdl_mode(),
-                         _XS[0])
+                         _XS[0], out)
 
     r = remainder_rows(x2.shape[0], int(config))
-    if r:  # the full 128-token tiles, then the last r rows with their own config (row slices stay 16-byte aligned)
-        y = torch.cat([launch(x2[:-r], int(splits), int(config)), launch(x2[-r:], 0, auto_config(r, n, k, x2.dtype))])
+    if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
+        # slices of x and y stay 16-byte aligned: K and N are multiples of 64)
+        y = x2.new_empty((x2.shape[0], n))
+        launch(x2[:-r], int(splits), int(config), y[:-r])
+        launch(x2[-r:], 0, auto_config(r, n, k, x2.dtype), y[-r:])
     else:
         y = launch(x2, int(splits), int(config))
     if bias is not None:

@@ -50,11 +50,19 @@ void set_layout(SdqW4A16Params& p, const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
                     torch::Tensor locks, int64_t splits, bool evict_first, int64_t variant, int64_t target2,
-                    int64_t pdl, int64_t xs) {
+                    int64_t pdl, int64_t xs, c10::optional<torch::Tensor> out_opt) {
   check_layout_args("w4a16_cuda", x, qweight, scales, zeros, locks);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto out = at::empty({m, n}, x.options());
+  // out: where the caller wants y (e.g. a row slice of a larger output, so a split launch needs no concatenation)
+  if (out_opt.has_value()) {
+    const auto& o = *out_opt;
+    TORCH_CHECK(o.is_cuda() && o.device() == x.device() && o.scalar_type() == x.scalar_type() && o.dim() == 2 &&
+                    o.size(0) == m && o.size(1) == n && o.is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0,
+                "w4a16_cuda: out must be a contiguous, 16-byte aligned [", m, ", ", n, "] tensor of x's dtype and device");
+  }
+  auto out = out_opt.has_value() ? *out_opt : at::empty({m, n}, x.options());
   if (m == 0) return out;
   const int group_k16 = static_cast<int>(k / 16 / g);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -248,7 +256,9 @@ int64_t probe_evict_first() { return sdq_probe_evict_first(at::cuda::getCurrentC
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)");
+  mod.def("w4a16", &w4a16, "W4A16 GEMM over the fragment layout (sm_90)", py::arg("x"), py::arg("qweight"),
+          py::arg("scales"), py::arg("zeros"), py::arg("locks"), py::arg("splits"), py::arg("evict_first"),
+          py::arg("variant"), py::arg("target2"), py::arg("pdl"), py::arg("xs"), py::arg("out") = py::none());
   mod.def("w4a16_fused", &w4a16_fused, "the tight W4A16 kernel with the fused RMSNorm / SiLU / residual ends (sm_90)");
   mod.def("auto_splits", &auto_splits, "split-K factor the launcher picks for a shape, variant and CTA target");
   mod.def("occupancy", &occupancy, "resident CTAs per SM of a variant's kernel");
