@@ -47,6 +47,8 @@ class Plan:
     kernels: Tuple[str, ...]
     configs: Tuple[Tuple[int, ...], ...]  # Triton tile config per range, () = heuristic
     source: str = "default"              # "table:<N>x<K>" or "default" or the forced mode
+    cuda_tail: int = 0                   # at 128 < M <= 256 on the CUDA kernel: a last 128-token tile of at most
+                                         # this many rows runs as a small-M launch of its own (cuda_tail_rows)
 
     def index(self, m: int) -> int:
         for i, b in enumerate(self.bounds[:-1]):
@@ -66,6 +68,8 @@ class Plan:
                 continue
             parts.append(f"M{lo}+:{k}" if b == self.bounds[-1] else f"M{lo}-{b}:{k}")
             lo = b + 1
+        if self.cuda_tail:
+            parts.append(f"(cuda M129-256: a last tile of <= {self.cuda_tail} rows split off)")
         return " ".join(parts)
 
 
@@ -73,8 +77,29 @@ def uniform(kernel: str, source: str) -> Plan:
     return Plan((DEFAULT_BUCKETS[-1],), (kernel,), ((),), source)
 
 
+# The row counts a CUDA plan may split off a part-filled last 128-token tile, each timed by its own table bucket, and
+# the share of the one-launch time the two launches must stay under (a second launch's fixed cost, table noise)
+TAIL_ROWS = (16, 32, 64)
+TAIL_MARGIN = 0.9
+
+
+def cuda_tail_rows(buckets: Sequence[int], cuda_us: Sequence[Optional[float]]) -> int:
+    """The largest r in TAIL_ROWS for which the table's CUDA times say that 128 rows plus an r-row launch beat one
+    launch of 256 rows by a margin (cuda[128] + cuda[r] < TAIL_MARGIN * cuda[256]), else 0. At M = 129-256 the wgmma kernel computes a whole
+    second 128-token tile however few of its rows are real, so M = 144 costs what M = 256 does, while the small-M
+    kernels stream the weights once more at near their M = 1 cost: on the H100 8192x28672 took 176.0 us at M = 144
+    against 91.8 at 128 and 50.4 at 16 (int4_wgmma run 44, gemm run 20). Narrow layers (N = 4096 / 6144), whose
+    256-row launch costs far less than two 128-row ones, keep one launch."""
+    if any(b not in buckets for b in (128, 256, *TAIL_ROWS)):
+        return 0
+    t = {b: cuda_us[buckets.index(b)] for b in (128, 256, *TAIL_ROWS)}
+    if t[128] is None or t[256] is None:
+        return 0
+    return max([r for r in TAIL_ROWS if t[r] is not None and t[128] + t[r] < TAIL_MARGIN * t[256]], default=0)
+
+
 def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[Tuple[int, ...]],
-              source: str) -> Plan:
+              source: str, cuda_tail: int = 0) -> Plan:
     """Merge neighbouring buckets that run the same kernel with the same config."""
     b_out: List[int] = []
     k_out: List[str] = []
@@ -86,7 +111,7 @@ def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[
             b_out.append(b)
             k_out.append(k)
             c_out.append(c)
-    return Plan(tuple(b_out), tuple(k_out), tuple(c_out), source)
+    return Plan(tuple(b_out), tuple(k_out), tuple(c_out), source, cuda_tail)
 
 
 # --------------------------------------------------------------------------------------------- the table
@@ -224,7 +249,11 @@ def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optio
         name = min(timed)[1] if timed else default_choice(kind, b, av)
         kernels.append(name)
         configs.append(tuple(cfgs[i]) if name == "triton" and cfgs[i] else ())
-    return _compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}")
+    tail = 0
+    if kind == "int4" and "cuda" in av and col["cuda"] in us and 256 in buckets and \
+            kernels[buckets.index(256)] == "cuda":
+        tail = cuda_tail_rows(buckets, us[col["cuda"]])
+    return _compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}", tail)
 
 
 # ---------------------------------------------------------------------------------------------- writing

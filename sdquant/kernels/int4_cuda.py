@@ -312,11 +312,13 @@ def set_wgmma_remainder(rows: int) -> int:
     return old
 
 
-def remainder_rows(m: int, config: int) -> int:
-    """The rows of M that ``w4a16_cuda`` runs as a launch of their own under ``set_wgmma_remainder`` (0: none): M mod
-    128 where M > 128, the config is a wgmma one (62 / 63) and the remainder is at most the set rows."""
+def remainder_rows(m: int, config: int, tail: int = 0) -> int:
+    """The rows of M that ``w4a16_cuda`` runs as a launch of their own (0: none): M mod 128 where the config is a
+    wgmma one (62 / 63) and that remainder is 1..limit rows. The limit is ``set_wgmma_remainder``'s at any M > 128
+    where that is set (A/B runs), else the op's ``tail`` (a layer's plan: dispatch.cuda_tail_rows) at M = 129-256."""
     r = m % 128
-    return r if (_REM[0] and m > 128 and 0 < r <= _REM[0] and split_config(config)[0] in WGMMA_VARIANTS) else 0
+    limit = _REM[0] if _REM[0] else (tail if m <= 256 else 0)
+    return r if (m > 128 and 0 < r <= limit and split_config(config)[0] in WGMMA_VARIANTS) else 0
 
 
 WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3, "wssk": 4}
@@ -553,8 +555,9 @@ def _check(x, qweight, scales, zeros, perm):
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
 def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
-               splits: int = 0, evict_first: bool = False, config: int = -1) -> torch.Tensor:
-    """y = x @ W.T + bias over the CUDA fragment layout (see module docstring)."""
+               splits: int = 0, evict_first: bool = False, config: int = -1, tail: int = 0) -> torch.Tensor:
+    """y = x @ W.T + bias over the CUDA fragment layout (see module docstring). ``tail``: at M = 129-256 on the wgmma
+    kernel, a last 128-token tile of at most that many rows runs as a small-M launch of its own (``remainder_rows``)."""
     k, n = _check(x, qweight, scales, zeros, perm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -576,7 +579,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return ext.w4a16(rows, qweight, scales, zeros, locks, sp, bool(evict_first), *split_config(cfg), _pdl_mode(),
                          _XS[0], out)
 
-    r = remainder_rows(x2.shape[0], int(config))
+    r = remainder_rows(x2.shape[0], int(config), int(tail))
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)
         y = x2.new_empty((x2.shape[0], n))
@@ -590,7 +593,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 
 @w4a16_cuda.register_fake
-def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1):
+def _(x, qweight, scales, zeros, perm, locks, bias, splits=0, evict_first=False, config=-1, tail=0):
     return x.new_empty((*x.shape[:-1], qweight.shape[0] * 64))
 
 

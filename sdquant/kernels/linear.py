@@ -391,7 +391,8 @@ class QuantLinear(_Prepared):
         """Call ``op`` with the buffers of layout ``name`` matched to its schema's argument names."""
         op, arg_names = op_args
         values = {"x": x, "bias": self.bias, "group_size": self.group_size, "bits": self.bits,
-                  "in_features": self.in_features, "out_features": self.out_features}
+                  "in_features": self.in_features, "out_features": self.out_features,
+                  "tail": self.plan.cuda_tail if self.plan is not None else 0}
         for attr in self._layout_keys[name]:
             values[attr[len(name) + 2:]] = getattr(self, attr)
         return op(**{a: values[a] for a in arg_names if a in values})

@@ -333,3 +333,45 @@ def test_a_resumed_tuning_run_keeps_what_the_earlier_one_measured(tmp_path):
         with pytest.raises(ConfigError) as e:
             dispatch.resumable_entries(path, *args)
         assert e.value.field == "--resume" and what in str(e.value)
+
+
+def test_cuda_tail_rows_from_the_table_times():
+    """cuda_tail_rows: the largest of 16 / 32 / 64 rows whose launch plus 128 rows' stays under 0.9 of one 256-row
+    launch by the table; none where a bucket it needs is missing or untimed."""
+    b = [1, 16, 32, 64, 128, 256, 1024]
+    #            1   16  32  64  128  256  1024
+    wide = [38, 50, 60, 77, 92, 188, 700]     # H100-like 8192x28672: 142 / 152 / 169 against 0.9 x 188 = 169.2
+    assert dispatch.cuda_tail_rows(b, wide) == 64
+    assert dispatch.cuda_tail_rows(b, [38, 50, 60, 80, 92, 188, 700]) == 32       # 172 is over the margin
+    assert dispatch.cuda_tail_rows(b, [7, 10, 12, 15, 17, 22, 60]) == 0           # narrow: 27 > 0.9 x 22
+    assert dispatch.cuda_tail_rows(b, [38, 50, 60, 77, 92, None, 700]) == 0       # 256 not timed
+    assert dispatch.cuda_tail_rows(b, [38, None, 60, 80, 92, 188, 700]) == 32     # 16 not timed: the others still count
+    assert dispatch.cuda_tail_rows([1, 16, 64, 256, 4096], [5, 6, 20, 80, 900]) == 0  # no 32 / 128 bucket
+
+
+def test_the_plan_carries_the_cuda_tail_only_where_the_cuda_kernel_serves_256_rows():
+    b = [1, 16, 32, 64, 128, 256, 1024]
+    int4 = {"kind": "int4", "N": 28672, "K": 8192, "dtype": "bfloat16",
+            "us": {"cuda": [38, 50, 60, 77, 92, 188, 700], "triton": [44, 75, 94, 99, 170, 265, 1000],
+                   "dequant": [300, 300, 300, 310, 330, 400, 600]}}
+    t = {"version": 1, "device": "test", "buckets": b, "entries": [int4]}
+    dispatch.validate_table(t)
+    av = ("reference", "dequant", "triton", "cuda")
+    plan = dispatch.plan_layer("int4", 28672, 8192, av, t)
+    assert plan.cuda_tail == 64 and plan.select(144)[0] == "cuda"
+    assert plan.describe() == "M1-256:cuda M257+:dequant (cuda M129-256: a last tile of <= 64 rows split off)"
+    assert dispatch.plan_layer("int4", 28672, 8192, ("reference", "dequant", "triton"), t).cuda_tail == 0
+    int4["us"]["dequant"][5] = 150                      # dequantize + cuBLAS serves M = 129-256: no tail
+    assert dispatch.plan_layer("int4", 28672, 8192, av, t).cuda_tail == 0
+    assert dispatch.plan_layer("int4", 28672, 8192, av, t, mode="cuda").cuda_tail == 0   # forced: as measured alone
+
+
+def test_the_shipped_tables_split_tails_on_the_wide_layers_only():
+    """With the shipped H100 table: the wide Llama layers (N = 28672 or K = 28672) split a short last tile at
+    M = 129-256, the N = 4096 / 6144 ones never (their 256-row launch costs well under two 128-row ones)."""
+    t = dispatch.load_table(dispatch.SHIPPED_DIR / "crossover_h100.json")
+    av = ("reference", "dequant", "triton", "cuda")
+    tails = {(n, k): dispatch.plan_layer("int4", n, k, av, t).cuda_tail
+             for n, k in [(28672, 8192), (28672, 4096), (8192, 28672), (4096, 4096), (6144, 4096), (4096, 14336)]}
+    assert tails[(28672, 8192)] > 0 and tails[(28672, 4096)] > 0 and tails[(8192, 28672)] > 0
+    assert tails[(4096, 4096)] == tails[(6144, 4096)] == tails[(4096, 14336)] == 0

@@ -246,6 +246,19 @@ def test_wgmma_remainder_rows_rule():
             int4_cuda.set_wgmma_remainder(bad)
 
 
+def test_wgmma_tail_from_the_plan():
+    """The op's ``tail`` (a layer plan's cuda_tail): the last tile's rows at M = 129-256 only, up to ``tail``; a set
+    set_wgmma_remainder overrides it (A/B runs), at any M > 128."""
+    assert [int4_cuda.remainder_rows(m, 63, 32) for m in (144, 160, 161, 192, 256, 128, 300, 1040)] == \
+        [16, 32, 0, 0, 0, 0, 0, 0]
+    assert int4_cuda.remainder_rows(144, 5, 32) == 0 and int4_cuda.remainder_rows(144, 63, 0) == 0
+    old = int4_cuda.set_wgmma_remainder(16)
+    try:
+        assert int4_cuda.remainder_rows(160, 63, 64) == 0 and int4_cuda.remainder_rows(1040, 63, 0) == 16
+    finally:
+        int4_cuda.set_wgmma_remainder(old)
+
+
 def test_config_encoding_and_defaults():
     assert int4_cuda.split_config(-1) == (0, 0)
     assert int4_cuda.split_config(5 + 64 * 6) == (5, 6) == int4_cuda.split_config(int4_cuda.make_config(5, 6))
