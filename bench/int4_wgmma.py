@@ -78,7 +78,9 @@ class schedule_set:
     "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
     (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "rem32" /
     "rem64" the automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own
-    (int4_cuda.set_wgmma_remainder)."""
+    wherever it occurs, "rem0" with no such launch even where the automatic rules split one off
+    (int4_cuda.set_wgmma_remainder; "auto" keeps its rules, and the op here gets no plan's tail, so at M = 129-256
+    "auto" equals "rem0")."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -86,7 +88,7 @@ class schedule_set:
     def __enter__(self):
         from sdquant.kernels import int4_cuda
         self.old = self.old_rows = self.old_cl = self.old_wave = self.old_rem = None
-        if self.mode in ("rem32", "rem64"):
+        if self.mode in ("rem0", "rem32", "rem64"):
             self.old_rem = int4_cuda.set_wgmma_remainder(int(self.mode[3:]))
         elif self.mode == "r256":
             self.old_rows = int4_cuda.set_wgmma_rows(256)
@@ -321,7 +323,7 @@ def main(argv=None):
                                                         "/ wave: without / with two splits at M > 256 where "
                                                         "waves gain, int4_cuda.set_wgmma_wave_splits; rem32 / "
                                                         "rem64: a last tile of <= 32 / 64 rows as a launch of its "
-                                                        "own, int4_cuda.set_wgmma_remainder)")
+                                                        "own, rem0: never, int4_cuda.set_wgmma_remainder)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

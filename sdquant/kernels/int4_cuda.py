@@ -294,31 +294,50 @@ def set_x_smem(enabled: bool) -> int:
     return old
 
 
-# Rows of a last, part-filled 128-token tile that run as a launch of their own (0: off, the default). Bench-only until
-# measured (docs/BENCHMARKS.md Pending 40): on the H100 8192x28672 took 176.0 us at M = 144 against 91.8 at M = 128
-# and 50.4 at M = 16 in one call (int4_wgmma run 44, gemm run 20), so the tail as a 16-row launch would save ~19%.
-_REM = [0]
+# A last, part-filled 128-token tile of a wgmma launch (M > 128) computes a whole tile however few of its rows are real.
+# Where that tile costs more than a small-M launch of its rows, they run as one: -1 (the default) by the automatic
+# rules of ``remainder_rows``, 0 never, 1..127 always where the tile holds at most that many rows (A/B runs).
+_REM = [-1]
+# At M > 256 on the one-launch path: split off at most this many rows, where the tile adds a wave to <= 2 waves
+WAVE_TAIL_ROWS = 64
 
 
 def set_wgmma_remainder(rows: int) -> int:
-    """From now on in this process, a wgmma launch (variants 62-63, automatic or given) of M > 128 rows whose last
-    128-token tile holds 1..``rows`` rows runs those rows as a second launch with the small-M kernels' automatic
-    config instead (``remainder_rows``); 0 turns it off. Returns the previous setting. For A/B runs
-    (bench/int4_wgmma.py --schedule rem32 / rem64)."""
-    if not 0 <= int(rows) < 128:
-        raise ValueError(f"rows: {rows} is not in 0..127")
+    """From now on in this process, how a wgmma launch (variants 62-63, automatic or given) of M > 128 rows treats a
+    last 128-token tile of 1..127 rows: -1 (the default) the automatic rules of ``remainder_rows``; 0 never splits
+    it off; 1..127 runs those rows as a second launch with the small-M kernels' automatic config wherever they are at
+    most that many. Returns the previous setting. For A/B runs (bench/int4_wgmma.py --schedule rem0 / rem32 /
+    rem64)."""
+    if not -1 <= int(rows) < 128:
+        raise ValueError(f"rows: {rows} is not in -1..127")
     old = _REM[0]
     _REM[0] = int(rows)
     return old
 
 
-def remainder_rows(m: int, config: int, tail: int = 0) -> int:
-    """The rows of M that ``w4a16_cuda`` runs as a launch of their own (0: none): M mod 128 where the config is a
-    wgmma one (62 / 63) and that remainder is 1..limit rows. The limit is ``set_wgmma_remainder``'s at any M > 128
-    where that is set (A/B runs), else the op's ``tail`` (a layer's plan: dispatch.cuda_tail_rows) at M = 129-256."""
+def remainder_rows(m: int, config: int, tail: int = 0, n: int = 0, sms: int = 0, one_launch: bool = False) -> int:
+    """The rows of M that ``w4a16_cuda`` runs as a launch of their own (0: none): r = M mod 128 at M > 128 on a
+    wgmma config (62 / 63), where
+    * ``set_wgmma_remainder`` set a limit: r <= it (A/B runs);
+    * automatic, M = 129-256: r <= ``tail``, the op's argument (a layer plan's ``dispatch.cuda_tail_rows``, from the
+      crossover table's times);
+    * automatic, M > 256 on the one-launch path (``one_launch``; N features, ``sms`` SMs, one CTA a SM): r <= 64 and
+      the last tile's row of (N / 256) tiles raises the waves from at most 2. H100, int4_wgmma run 45 (us, one launch
+      -> split): at M = 1040 / 1088, 4096x4096 99.3 / 108.3 -> 57.8 / 63.8 (1 wave -> 2), 14336x4096 238.6 / 246.3
+      -> 180.1 / 194.8, 28672x8192 937.4 / 881.5 -> 739.5 / 747.1 (2 -> 3); level or 2-5% faster on 8192x28672 and
+      4096x28672 (7 -> 8 waves), 5-13% slower on 8192x10240 and 4096x6144 (no added wave)."""
     r = m % 128
-    limit = _REM[0] if _REM[0] else (tail if m <= 256 else 0)
-    return r if (m > 128 and 0 < r <= limit and split_config(config)[0] in WGMMA_VARIANTS) else 0
+    if m <= 128 or r == 0 or split_config(config)[0] not in WGMMA_VARIANTS or _REM[0] == 0:
+        return 0
+    if _REM[0] > 0:
+        return r if r <= _REM[0] else 0
+    if m <= 256:
+        return r if r <= tail else 0
+    if not one_launch or sms <= 0 or n < 256 or r > WAVE_TAIL_ROWS:
+        return 0
+    full, last = (m // 128) * (n // 256), n // 256
+    w_full, w_all = -(-full // sms), -(-(full + last) // sms)
+    return r if w_all > w_full and w_full <= 2 else 0
 
 
 WGMMA_SCHEDULES = {"auto": 0, "split": 1, "stream": 2, "ws": 3, "wssk": 4}
@@ -552,6 +571,17 @@ def _check(x, qweight, scales, zeros, perm):
     return k, n
 
 
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (cached)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
 def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
@@ -579,7 +609,10 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return ext.w4a16(rows, qweight, scales, zeros, locks, sp, bool(evict_first), *split_config(cfg), _pdl_mode(),
                          _XS[0], out)
 
-    r = remainder_rows(x2.shape[0], int(config), int(tail))
+    m = x2.shape[0]
+    one = m > 256 and _REM[0] < 0 and split_config(config)[0] in WGMMA_VARIANTS and int(
+        ext.launch_rows(m, n, k, k // scales.shape[0] // 16, x2.dtype == torch.bfloat16, split_config(config)[0])) >= m
+    r = remainder_rows(m, int(config), int(tail), n, _sm_count(x2.device) if one else 0, one)
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)
         y = x2.new_empty((x2.shape[0], n))

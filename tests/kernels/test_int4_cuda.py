@@ -241,9 +241,29 @@ def test_wgmma_remainder_rows_rule():
         assert int4_cuda.remainder_rows(192, 63) == 0 and int4_cuda.remainder_rows(160, 63) == 32
     finally:
         int4_cuda.set_wgmma_remainder(old)
-    for bad in (128, -1):
-        with pytest.raises(ValueError, match="rows: .* is not in 0..127"):
+    for bad in (128, -2):
+        with pytest.raises(ValueError, match="rows: .* is not in -1..127"):
             int4_cuda.set_wgmma_remainder(bad)
+    old = int4_cuda.set_wgmma_remainder(0)                               # never: not even the automatic rules
+    try:
+        assert old == -1
+        assert int4_cuda.remainder_rows(144, 63, 64) == 0 and int4_cuda.remainder_rows(1040, 63, 0, 4096, 132, True) == 0
+    finally:
+        int4_cuda.set_wgmma_remainder(old)
+
+
+def test_wgmma_wave_tail_rule_above_256_rows():
+    """M > 256 on the one-launch path: the last tile's rows (<= 64) run apart only where they add a wave to a launch
+    of at most two. The shapes and M of int4_wgmma run 45 (H100, 132 SMs) get the split exactly where it was faster."""
+    rr = lambda m, n, sms=132, one=True: int4_cuda.remainder_rows(m, 63, 0, n, sms, one)  # noqa: E731
+    assert rr(1040, 4096) == 16 and rr(1088, 4096) == 64           # 4096x4096, 14336x4096: 128 -> 144 tiles
+    assert rr(1040, 8192) == 16 and rr(1088, 8192) == 64           # 28672x8192: 256 -> 288 tiles, 2 -> 3 waves
+    assert rr(1040, 28672) == 0                                    # 8192x28672: 7 -> 8 waves, level there
+    assert rr(1040, 10240) == 0 and rr(1088, 6144) == 0            # no wave added: the split was slower
+    assert rr(1100, 4096) == 0                                     # 76 rows: more than WAVE_TAIL_ROWS
+    assert rr(1040, 4096, one=False) == 0 and rr(1040, 4096, sms=0) == 0 and rr(1024, 4096) == 0
+    assert rr(1040, 4096, sms=160) == 0                             # a larger GPU: 144 tiles are one wave
+    assert int4_cuda.remainder_rows(1040, 5, 0, 4096, 132, True) == 0   # not a wgmma config
 
 
 def test_wgmma_tail_from_the_plan():
