@@ -321,11 +321,13 @@ def remainder_rows(m: int, config: int, tail: int = 0, n: int = 0, sms: int = 0,
     * ``set_wgmma_remainder`` set a limit: r <= it (A/B runs);
     * automatic, M = 129-256: r <= ``tail``, the op's argument (a layer plan's ``dispatch.cuda_tail_rows``, from the
       crossover table's times);
-    * automatic, M > 256 on the one-launch path (``one_launch``; N features, ``sms`` SMs, one CTA a SM): r <= 64 and
-      the last tile's row of (N / 256) tiles raises the waves from at most 2. H100, int4_wgmma run 45 (us, one launch
-      -> split): at M = 1040 / 1088, 4096x4096 99.3 / 108.3 -> 57.8 / 63.8 (1 wave -> 2), 14336x4096 238.6 / 246.3
-      -> 180.1 / 194.8, 28672x8192 937.4 / 881.5 -> 739.5 / 747.1 (2 -> 3); level or 2-5% faster on 8192x28672 and
-      4096x28672 (7 -> 8 waves), 5-13% slower on 8192x10240 and 4096x6144 (no added wave)."""
+    * automatic, M > 256 where the first M - r rows run in one launch (``one_launch``; N features, ``sms`` SMs, one
+      CTA a SM): r <= 64 and the last tile's row of N / 256 tiles raises the waves from at most 2. H100, int4_wgmma
+      run 45 (us, as now -> split), M = 1040 / 1088: 4096x4096 99.3 / 108.3 -> 57.8 / 63.8 and 14336x4096 238.6 /
+      246.3 -> 180.1 / 194.8 (144 tiles fill 2 waves too thinly for one launch, so M ran as 256-row launches, while
+      the 128 tiles of M = 1024 run as one); 28672x8192 937.4 / 881.5 -> 739.5 / 747.1 (2 -> 3 waves); level or
+      2-5% faster on 8192x28672 and 4096x28672 (7 -> 8 waves); 5-13% slower on 8192x10240 and 4096x6144 (no added
+      wave)."""
     r = m % 128
     if m <= 128 or r == 0 or split_config(config)[0] not in WGMMA_VARIANTS or _REM[0] == 0:
         return 0
@@ -610,8 +612,10 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                          _XS[0], out)
 
     m = x2.shape[0]
-    one = m > 256 and _REM[0] < 0 and split_config(config)[0] in WGMMA_VARIANTS and int(
-        ext.launch_rows(m, n, k, k // scales.shape[0] // 16, x2.dtype == torch.bfloat16, split_config(config)[0])) >= m
+    head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch?
+    one = m > 256 and head < m and _REM[0] < 0 and split_config(config)[0] in WGMMA_VARIANTS and int(
+        ext.launch_rows(head, n, k, k // scales.shape[0] // 16, x2.dtype == torch.bfloat16,
+                        split_config(config)[0])) >= head
     r = remainder_rows(m, int(config), int(tail), n, _sm_count(x2.device) if one else 0, one)
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)

@@ -253,8 +253,9 @@ def test_wgmma_remainder_rows_rule():
 
 
 def test_wgmma_wave_tail_rule_above_256_rows():
-    """M > 256 on the one-launch path: the last tile's rows (<= 64) run apart only where they add a wave to a launch
-    of at most two. The shapes and M of int4_wgmma run 45 (H100, 132 SMs) get the split exactly where it was faster."""
+    """M > 256 where the rows before the last tile run in one launch: the last tile's rows (<= 64) run apart only
+    where they add a wave to at most two. The shapes and M of int4_wgmma run 45 (H100, 132 SMs) get the split exactly
+    where it was faster."""
     rr = lambda m, n, sms=132, one=True: int4_cuda.remainder_rows(m, 63, 0, n, sms, one)  # noqa: E731
     assert rr(1040, 4096) == 16 and rr(1088, 4096) == 64           # 4096x4096, 14336x4096: 128 -> 144 tiles
     assert rr(1040, 8192) == 16 and rr(1088, 8192) == 64           # 28672x8192: 256 -> 288 tiles, 2 -> 3 waves
