@@ -375,3 +375,20 @@ def test_the_shipped_tables_split_tails_on_the_wide_layers_only():
              for n, k in [(28672, 8192), (28672, 4096), (8192, 28672), (4096, 4096), (6144, 4096), (4096, 14336)]}
     assert tails[(28672, 8192)] > 0 and tails[(28672, 4096)] > 0 and tails[(8192, 28672)] > 0
     assert tails[(4096, 4096)] == tails[(6144, 4096)] == tails[(4096, 14336)] == 0
+
+
+def test_the_layer_hands_its_plans_tail_to_the_cuda_op():
+    """QuantLinear matches the CUDA op's arguments by name: a plan's cuda_tail reaches the op's ``tail``, and an op
+    without that argument (the Triton ones) never sees it."""
+    layer = _int4_layer(bias=False)
+    seen = []
+
+    def op(x, tail):
+        seen.append(tail)
+        return x.new_zeros((*x.shape[:-1], layer.out_features))
+
+    layer.plan = dispatch.Plan((4096,), ("cuda",), ((),), "test", 32)
+    layer._int4_ops["cuda"], layer._layout_keys["cuda"] = (op, ("x", "tail")), {}
+    assert layer(torch.randn(144, layer.in_features)).shape == (144, layer.out_features) and seen == [32]
+    layer._int4_ops["cuda"] = (lambda x: x.new_zeros((*x.shape[:-1], layer.out_features)), ("x",))
+    layer(torch.randn(3, layer.in_features))   # no tail argument: called without one

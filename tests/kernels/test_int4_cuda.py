@@ -203,6 +203,10 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.sdquant.w4a16_cuda,
                           (x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], None),
                           {"splits": 2, "evict_first": False, "config": 3 + 64 * 4})
+    x = torch.randn(144, 128).bfloat16()  # a part-filled last tile, with the plan's tail argument
+    torch.library.opcheck(torch.ops.sdquant.w4a16_cuda,
+                          (x, lay["qweight"], lay["scales"], lay["zeros"], lay["perm"], lay["locks"], None),
+                          {"config": 63, "tail": 32})
 
 
 def test_every_kernel_source_is_package_data():
