@@ -85,11 +85,11 @@ TAIL_MARGIN = 0.9
 
 def cuda_tail_rows(buckets: Sequence[int], cuda_us: Sequence[Optional[float]]) -> int:
     """The largest r in TAIL_ROWS for which the table's CUDA times say that 128 rows plus an r-row launch beat one
-    launch of 256 rows by a margin (cuda[128] + cuda[r] < TAIL_MARGIN * cuda[256]), else 0. At M = 129-256 the wgmma kernel computes a whole
-    second 128-token tile however few of its rows are real, so M = 144 costs what M = 256 does, while the small-M
-    kernels stream the weights once more at near their M = 1 cost: on the H100 8192x28672 took 176.0 us at M = 144
-    against 91.8 at 128 and 50.4 at 16 (int4_wgmma run 44, gemm run 20). Narrow layers (N = 4096 / 6144), whose
-    256-row launch costs far less than two 128-row ones, keep one launch."""
+    launch of 256 rows by a margin (cuda[128] + cuda[r] < TAIL_MARGIN * cuda[256]), else 0. At M = 129-256 the wgmma
+    kernel computes a whole second 128-token tile however few of its rows are real, so M = 144 costs what M = 256
+    does, while the small-M kernels stream the weights once more at near their M = 1 cost. H100, int4_wgmma run 45:
+    8192x28672 M = 136 / 144 / 160 176.2 / 174.8 / 173.4 -> 137.6 / 144.0 / 151.6 us with the last rows apart; the
+    layers whose 256-row launch costs far less than two 128-row ones (N = 4096 / 6144, 8192x10240) lose 3-41%."""
     if any(b not in buckets for b in (128, 256, *TAIL_ROWS)):
         return 0
     t = {b: cuda_us[buckets.index(b)] for b in (128, 256, *TAIL_ROWS)}
