@@ -612,14 +612,13 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                          _XS[0], out)
 
     m = x2.shape[0]
-    head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch?
-    one = m > 256 and head < m and _REM[0] < 0 and split_config(config)[0] in WGMMA_VARIANTS and int(
-        ext.launch_rows(head, n, k, k // scales.shape[0] // 16, x2.dtype == torch.bfloat16,
-                        split_config(config)[0])) >= head
+    head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch? (only the wave rule asks)
+    one = m > 256 and head < m and _REM[0] < 0 and \
+        launch_rows(head, n, k, k // scales.shape[0], config, x2.dtype) >= head
     r = remainder_rows(m, int(config), int(tail), n, _sm_count(x2.device) if one else 0, one)
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)
-        y = x2.new_empty((x2.shape[0], n))
+        y = x2.new_empty((m, n))
         launch(x2[:-r], int(splits), int(config), y[:-r])
         launch(x2[-r:], 0, auto_config(r, n, k, x2.dtype), y[-r:])
     else:
