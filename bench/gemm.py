@@ -5,15 +5,19 @@
 For every K x N (in x out features) and M: cuBLAS bf16 ``F.linear``; torch's int4 tinygemm
 (``torch._weight_int4pack_mm``, group 128); ``torch._scaled_mm`` FP8 tensorwise and rowwise (activations
 pre-quantized: the GEMM alone); sdquant W4A16 Triton and CUDA (group 128, symmetric); sdquant FP8 Triton
-(``sdquant.kernels.fp8_triton.fp8_linear``, includes its activation quantization) when that module exists.
+(``sdquant.kernels.fp8_triton.fp8_linear``, includes its activation quantization) when that module exists; and the
+layers as a user runs them, ``QuantLinear`` (sdq_int4_layer) and ``Fp8Linear`` (sdq_fp8_layer, dynamic per-token
+activations) prepared with kernels="auto": each M takes the kernel its crossover table plans ($SDQUANT_KERNEL_TABLE,
+else the table shipped for this GPU model), and each row records that choice ("plan").
 
 Method: each kernel's weights are replicated until the copies exceed 3x the 60 MB L2 and calls rotate
 through them; CALLS back-to-back calls are captured in one CUDA graph (launch gaps stay out), replayed TRIALS
 times, timed with CUDA events; the median per call is reported. Effective TB/s counts the bytes a call must
 move (weights incl. scales, activations, output); "%copy" is that over the device-to-device copy bandwidth
 measured in the same run. torch's tinygemm is not timed at M > 256 (1.0 ms at M = 64 on 8192x28672 already, and
-growing with M); the sdquant CUDA op is, in the wgmma kernel's 256-row launches. GPU correctness: every timed call is compared with x @ W.T in float64 (``rel_err``). Results: a
-table on stdout (last) and JSON in --out (or $OUT), saved after every shape.
+growing with M); the sdquant CUDA op is (the wgmma kernel above 16 rows). GPU correctness: every timed call is
+compared with x @ W.T in float64 (``rel_err``; the FP8 rows' include the W8A8 quantization error). Results: a table on
+stdout (last) and JSON in --out (or $OUT), saved after every shape.
 """
 from __future__ import annotations
 
@@ -234,7 +238,42 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
         return (lambda i: (fw.weight.clone(), fw.weight_scale.clone()),
                 lambda c, x: f8.fp8_linear(x, c[0], c[1], None, None), n * k + n * 4)
     add("sdq_fp8_triton", fp8_triton)
+
+    # The layers as a user runs them: QuantLinear / Fp8Linear prepared with kernels="auto", so each M takes the kernel
+    # the crossover table plans for its bucket ($SDQUANT_KERNEL_TABLE, else the table shipped for this GPU model).
+    # Issue 4's "the dispatched layer >= 1.0x bf16 at every M" and its FP8 layer targets are read from these columns.
+    def int4_layer():
+        from sdquant.kernels.linear import QuantLinear
+        proto = QuantLinear(qw)
+
+        def make(i):
+            return QuantLinear(proto.weight_q).prepare(dev, dtype)
+        return make, lambda layer, x: layer(x), int4_bytes
+    add("sdq_int4_layer", int4_layer)
+
+    def fp8_layer():
+        from sdquant.kernels.linear import Fp8Linear
+        from sdquant.quant.qtensor import Fp8Weight, quantize_fp8_weight
+        fw = quantize_fp8_weight(w_ref)
+
+        def make(i):
+            return Fp8Linear(Fp8Weight(fw.weight.clone(), fw.weight_scale.clone(), None)).prepare(dev, dtype)
+        return make, lambda layer, x: layer(x), n * k + n * 4
+    add("sdq_fp8_layer", fp8_layer)
     return provs, w_ref
+
+
+LAYERS = ("sdq_int4_layer", "sdq_fp8_layer")
+
+
+def layer_plan(ctx, m: int):
+    """The kernel a prepared layer's plan picks at M rows (None for the non-layer providers)."""
+    plan = getattr(ctx, "plan", None)
+    if plan is None:
+        return None
+    name, _cfg = plan.select(m)
+    tail = getattr(plan, "cuda_tail", 0)
+    return f"{name} (tail {tail})" if name == "cuda" and tail and 128 < m <= 256 else name
 
 
 _XQ: dict = {}
@@ -299,9 +338,12 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                 tbs = nbytes / (us * 1e-6) / 1e12
                 if name == "bf16":
                     bf16_us = us
-                rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 2), "rel_err": err,
-                             "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
-                             "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3)})
+                row = {"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 2), "rel_err": err,
+                       "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
+                       "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3)}
+                if name in LAYERS:
+                    row["plan"] = layer_plan(ctxs[0], m)
+                rows.append(row)
             torch.cuda.empty_cache()
         log_fn(f"shape {k}x{n} done in {time.time() - t0:.1f} s")
         del provs, ctx_cache
@@ -317,8 +359,13 @@ def table(rows, kernels) -> str:
         cells[(r["K"], r["N"], r["M"], r["kernel"])] = r
     keys = sorted({(r["K"], r["N"], r["M"]) for r in rows}, key=lambda t: (SHAPES.index((t[0], t[1]))
                                                                            if (t[0], t[1]) in SHAPES else 99, t[2]))
-    out = ["| K×N | M | " + " | ".join(kernels) + " | best sdq int4 ×bf16 |",
-           "|---|---|" + "---|" * len(kernels) + "---|"]
+    extra = [c for c, kn in (("int4 layer ×bf16", "sdq_int4_layer"), ("fp8 layer ×bf16", "sdq_fp8_layer"),
+                             ("fp8 layer ÷ tensorwise", "sdq_fp8_layer")) if kn in kernels]
+    out = ["| " + " | ".join(["K×N", "M", *kernels, "best sdq int4 kernel ×bf16", *extra]) + " |",
+           "|---|---|" + "---|" * (len(kernels) + 1 + len(extra))]
+
+    def ratio(a, b) -> str:
+        return f"{a / b:.2f}" if a and b else "–"
     for (k, n, m) in keys:
         vals = []
         for kn in kernels:
@@ -326,9 +373,12 @@ def table(rows, kernels) -> str:
             vals.append("–" if r is None or r.get("us") is None else f"{r['us']:.1f}")
         bf = cells.get((k, n, m, "bf16"), {}).get("us")
         best = [cells.get((k, n, m, kk), {}).get("us") for kk in ("sdq_triton", "sdq_cuda")]
-        best = [b for b in best if b]
-        sp = f"{bf / min(best):.2f}" if bf and best else "–"
-        out.append(f"| {k}×{n} | {m} | " + " | ".join(vals) + f" | {sp} |")
+        sp = ratio(bf, min((b for b in best if b), default=None))
+        us = {kk: cells.get((k, n, m, kk), {}).get("us") for kk in ("sdq_int4_layer", "sdq_fp8_layer",
+                                                                     "fp8_tensorwise")}
+        ex = {"int4 layer ×bf16": ratio(bf, us["sdq_int4_layer"]), "fp8 layer ×bf16": ratio(bf, us["sdq_fp8_layer"]),
+              "fp8 layer ÷ tensorwise": ratio(us["sdq_fp8_layer"], us["fp8_tensorwise"])}
+        out.append("| " + " | ".join([f"{k}×{n}", str(m), *vals, sp, *(ex[c] for c in extra)]) + " |")
     return "\n".join(out)
 
 
@@ -336,7 +386,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in RUN_ORDER))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_fp8_triton")
+    ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_fp8_triton,"
+                    "sdq_int4_layer,sdq_fp8_layer")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-check", action="store_true")

@@ -1,0 +1,48 @@
+"""bench/gemm.py's dispatched-layer columns on the CPU: the providers build the layers as a user prepares them, run
+them, and the table reads their ratios (the GPU timing itself runs only on the device)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+gemm = pytest.importorskip("gemm")
+
+
+def test_layer_providers_run_the_prepared_layers():
+    n, k = 64, 256
+    which = {"bf16", "sdq_int4_layer", "sdq_fp8_layer"}
+    provs, w_ref = gemm.build_providers(n, k, torch.device("cpu"), torch.float32, which, log_fn=pytest.fail)
+    assert set(provs) == which and all(p is not None for p in provs.values())
+    x = torch.randn(3, k)
+    ref = x.double() @ w_ref.double().t()
+    for name in ("sdq_int4_layer", "sdq_fp8_layer"):
+        make, run, nbytes = provs[name]
+        layer = make(0)
+        assert layer is not make(1)  # one prepared layer a weight copy, so the calls rotate past L2
+        y = run(layer, x)
+        assert y.shape == (3, n)
+        err = gemm.rel_err(y, ref.float())
+        # int4: the layer computes the same dequantized weight; fp8: W8A8 adds its quantization error
+        assert err < (1e-5 if name == "sdq_int4_layer" else 5e-2), (name, err)
+        assert gemm.layer_plan(layer, 3) == "reference"  # a CPU layer plans the reference op at every M
+    assert provs["sdq_int4_layer"][2] == n * k // 2 + n * (k // gemm.GS) * 4
+    assert gemm.layer_plan(object(), 3) is None
+
+
+def test_table_reads_the_layer_ratios():
+    rows = [{"K": 4096, "N": 4096, "M": 16, "kernel": kn, "us": us}
+            for kn, us in (("bf16", 12.0), ("fp8_tensorwise", 8.0), ("sdq_cuda", 6.0), ("sdq_int4_layer", 10.0),
+                           ("sdq_fp8_layer", 10.0))]
+    kernels = ["bf16", "fp8_tensorwise", "sdq_cuda", "sdq_int4_layer", "sdq_fp8_layer"]
+    lines = gemm.table(rows, kernels).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = dict(zip(head, [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert cells["best sdq int4 kernel ×bf16"] == "2.00"
+    assert cells["int4 layer ×bf16"] == "1.20"
+    assert cells["fp8 layer ×bf16"] == "1.20"
+    assert cells["fp8 layer ÷ tensorwise"] == "1.25"
+    assert len(lines[1].strip("|").split("|")) == len(head)
+    # without the layer columns asked for, the table keeps its old form
+    assert "layer" not in gemm.table(rows, ["bf16", "sdq_cuda"]).splitlines()[0]
