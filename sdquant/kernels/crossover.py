@@ -101,6 +101,22 @@ def fp8_reference(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- measure
+LAYOUT_COLUMNS = ("cuda", "triton")  # int4 layouts whose dequantize+cuBLAS gets a column "dequant_<layout>"
+
+
+def run_column(layer, name: str, x: torch.Tensor, cfg=()) -> torch.Tensor:
+    """One call of the path a table column times: a kernel by name, "dequant" (dequantize+cuBLAS from the canonical
+    tensors) or "dequant_<layout>" (from an attached int4 layout: what a layer prepared with layouts="one" runs in
+    its dequantize buckets, planned by this column where the table has it)."""
+    if name.startswith("dequant_"):
+        layer.use_layout_dequant(name[len("dequant_"):])
+        try:
+            return layer._run("dequant", x, cfg)
+        finally:
+            layer.use_layout_dequant(None)
+    return layer._run(name, x, cfg)
+
+
 def _fp8_tune_candidates(m: int, n: int, k: int) -> List[List[int]]:
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bk = 256 if k % 256 == 0 else 128
@@ -161,6 +177,7 @@ def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int
         names = [x for x in copies[0].available_kernels(dev, act) if x != "reference"]
         if kind == "int4":  # build the int4 kernels' layouts once per copy
             names = [x for x in names if x == "dequant" or all(c.attach_int4(x, dev, act) for c in copies)]
+            names += [f"dequant_{x}" for x in names if x in LAYOUT_COLUMNS]
         dense = [torch.randn(n, k, device=dev, dtype=act) / math.sqrt(k) for _ in range(n_copies(n * k * 2, 2 ** 30))]
         rows: Dict[str, List[Optional[float]]] = {nm: [None] * len(ms) for nm in ["bf16", *names]}
         for i, m in enumerate(ms):
@@ -177,7 +194,7 @@ def measure(shapes: Optional[Sequence[Tuple[int, int]]] = None, ms: Sequence[int
                                 best = (t, cand)
                         cfg = tuple(best[1])
                         entry["triton_config"][i] = list(cfg)
-                    rows[nm][i] = time_graph([lambda c=c: c._run(nm, x, cfg) for c in copies], trials)
+                    rows[nm][i] = time_graph([lambda c=c: run_column(c, nm, x, cfg) for c in copies], trials)
                 except Exception as e:  # a kernel that fails here is simply not chosen for this bucket
                     log(f"  {kind} {k}x{n} M={m} {nm}: FAILED {type(e).__name__}: {str(e)[:200]}")
                     rows[nm][i] = None

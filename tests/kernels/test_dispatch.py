@@ -392,3 +392,21 @@ def test_the_layer_hands_its_plans_tail_to_the_cuda_op():
     assert layer(torch.randn(144, layer.in_features)).shape == (144, layer.out_features) and seen == [32]
     layer._int4_ops["cuda"] = (lambda x: x.new_zeros((*x.shape[:-1], layer.out_features)), ("x",))
     layer(torch.randn(3, layer.in_features))   # no tail argument: called without one
+
+
+def test_a_table_column_runs_dequantize_from_an_attached_layout():
+    """`sdquant tune-kernels` times "dequant_<layout>" (dequantize+cuBLAS reading an attached int4 layout, what a
+    layouts="one" layer runs in its dequantize buckets) through crossover.run_column: the same product as the
+    canonical path, the layer left routed as it was, and an unattached layout refused by name."""
+    from sdquant.kernels import crossover
+    layer = crossover.random_int4_layer(128, 256, "cpu").prepare("cpu", torch.bfloat16, kernels="reference")
+    assert layer.attach_int4("triton", torch.device("cpu"), torch.bfloat16)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    ref = crossover.run_column(layer, "reference", x).float()
+    got = crossover.run_column(layer, "dequant_triton", x).float()
+    assert layer._dequant_from is None  # routed back to the canonical tensors
+    assert crossover.rel_err(got, ref) < 1e-2
+    assert crossover.rel_err(crossover.run_column(layer, "dequant", x).float(), ref) < 1e-2
+    with pytest.raises(ConfigError, match="no cuda layout is attached"):
+        crossover.run_column(layer, "dequant_cuda", x)
+    assert layer._dequant_from is None
