@@ -656,9 +656,8 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 // Two consumer warpgroups at the 128-token tile. Four of one 64-feature row tile each (640 threads, 112 registers a
 // consumer thread, no spills) gave bit-identical outputs and were 0-5% slower on the large shapes at M = 128 / 1024
 // (ab_build run 21, H100: 8192x28672 M = 1024 707.8 -> 721.0 us); that build's define is at 1cceba2.
-#ifndef SDQ_WS_FREE  // when the one-split / split-K consumers free a slot (A/B builds; see ws_consumer)
-#define SDQ_WS_FREE 0
-#endif
+// Freeing a ring slot sooner (before waiting on a stage that has not landed, or at each stage's end) was -4% to +3% by
+// point (ab_build run 22, H100) and was removed; its define (SDQ_WS_FREE) is at c833727.
 template <int NTOK>
 struct WsRegs {
   static constexpr int WGS = NTOK == 128 ? 2 : SDQ_WS_WGS_SMALL;
@@ -1013,15 +1012,6 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
     const uint32_t st = sbase + slot * L::STAGE;
-    // SDQ_WS_FREE (A/B builds; ws_trace run 6: slots come free late): 1 frees the previous stage's slot before waiting
-    // for this one where this one has not landed yet (retiring its wgmmas first), 2 at the end of every stage
-    bool freed = SDQ_WS_FREE == 2;
-    if constexpr (SDQ_WS_FREE == 1)
-      if (s > 0 && !mbar_try_wait(full0 + 8 * slot, (s / STAGES) & 1)) {
-        wg_wait<0>();
-        mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), lane == 0);
-        freed = true;
-      }
 #if SDQ_WS_TRACE
     const long long w0 = clock64();
     ws_wait(full0 + 8 * slot, (s / STAGES) & 1);
@@ -1046,12 +1036,8 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
     wg_load_group<T, NU, L>(st, 0, wg, warp, g8, sp, zl, zh);  // (one group a stage: the group is a multiple of it)
     wg_stage_mma<T, NTOK, KS, NU, L>(st, wg, warp, lane, acc, af, sp, zl, zh, [](int) {}, [&](int k0) {
       // at step 1 every wgmma of the previous stage has retired: free its slot
-      if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0 && !freed);
+      if (k0 == 1) mbar_arrive_if(empty0 + 8 * ((s + STAGES - 1) % STAGES), s > 0 && lane == 0);
     });
-    if constexpr (SDQ_WS_FREE == 2) {
-      wg_wait<0>();
-      mbar_arrive_if(empty0 + 8 * slot, lane == 0);
-    }
   }
   wg_wait<0>();
 #pragma unroll
