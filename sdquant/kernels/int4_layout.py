@@ -32,7 +32,7 @@ API (used by the dispatch code; all return/accept plain dicts of tensors, never 
         pure-PyTorch meaning of a layout (CPU fallback of the ops, and what tests compare against).
 
 Constraints (ShapeError otherwise): bits == 4; Triton: K % 32 == 0, N % 32 == 0; CUDA: K % 64 == 0,
-N % 64 == 0; group sizes 32/64/128/... (multiples of 16 for CUDA, of 32 for Triton) or per-channel; act-order
+N % 64 == 0; group sizes 32/64/128/... (multiples of 32) or per-channel; act-order
 groups must all hold ``group_size`` channels.
 """
 from __future__ import annotations

@@ -12,12 +12,13 @@
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
 shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
-* M <= 2 (and M <= 16 where no mid-M plan applies): the small-M kernels of ``int4_triton_gemv`` -- a
+* M = 1 (and M <= 16 where no mid-M plan applies, e.g. M = 2 on the shapes ``MID_SHAPE_PLAN`` sends back): the
+  small-M kernels of ``int4_triton_gemv`` -- a
   tensor-core split-K kernel that unpacks codes with magic numbers (no int->float conversion) and applies
   scales once per group, and a ``tl.dot``-free GEMV for M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN``
   (``SHAPE_PLAN`` overrides per K x N), set from ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md,
   "Triton small-M kernels"). A bucket whose plan is None runs ``_splitk_kernel``.
-* M = 3 ... 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
+* M = 2 ... 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
   GEMM of ``int4_triton_midm`` (weights on the MMA's wide side, tokens on the narrow one, the int4 tile dequantized
   in registers, split-K where the tiles do not fill the SMs). A bucket whose plan is None runs the old kernels.
 * ``_splitk_kernel`` for M <= 32 (decode) where no small-M or mid-M plan applies: a 16/32-row tensor-core tile

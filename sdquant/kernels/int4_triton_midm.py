@@ -1,6 +1,6 @@
 """Mid-M Triton W4A16 GEMM over the layout of ``int4_layout.repack_triton`` (int32 [K/8, N]).
 
-``int4_triton.w4a16_triton_impl`` dispatches here per M bucket (``int4_triton.MID_M_PLAN``: M = 3 ... 1024 on the
+``int4_triton.w4a16_triton_impl`` dispatches here per M bucket (``int4_triton.MID_M_PLAN``: M = 2 ... 1024 on the
 H200, where it was the fastest Triton path; docs/BENCHMARKS.md "Triton mid-M INT4 GEMM"); nothing in this module registers an op.
 
 Why a new kernel: the old ``_gemm_kernel`` puts the tokens on the MMA's wide (M) side and the dequantized weights

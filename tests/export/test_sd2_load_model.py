@@ -41,3 +41,57 @@ def test_package_loads_into_a_model_with_identical_logits(tmp_path):
     assert torch.equal(got, want)
     with open_sd2(path) as pkg:
         assert set(pkg.quant_layers()) == set(weights)
+
+
+def test_a_package_carries_its_runtime_kernel_preference():
+    """`runtime.kernels` / `runtime.compile` of the calibration config (a template's kernel preference) travel in the
+    package's calibration report and are what ``sdquant.load`` uses on a GPU when the caller names none; a CPU load
+    runs the reference ops; a malformed section is a PackageError naming the field."""
+    from sdquant.api import package_runtime
+    from sdquant.errors import PackageError
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    cal = {"method": "awq+gptq", "config": {"runtime": {"kernels": "triton", "compile": True}}}
+    assert package_runtime(cal, gpu) == ("triton", True)
+    assert package_runtime(cal, cpu) == ("auto", False)
+    for old in ({"method": "rtn"}, {"config": {}}, {}, {"config": {"runtime": {}}}):  # older or foreign packages
+        assert package_runtime(old, gpu) == ("auto", False)
+    for bad, field in [({"runtime": []}, "calibration.config.runtime:"),
+                       ({"runtime": {"kernels": "fast"}}, "runtime.kernels: 'fast' is not one of auto, cuda"),
+                       ({"runtime": {"kernels": "cuda", "compile": "yes"}}, "runtime.compile: expected true or false")]:
+        with pytest.raises(PackageError, match=field):
+            package_runtime({"config": bad}, gpu)
+
+
+def test_a_calibrated_package_records_the_runtime_section_that_load_reads():
+    """The calibration report written into a package holds the whole config, runtime section included (what
+    ``package_runtime`` reads back)."""
+    from sdquant.api import CalibrationResult, package_runtime
+    from sdquant.config import from_dict
+    cfg = from_dict({"model": {"kind": "builtin", "name": "smollm2-135m"}, "runtime": {"kernels": "triton"}})
+    res = CalibrationResult(model=torch.nn.Linear(2, 2), config=cfg, weights={})
+    report = json.loads(json.dumps(res.report()))  # as the manifest stores it
+    assert package_runtime(report, torch.device("cuda")) == ("triton", False)
+
+
+def test_load_refuses_a_package_whose_runtime_section_is_malformed(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import sdquant
+    from sdquant.errors import PackageError
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=32, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    arch = json.loads(cfg.to_json_string(use_diff=False))
+    for k in ("transformers_version", "torch_dtype", "dtype", "_name_or_path"):
+        arch.pop(k, None)
+    w = rtn(model.model.layers[0].mlp.down_proj.weight.detach(), 4, 32, symmetric=True, act_order=False, seed=0)
+    floats = [(k, v) for k, v in model.state_dict().items() if not k.startswith("model.layers.0.mlp.down_proj.")]
+    good = write_sd2(tmp_path / "good.sd2", family="llama", arch_config=arch, float_tensors=floats,
+                     quant_layers=[("model.layers.0.mlp.down_proj", w, None, None)],
+                     calibration={"config": {"runtime": {"kernels": "cuda"}}})
+    loaded = sdquant.load(good, device="cpu", dtype=torch.float32)  # the GPU preference does not apply on a CPU
+    assert loaded.model.layers[0].mlp.down_proj.kernel == "M1+:reference"
+    bad = write_sd2(tmp_path / "bad.sd2", family="llama", arch_config=arch, float_tensors=floats,
+                    quant_layers=[("model.layers.0.mlp.down_proj", w, None, None)],
+                    calibration={"config": {"runtime": {"kernels": "fastest"}}})
+    with pytest.raises(PackageError, match="calibration.config.runtime.kernels"):
+        sdquant.load(bad, device="cpu")
