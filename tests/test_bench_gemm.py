@@ -46,3 +46,34 @@ def test_table_reads_the_layer_ratios():
     assert len(lines[1].strip("|").split("|")) == len(head)
     # without the layer columns asked for, the table keeps its old form
     assert "layer" not in gemm.table(rows, ["bf16", "sdq_cuda"]).splitlines()[0]
+
+
+def test_issue4_targets_reads_each_target_from_one_run():
+    targets = pytest.importorskip("issue4_targets")
+    rows = []
+
+    def add(k, n, m, **us):
+        rows.extend({"K": k, "N": n, "M": m, "kernel": kn, "us": v} for kn, v in us.items())
+    add(8192, 28672, 1, bf16=110.0, sdq_cuda=36.0, sdq_triton=50.0, sdq_int4_layer=37.0)
+    add(8192, 28672, 16, bf16=110.0, sdq_cuda=49.5, sdq_triton=60.0, sdq_int4_layer=50.0)
+    add(8192, 28672, 64, bf16=120.0, sdq_cuda=61.0, sdq_int4_layer=61.0)
+    add(8192, 28672, 128, bf16=130.0, sdq_cuda=99.0, sdq_int4_layer=99.0)
+    add(8192, 28672, 4096, bf16=2400.0, sdq_cuda=3300.0, sdq_int4_layer=2600.0, fp8_tensorwise=1400.0,
+        sdq_fp8_layer=1450.0)
+    add(14336, 4096, 16, bf16=33.0, sdq_cuda=17.6, fp8_rowwise=38.0, sdq_fp8_layer=25.0)
+    got = {(t, where): ok for t, where, _val, ok in targets.verdicts(rows)}
+    assert got[("INT4 M 1-16 <= 37 us", "8192x28672 M=1")] is True
+    assert got[("INT4 M 1-16 <= 37 us", "8192x28672 M=16")] is False
+    assert got[("INT4 M 1-16 <= 10 us", "14336x4096 M=16")] is False
+    assert got[("INT4 M 32-64 >= 2x bf16", "8192x28672 M=64")] is False  # 1.97x
+    assert got[("INT4 M 128 >= 1.3x bf16", "8192x28672 M=128")] is True  # 1.31x
+    assert got[("INT4 layer >= 1.0x bf16", "8192x28672 M=4096")] is False
+    assert got[("Triton >= 75% of CUDA", "8192x28672 M=1")] is False and got[("Triton >= 75% of CUDA",
+                                                                            "8192x28672 M=16")] is True
+    assert got[("FP8 layer within 5% of tensorwise", "8192x28672 M=4096")] is True
+    assert got[("FP8 layer >= 1.6x bf16", "8192x28672 M=4096")] is True
+    assert got[("FP8 14336x4096 M<=64 >= 1.3x rowwise", "M=16")] is True  # 1.52x
+    assert ("INT4 M 32-64 >= 2x bf16", "14336x4096 M=16") not in got  # only the large shapes, only M = 32-128
+    summ = {t: (met, n, miss) for t, met, n, miss in targets.summary(targets.verdicts(rows))}
+    assert summ["INT4 M 1-16 <= 37 us"] == (1, 2, ("8192x28672 M=16", "49.5 us"))
+    assert summ["FP8 layer >= 1.6x bf16"][2] is None
