@@ -5,7 +5,7 @@
 #         (int4_wgmma --schedule auto,rem0; Pending 40) in the time left.
 #   H100: the wave rule's A/B first, then tune-kernels (the H100 table) and gemm.py at the table's buckets.
 # Here:   bash bench/issue4_call.sh <full commit hash of the tree sent>   (ISSUE4_LIMIT_S=<s>: a shorter call;
-#         under 480 s the H200 branch skips the tuning and plans from the shipped table)
+#         under 480 s either branch skips the tuning and plans from the shipped table)
 # Output under $OUT: t.json, tune.log, gemm/gemm.json, gemm.log, int4_wgmma.json, wave.log (6 files).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" SDQUANT_CACHE_DIR="${SDQUANT_CACHE_DIR:-/tmp/sdq_ext}"
@@ -18,11 +18,12 @@ mkdir -p "$OUT/gemm"
 T0=$SECONDS
 left() { echo $((LIMIT - SECONDS + T0)); }
 
-wave() {  # $1: seconds it may take; the M > 256 remainder rule against none
+wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. The M > 256 remainder rule against none
   local t=$1
+  shift
   [ "$t" -gt 90 ] || { echo "wave: skipped (${t}s left)"; return; }
   timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,rem0 --ms 520,777,1040,1088,2100 \
-    --budget-s $((t - 60)) --out "$OUT" > "$OUT/wave.log" 2>&1
+    --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
   echo "wave rc=$? t=$((SECONDS - T0))"
   tail -24 "$OUT/wave.log" | cut -c1-300
 }
@@ -48,9 +49,12 @@ if echo "$G" | grep -q H200; then
   L=$(left)
   gemm $((L < 330 ? L : 330))
   wave "$(left)"
-else
+elif [ "$LIMIT" -ge 480 ]; then
   wave 200
   tune 150
+  gemm "$(left)" --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer
+else  # a short call: the A/B, then the layers planned from the shipped table
+  wave $((LIMIT * 2 / 5)) --shapes 4096x4096,14336x4096,28672x8192,8192x28672  # where run 45's splits paid
   gemm "$(left)" --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer
 fi
 ls -la "$OUT" "$OUT/gemm"
