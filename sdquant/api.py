@@ -249,11 +249,11 @@ def load(path: Union[str, Path], device: Union[str, torch.device] = "cpu", dtype
 
     ``kernels`` / ``compile``: None takes the package's own ``runtime.kernels`` / ``runtime.compile`` (the calibration
     config's, e.g. a template's kernel preference) when loading onto a GPU, else "auto" / False."""
-    from sdquant.export.sd2 import open_sd2
+    from sdquant.export.sd2 import open_sd2, runtime_preference
 
     device = torch.device(device)
     with open_sd2(path, verify=verify) as pkg:
-        pref_kernels, pref_compile = package_runtime(pkg.calibration, device)
+        pref_kernels, pref_compile = runtime_preference(pkg.calibration, device)
         kernels = pref_kernels if kernels is None else kernels
         compile = pref_compile if compile is None else compile
         family = pkg.family
@@ -278,28 +278,6 @@ def load(path: Union[str, Path], device: Union[str, torch.device] = "cpu", dtype
         from sdquant.export import compile as _c
         model = _c.compile(model)
     return model
-
-
-def package_runtime(calibration: dict, device: torch.device) -> tuple:
-    """(kernels, compile) a package asks for: its calibration config's ``runtime`` section, which applies when it is
-    loaded onto a GPU (a CPU load runs "auto", i.e. the reference ops, uncompiled). Packages written before the
-    section existed, or by other tools, ask for ("auto", False). A malformed section is a PackageError."""
-    from typing import get_args, get_type_hints
-
-    from sdquant.config import RuntimeConfig
-    from sdquant.errors import PackageError
-    where = "manifest.json calibration.config.runtime"
-    cfg = calibration.get("config") if isinstance(calibration, dict) else None
-    rt = cfg.get("runtime", {}) if isinstance(cfg, dict) else {}
-    if not isinstance(rt, dict):
-        raise PackageError(f"{where}: expected an object, got {type(rt).__name__}")
-    kernels, comp = rt.get("kernels", "auto"), rt.get("compile", False)
-    modes = get_args(get_type_hints(RuntimeConfig)["kernels"])
-    if kernels not in modes:
-        raise PackageError(f"{where}.kernels: {str(kernels)[:40]!r} is not one of {', '.join(modes)}")
-    if not isinstance(comp, bool):
-        raise PackageError(f"{where}.compile: expected true or false, got {str(comp)[:40]!r}")
-    return (kernels, comp) if device.type == "cuda" else ("auto", False)
 
 
 def _build_model(family: str, arch: dict, dtype: torch.dtype) -> nn.Module:

@@ -99,12 +99,39 @@ def inspect_sd2(path) -> dict:
 
 
 def verify_sd2(path) -> list[str]:
-    """Every problem found in a package; [] when every hash, header and shape checks out."""
+    """Every problem found in a package; [] when every hash, header and shape checks out and the runtime section
+    the loader reads (``runtime_preference``) is well formed."""
     try:
         with open_sd2(path, verify="none") as pkg:
-            return pkg.verify()
+            problems = pkg.verify()
+            try:
+                runtime_preference(pkg.calibration, torch.device("cuda"))
+            except PackageError as e:
+                problems.append(str(e))
+            return problems
     except PackageError as e:
         return [str(e)]
+
+
+def runtime_preference(calibration: dict, device: torch.device) -> tuple:
+    """(kernels, compile) a package asks for: its calibration config's ``runtime`` section, which applies when it is
+    loaded onto a GPU (a CPU load runs "auto", i.e. the reference ops, uncompiled). Packages written before the
+    section existed, or by other tools, ask for ("auto", False). A malformed section is a PackageError."""
+    from typing import get_args, get_type_hints
+
+    from sdquant.config import RuntimeConfig
+    where = "manifest.json calibration.config.runtime"
+    cfg = calibration.get("config") if isinstance(calibration, dict) else None
+    rt = cfg.get("runtime", {}) if isinstance(cfg, dict) else {}
+    if not isinstance(rt, dict):
+        raise PackageError(f"{where}: expected an object, got {type(rt).__name__}")
+    kernels, comp = rt.get("kernels", "auto"), rt.get("compile", False)
+    modes = get_args(get_type_hints(RuntimeConfig)["kernels"])
+    if kernels not in modes:
+        raise PackageError(f"{where}.kernels: {str(kernels)[:40]!r} is not one of {', '.join(modes)}")
+    if not isinstance(comp, bool):
+        raise PackageError(f"{where}.compile: expected true or false, got {str(comp)[:40]!r}")
+    return (kernels, comp) if device.type == "cuda" else ("auto", False)
 
 
 def _mb(n: int) -> str:

@@ -47,33 +47,34 @@ def test_a_package_carries_its_runtime_kernel_preference():
     """`runtime.kernels` / `runtime.compile` of the calibration config (a template's kernel preference) travel in the
     package's calibration report and are what ``sdquant.load`` uses on a GPU when the caller names none; a CPU load
     runs the reference ops; a malformed section is a PackageError naming the field."""
-    from sdquant.api import package_runtime
+    from sdquant.export.sd2 import runtime_preference
     from sdquant.errors import PackageError
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     cal = {"method": "awq+gptq", "config": {"runtime": {"kernels": "triton", "compile": True}}}
-    assert package_runtime(cal, gpu) == ("triton", True)
-    assert package_runtime(cal, cpu) == ("auto", False)
+    assert runtime_preference(cal, gpu) == ("triton", True)
+    assert runtime_preference(cal, cpu) == ("auto", False)
     for old in ({"method": "rtn"}, {"config": {}}, {}, {"config": {"runtime": {}}}):  # older or foreign packages
-        assert package_runtime(old, gpu) == ("auto", False)
+        assert runtime_preference(old, gpu) == ("auto", False)
     for bad, field in [({"runtime": []}, "calibration.config.runtime:"),
                        ({"runtime": {"kernels": "fast"}}, "runtime.kernels: 'fast' is not one of auto, cuda"),
                        ({"runtime": {"kernels": "cuda", "compile": "yes"}}, "runtime.compile: expected true or false")]:
         with pytest.raises(PackageError, match=field):
-            package_runtime({"config": bad}, gpu)
+            runtime_preference({"config": bad}, gpu)
 
 
 def test_a_calibrated_package_records_the_runtime_section_that_load_reads():
     """The calibration report written into a package holds the whole config, runtime section included (what
-    ``package_runtime`` reads back)."""
-    from sdquant.api import CalibrationResult, package_runtime
+    ``runtime_preference`` reads back)."""
+    from sdquant.api import CalibrationResult
+    from sdquant.export.sd2 import runtime_preference
     from sdquant.config import from_dict
     cfg = from_dict({"model": {"kind": "builtin", "name": "smollm2-135m"}, "runtime": {"kernels": "triton"}})
     res = CalibrationResult(model=torch.nn.Linear(2, 2), config=cfg, weights={})
     report = json.loads(json.dumps(res.report()))  # as the manifest stores it
-    assert package_runtime(report, torch.device("cuda")) == ("triton", False)
+    assert runtime_preference(report, torch.device("cuda")) == ("triton", False)
 
 
-def test_load_refuses_a_package_whose_runtime_section_is_malformed(tmp_path):
+def test_load_and_verify_refuse_a_package_whose_runtime_section_is_malformed(tmp_path):
     transformers = pytest.importorskip("transformers")
     import sdquant
     from sdquant.errors import PackageError
@@ -95,3 +96,5 @@ def test_load_refuses_a_package_whose_runtime_section_is_malformed(tmp_path):
                     calibration={"config": {"runtime": {"kernels": "fastest"}}})
     with pytest.raises(PackageError, match="calibration.config.runtime.kernels"):
         sdquant.load(bad, device="cpu")
+    assert verify_sd2(good) == []
+    assert [p for p in verify_sd2(bad) if "calibration.config.runtime.kernels: 'fastest'" in p]  # `sdquant verify`
