@@ -47,7 +47,8 @@ gemm() {  # $1: seconds it may take; the rest: gemm.py's arguments
 if echo "$G" | grep -q H200; then
   if [ "$LIMIT" -ge 480 ]; then tune 200; else echo "tune: skipped (ISSUE4_LIMIT_S=$LIMIT); the shipped table plans"; fi
   L=$(left)
-  gemm $((L < 330 ? L : 330))
+  if [ "$LIMIT" -ge 480 ]; then gemm $((L < 330 ? L : 330)); else  # short: the targets' columns only
+    gemm "$L" --kernels bf16,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_int4_layer,sdq_fp8_layer; fi
   wave "$(left)"
 elif [ "$LIMIT" -ge 480 ]; then
   wave 200
