@@ -244,10 +244,10 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
     # Issue 4's "the dispatched layer >= 1.0x bf16 at every M" and its FP8 layer targets are read from these columns.
     def int4_layer():
         from sdquant.kernels.linear import QuantLinear
-        proto = QuantLinear(qw)
-
-        def make(i):
-            return QuantLinear(proto.weight_q).prepare(dev, dtype)
+        def make(i):  # a copy of the canonical tensors each too, for the plans that read them (dequant, reference)
+            c = [None if t is None else t.clone() for t in (qw.qweight, qw.scales, qw.zeros, qw.g_idx)]
+            wq = QuantizedWeight(c[0], c[1], c[2], qw.bits, qw.group_size, qw.in_features, c[3])
+            return QuantLinear(wq).prepare(dev, dtype)
         return make, lambda layer, x: layer(x), int4_bytes
     add("sdq_int4_layer", int4_layer)
 
@@ -256,7 +256,7 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
         from sdquant.quant.qtensor import Fp8Weight, quantize_fp8_weight
         fw = quantize_fp8_weight(w_ref)
 
-        def make(i):
+        def make(i):  # the fp8 paths read the weight as it is: a copy each
             return Fp8Linear(Fp8Weight(fw.weight.clone(), fw.weight_scale.clone(), None)).prepare(dev, dtype)
         return make, lambda layer, x: layer(x), n * k + n * 4
     add("sdq_fp8_layer", fp8_layer)
