@@ -15,7 +15,7 @@ through them; CALLS back-to-back calls are captured in one CUDA graph (launch ga
 times, timed with CUDA events; the median per call is reported. Effective TB/s counts the bytes a call must
 move (weights incl. scales, activations, output); "%copy" is that over the device-to-device copy bandwidth
 measured in the same run. torch's tinygemm is not timed at M > 256 (1.0 ms at M = 64 on 8192x28672 already, and
-growing with M); the sdquant CUDA op is (the wgmma kernel above 16 rows). GPU correctness: every timed call is
+growing with M); the sdquant CUDA op is timed at every M. GPU correctness: every timed call is
 compared with x @ W.T in float64 (``rel_err``; the FP8 rows' include the W8A8 quantization error). Results: a table on
 stdout (last) and JSON in --out (or $OUT), saved after every shape.
 """
@@ -244,6 +244,7 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
     # Issue 4's "the dispatched layer >= 1.0x bf16 at every M" and its FP8 layer targets are read from these columns.
     def int4_layer():
         from sdquant.kernels.linear import QuantLinear
+
         def make(i):  # a copy of the canonical tensors each too, for the plans that read them (dequant, reference)
             c = [None if t is None else t.clone() for t in (qw.qweight, qw.scales, qw.zeros, qw.g_idx)]
             wq = QuantizedWeight(c[0], c[1], c[2], qw.bits, qw.group_size, qw.in_features, c[3])
@@ -272,7 +273,7 @@ def layer_plan(ctx, m: int):
     if plan is None:
         return None
     name, _cfg = plan.select(m)
-    tail = getattr(plan, "cuda_tail", 0)
+    tail = plan.cuda_tail
     return f"{name} (tail {tail})" if name == "cuda" and tail and 128 < m <= 256 else name
 
 

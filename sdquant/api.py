@@ -248,12 +248,15 @@ def load(path: Union[str, Path], device: Union[str, torch.device] = "cpu", dtype
     The tokenizer, when packaged, is attached as ``model.tokenizer``.
 
     ``kernels`` / ``compile``: None takes the package's own ``runtime.kernels`` / ``runtime.compile`` (the calibration
-    config's, e.g. a template's kernel preference) when loading onto a GPU, else "auto" / False."""
+    config's, e.g. a template's kernel preference) when loading onto a GPU; on a CPU "auto" (the reference ops) and
+    no compile. A malformed runtime section is refused on either."""
     from sdquant.export.sd2 import open_sd2, runtime_preference
 
     device = torch.device(device)
     with open_sd2(path, verify=verify) as pkg:
-        pref_kernels, pref_compile = runtime_preference(pkg.calibration, device)
+        pref_kernels, pref_compile = runtime_preference(pkg.calibration)
+        if device.type != "cuda":
+            pref_kernels, pref_compile = "auto", False
         kernels = pref_kernels if kernels is None else kernels
         compile = pref_compile if compile is None else compile
         family = pkg.family

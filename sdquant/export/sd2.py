@@ -105,7 +105,7 @@ def verify_sd2(path) -> list[str]:
         with open_sd2(path, verify="none") as pkg:
             problems = pkg.verify()
             try:
-                runtime_preference(pkg.calibration, torch.device("cuda"))
+                runtime_preference(pkg.calibration)
             except PackageError as e:
                 problems.append(str(e))
             return problems
@@ -113,10 +113,10 @@ def verify_sd2(path) -> list[str]:
         return [str(e)]
 
 
-def runtime_preference(calibration: dict, device: torch.device) -> tuple:
-    """(kernels, compile) a package asks for: its calibration config's ``runtime`` section, which applies when it is
-    loaded onto a GPU (a CPU load runs "auto", i.e. the reference ops, uncompiled). Packages written before the
-    section existed, or by other tools, ask for ("auto", False). A malformed section is a PackageError."""
+def runtime_preference(calibration: dict) -> tuple:
+    """(kernels, compile) a package asks for: its calibration config's ``runtime`` section (``sdquant.load`` applies
+    it on a GPU). Packages written before the section existed, or by other tools, ask for ("auto", False). A malformed
+    section is a PackageError."""
     from typing import get_args, get_type_hints
 
     from sdquant.config import RuntimeConfig
@@ -131,7 +131,7 @@ def runtime_preference(calibration: dict, device: torch.device) -> tuple:
         raise PackageError(f"{where}.kernels: {str(kernels)[:40]!r} is not one of {', '.join(modes)}")
     if not isinstance(comp, bool):
         raise PackageError(f"{where}.compile: expected true or false, got {str(comp)[:40]!r}")
-    return (kernels, comp) if device.type == "cuda" else ("auto", False)
+    return kernels, comp
 
 
 def _mb(n: int) -> str:

@@ -49,17 +49,15 @@ def test_a_package_carries_its_runtime_kernel_preference():
     runs the reference ops; a malformed section is a PackageError naming the field."""
     from sdquant.export.sd2 import runtime_preference
     from sdquant.errors import PackageError
-    gpu, cpu = torch.device("cuda"), torch.device("cpu")
     cal = {"method": "awq+gptq", "config": {"runtime": {"kernels": "triton", "compile": True}}}
-    assert runtime_preference(cal, gpu) == ("triton", True)
-    assert runtime_preference(cal, cpu) == ("auto", False)
+    assert runtime_preference(cal) == ("triton", True)
     for old in ({"method": "rtn"}, {"config": {}}, {}, {"config": {"runtime": {}}}):  # older or foreign packages
-        assert runtime_preference(old, gpu) == ("auto", False)
+        assert runtime_preference(old) == ("auto", False)
     for bad, field in [({"runtime": []}, "calibration.config.runtime:"),
                        ({"runtime": {"kernels": "fast"}}, "runtime.kernels: 'fast' is not one of auto, cuda"),
                        ({"runtime": {"kernels": "cuda", "compile": "yes"}}, "runtime.compile: expected true or false")]:
         with pytest.raises(PackageError, match=field):
-            runtime_preference({"config": bad}, gpu)
+            runtime_preference({"config": bad})
 
 
 def test_a_calibrated_package_records_the_runtime_section_that_load_reads():
@@ -71,7 +69,7 @@ def test_a_calibrated_package_records_the_runtime_section_that_load_reads():
     cfg = from_dict({"model": {"kind": "builtin", "name": "smollm2-135m"}, "runtime": {"kernels": "triton"}})
     res = CalibrationResult(model=torch.nn.Linear(2, 2), config=cfg, weights={})
     report = json.loads(json.dumps(res.report()))  # as the manifest stores it
-    assert runtime_preference(report, torch.device("cuda")) == ("triton", False)
+    assert runtime_preference(report) == ("triton", False)
 
 
 def test_load_and_verify_refuse_a_package_whose_runtime_section_is_malformed(tmp_path):
