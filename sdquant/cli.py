@@ -127,9 +127,10 @@ def cmd_calibrate(args) -> int:
     ppl_q = _ppl(res.model, tok, cfg) if ppl_fp is not None else None
     path = sdquant.export(res, out, format="sd2")
     after = None
-    if gen:
-        loaded = sdquant.load(path, device="cpu", dtype=dtype)
+    if gen:  # the package as a user loads it: onto the calibration device, with its kernels where that is a GPU
+        loaded = sdquant.load(path, device=device, dtype=dtype)
         after = _generate(loaded, tok, cfg)
+        del loaded
     _print_summary(res, path, time.perf_counter() - t0, before, after, ppl_fp, ppl_q)
     return EXIT_OK
 
