@@ -130,7 +130,6 @@ def cmd_calibrate(args) -> int:
     if gen:  # the package as a user loads it: onto the calibration device, with its kernels where that is a GPU
         loaded = sdquant.load(path, device=device, dtype=dtype)
         after = _generate(loaded, tok, cfg)
-        del loaded
     _print_summary(res, path, time.perf_counter() - t0, before, after, ppl_fp, ppl_q)
     return EXIT_OK
 
