@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
+import gpu_clocks  # noqa: E402
 import provenance  # noqa: E402
 
 from sdquant.kernels import int4_cuda, int4_layout  # noqa: E402
@@ -86,6 +87,7 @@ def main(argv=None):
     base = next(iter(exts))  # outputs are compared with this build's
     dev = torch.device("cuda")
     rows = []
+    limits = gpu_clocks.limits()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -93,7 +95,7 @@ def main(argv=None):
         tmp = out / "ab_build.json.tmp"
         tmp.write_text(json.dumps(
             {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-             "src_digest": provenance.source_digest(), "old": args.old, "new_defines": args.new_defines,
+             "src_digest": provenance.source_digest(), "gpu_limits": limits, "old": args.old, "new_defines": args.new_defines,
              "complete": complete, "rows": rows}, indent=1))
         os.replace(tmp, out / "ab_build.json")
 
@@ -115,10 +117,12 @@ def main(argv=None):
                "identical_each": {name: torch.equal(outs[base], o) for name, o in outs.items() if name != base},
                "max_rel_vs_old": max(((o.float() - ref).norm() / ref.norm()).item() for o in outs.values())}
         ts = {name: [] for name in exts}
+        t0 = time.monotonic()
         for _ in range(args.rounds):
             for name, call in calls.items():
                 ts[name].append(gemm.time_rotating(call, len(lays)))
-        return {**got, **{name: round(statistics.median(v), 2) for name, v in ts.items()}}
+        return {**got, **{name: round(statistics.median(v), 2) for name, v in ts.items()},
+                "gpu": gemm.gpu_state(t0, time.monotonic())}
 
     for (k, n), dt in itertools.product(gemm.RUN_ORDER, [getattr(torch, d) for d in args.dtypes.split(",")]):
         qw = gemm.random_int4(n, k, device=dev, seed=k + n)
@@ -137,12 +141,13 @@ def main(argv=None):
         torch.cuda.empty_cache()
     save(True)
     names = list(exts)
-    print("\n| K×N | dtype | M | config | " + " | ".join(names) + " | identical to " + base + " |")
-    print("|---|---|---|---|" + "---|" * len(names) + "---|")
+    print("\n| K×N | dtype | M | config | " + " | ".join(names) + " | identical to " + base + " | SM MHz (min) |")
+    print("|---|---|---|---|" + "---|" * len(names) + "---|---|")
     for r in rows:
         same = ", ".join(f"{nm}: {'yes' if v else 'no'}" for nm, v in r["identical_each"].items())
         print(f"| {r['K']}×{r['N']} | {r['dtype']} | {r['M']} | v{r['config']} | "
-              + " | ".join(f"{r[nm]:.1f}" for nm in names) + f" | {same} (max rel {r['max_rel_vs_old']:.1e}) |")
+              + " | ".join(f"{r[nm]:.1f}" for nm in names) + f" | {same} (max rel {r['max_rel_vs_old']:.1e}) | "
+              + gpu_clocks.mhz(r.get("gpu")) + " |")
 
 
 if __name__ == "__main__":

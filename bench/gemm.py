@@ -38,6 +38,7 @@ from sdquant.kernels import int4_layout  # noqa: E402
 from sdquant.quant.qtensor import QuantizedWeight  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_clocks  # noqa: E402
 import provenance  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 28672), (28672, 8192)]
@@ -70,8 +71,24 @@ def copy_bandwidth(dev) -> float:
     return 2 * 2**30 / statistics.median(ts) / 1e12
 
 
+# monotonic seconds at the start and end of the last time_rotating call (gpu_state's default window)
+LAST_SPAN = [0.0, 0.0]
+
+
+def gpu_state(t0=None, t1=None):
+    """The GPU's clocks, power and temperature over [t0, t1] (monotonic seconds; default: the last time_rotating
+    call), from the process's nvidia-smi sampler (bench/gpu_clocks.py); None without one."""
+    clocks = gpu_clocks.shared(start=False)
+    if clocks is None:
+        return None
+    return clocks.window(LAST_SPAN[0] if t0 is None else t0, LAST_SPAN[1] if t1 is None else t1)
+
+
 def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 5.0, max_calls: int = 100) -> float:
-    """Median microseconds per call; call(i) runs the kernel on copy i % n_rot. Graph replay when possible."""
+    """Median microseconds per call; call(i) runs the kernel on copy i % n_rot. Graph replay when possible. The
+    first call in a process starts the nvidia-smi sampler that gpu_state reads."""
+    gpu_clocks.shared()
+    LAST_SPAN[0] = time.monotonic()
     for i in range(max(n_rot, 3)):
         call(i % n_rot)
     torch.cuda.synchronize()
@@ -109,6 +126,7 @@ def time_rotating(call, n_rot: int, trials: int = 5, target_ms: float = 5.0, max
         e.record()
         torch.cuda.synchronize()
         ts.append(s.elapsed_time(e) * 1e3 / calls)
+    LAST_SPAN[1] = time.monotonic()
     return statistics.median(ts)
 
 
@@ -341,7 +359,7 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                     bf16_us = us
                 row = {"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 2), "rel_err": err,
                        "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
-                       "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3)}
+                       "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3), "gpu": gpu_state()}
                 if name in LAYERS:
                     row["plan"] = layer_plan(ctxs[0], m)
                 rows.append(row)
@@ -403,7 +421,8 @@ def main(argv=None):
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
             "dtype": a.dtype, "group_size": a.group_size, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": os.environ.get("SDQUANT_COMMIT"), "src_digest": provenance.source_digest()}
+            "commit": os.environ.get("SDQUANT_COMMIT"), "src_digest": provenance.source_digest(),
+            "gpu_limits": gpu_clocks.limits()}
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
     def save(rows):

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm  # noqa: E402
+import gpu_clocks  # noqa: E402
 import int4_tune  # noqa: E402
 import provenance  # noqa: E402
 
@@ -231,6 +232,7 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                     with schedule_set(mode):
                         r_m = min(m, int4_cuda.launch_rows(m, n, k, gemm.GS, c, dtype))
                         row[f"v{lab}_path"] = int4_cuda.wgmma_path(r_m, n, k, gemm.GS, c, dtype)
+            t_row = time.monotonic()
             for name, (call, nrot) in provs.items():
                 try:
                     with schedule_set(mode_of.get(name, "auto")):
@@ -242,6 +244,8 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                     continue
                 row[name] = round(us, 2)
                 row[name + "_err"] = err
+            if not dry:  # the clocks and power while this row's kernels ran (bench/gpu_clocks.py)
+                row["gpu"] = gemm.gpu_state(t_row, time.monotonic())
             rows.append(row)
             log("  " + json.dumps(row))
         log(f"shape {k}x{n} done in {time.time() - t0:.1f} s")
@@ -269,7 +273,7 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
 
 def table(rows, names) -> str:
     head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", "dequant + cuBLAS", *names, "best wgmma ×bf16",
-            "÷ best before"]
+            "÷ best before", "SM MHz (min)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         new = [r.get(c) for c in names if r.get(c) is not None]
@@ -280,7 +284,8 @@ def table(rows, names) -> str:
                                        fmt(r.get("cuda_default")), fmt(r.get("tinygemm")), fmt(r.get("dequant")),
                                        *[fmt(r.get(c)) for c in names],
                                        "–" if best is None or not r.get("bf16") else f"{r['bf16'] / best:.2f}",
-                                       "–" if best is None or not old else f"{min(old) / best:.2f}"]) + " |")
+                                       "–" if best is None or not old else f"{min(old) / best:.2f}",
+                                       gpu_clocks.mhz(r.get("gpu"))]) + " |")
     return "\n".join(out)
 
 
@@ -356,6 +361,7 @@ def main(argv=None):
     else:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name(0)
+        result["gpu_limits"] = gpu_clocks.limits()
         passing, rows, build, occ = run_checks(configs, args.check_timeout, modes)
         result.update(checks=rows, build=build, occupancy=occ)
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

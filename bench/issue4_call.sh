@@ -6,7 +6,8 @@
 #   H100: the wave rule's A/B first, then tune-kernels (the H100 table) and gemm.py at the table's buckets.
 # Here:   bash bench/issue4_call.sh <full commit hash of the tree sent>   (ISSUE4_LIMIT_S=<s>: a shorter call;
 #         under 480 s either branch skips the tuning and plans from the shipped table)
-# Output under $OUT: t.json, tune.log, gemm/gemm.json, gemm.log, int4_wgmma.json, wave.log (6 files).
+# Output under $OUT: t.json, tune.log, gemm/gemm.json, gemm.log, int4_wgmma.json, wave.log (6 files); a short H100
+# call also ab/ab_build.json and ab.log (ab_build's times beside the wave A/B's at M = 256, GPU clocks logged).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" SDQUANT_CACHE_DIR="${SDQUANT_CACHE_DIR:-/tmp/sdq_ext}"
 export SDQUANT_COMMIT="${1:?usage: bash bench/issue4_call.sh <commit>}" PYTHONUNBUFFERED=1
@@ -22,10 +23,20 @@ wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. The M 
   local t=$1
   shift
   [ "$t" -gt 90 ] || { echo "wave: skipped (${t}s left)"; return; }
-  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,rem0 --ms 520,777,1040,1088,2100 \
+  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,rem0 --ms 256,520,777,1040,1088,2100 \
     --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
   echo "wave rc=$? t=$((SECONDS - T0))"
   tail -24 "$OUT/wave.log" | cut -c1-300
+}
+
+abcheck() {  # $1: seconds it may take. ab_build's own build of this tree at M = 256 (config 63), beside the wave
+  # A/B's v63 there, both with the GPU clocks logged: do ab_build's 5-13% slower times on the large shapes (H100,
+  # e.g. 8192x10240 81.7 against 69.7 us) come from the machine state or from the code path?
+  [ "$(left)" -gt $(($1 + 120)) ] || { echo "abcheck: skipped ($(left)s left)"; return; }
+  mkdir -p "$OUT/ab"
+  timeout "$1" python bench/ab_build.py --old none --configs 63 --ms 256 --out "$OUT/ab" > "$OUT/ab.log" 2>&1
+  echo "abcheck rc=$? t=$((SECONDS - T0))"
+  grep -E "^\|" "$OUT/ab.log" | cut -c1-300
 }
 
 tune() {  # $1: seconds it may take
@@ -56,6 +67,7 @@ elif [ "$LIMIT" -ge 480 ]; then
   gemm "$(left)" --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer
 else  # a short call: the A/B, then the layers planned from the shipped table
   wave $((LIMIT * 2 / 5)) --shapes 4096x4096,14336x4096,28672x8192,8192x28672  # where run 45's splits paid
+  abcheck 100
   gemm "$(left)" --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer
 fi
 ls -la "$OUT" "$OUT/gemm"
