@@ -95,7 +95,8 @@ def main(argv=None):
         tmp = out / "ab_build.json.tmp"
         tmp.write_text(json.dumps(
             {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
-             "src_digest": provenance.source_digest(), "gpu_limits": limits, "old": args.old, "new_defines": args.new_defines,
+             "src_digest": provenance.source_digest(), "gpu_limits": limits, "old": args.old,
+             "new_defines": args.new_defines,
              "complete": complete, "rows": rows}, indent=1))
         os.replace(tmp, out / "ab_build.json")
 

@@ -272,8 +272,8 @@ def ncu(out: Path, items, timeout: float = 300) -> None:
 
 
 def table(rows, names) -> str:
-    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", "dequant + cuBLAS", *names, "best wgmma ×bf16",
-            "÷ best before", "SM MHz (min)"]
+    head = ["K×N", "M", "bf16", "Triton op", "CUDA before", "tinygemm", "dequant + cuBLAS", *names,
+            "best wgmma ×bf16", "÷ best before", "SM MHz (min)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         new = [r.get(c) for c in names if r.get(c) is not None]
