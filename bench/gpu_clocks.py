@@ -14,6 +14,7 @@ missing or fails, the log is empty and every window is None: the timings never d
 """
 from __future__ import annotations
 
+import atexit
 import shutil
 import statistics
 import subprocess
@@ -153,4 +154,5 @@ def shared(start: bool = True) -> Optional[ClockLog]:
     """The process's clock log (started on the first call with start=True; None before that, or with no GPU)."""
     if not _LOG and start:
         _LOG.append(ClockLog.start())
+        atexit.register(_LOG[0].stop)  # (a sampler outliving the process would also end at its next write: EPIPE)
     return _LOG[0] if _LOG else None
