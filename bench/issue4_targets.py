@@ -67,6 +67,23 @@ def summary(vs) -> list:
             for t, v in by.items()]
 
 
+def gpu_line(rows) -> str:
+    """The GPU's state over the run's timed points (rows' "gpu", bench/gpu_clocks.py), e.g. "SM clock 1980 MHz
+    median (lowest 1755), power up to 690 W, clock-event reasons 0x4"; "" where the run logged none."""
+    st = [r["gpu"] for r in rows if r.get("gpu")]
+    if not st:
+        return ""
+    sm = sorted(g["sm_mhz"] for g in st)
+    line = f"SM clock {sm[len(sm) // 2]} MHz median (lowest {min(g['sm_mhz_min'] for g in st)})"
+    pw = [g["power_w_max"] for g in st if g.get("power_w_max") is not None]
+    if pw:
+        line += f", power up to {max(pw):g} W"
+    reasons = 0
+    for g in st:
+        reasons |= int(g.get("reasons") or "0x0", 16)
+    return line + f", clock-event reasons {hex(reasons)}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gemm_json")
@@ -76,6 +93,8 @@ def main(argv=None):
     vs = verdicts(d["rows"])
     meta = d.get("meta", {})
     print(f"{meta.get('device')} {meta.get('date')} commit {meta.get('commit')}")
+    if gpu_line(d["rows"]):
+        print(gpu_line(d["rows"]))
     if a.markdown:
         print("| target | point | measured | met |\n|---|---|---|---|")
         for t, where, val, ok in vs:

@@ -77,3 +77,15 @@ def test_issue4_targets_reads_each_target_from_one_run():
     summ = {t: (met, n, miss) for t, met, n, miss in targets.summary(targets.verdicts(rows))}
     assert summ["INT4 M 1-16 <= 37 us"] == (1, 2, ("8192x28672 M=16", "49.5 us"))
     assert summ["FP8 layer >= 1.6x bf16"][2] is None
+
+
+def test_issue4_targets_states_the_gpu_clocks_of_the_run():
+    targets = pytest.importorskip("issue4_targets")
+    rows = [{"K": 4096, "N": 4096, "M": 1, "kernel": "bf16", "us": 13.0,
+             "gpu": {"sm_mhz": 1980, "sm_mhz_min": 1905, "power_w_max": 410.5, "reasons": "0x0", "n": 3}},
+            {"K": 4096, "N": 4096, "M": 1, "kernel": "sdq_cuda", "us": 7.3,
+             "gpu": {"sm_mhz": 1755, "sm_mhz_min": 1650, "power_w_max": 690.0, "reasons": "0x4", "n": 2}},
+            {"K": 4096, "N": 4096, "M": 2, "kernel": "sdq_cuda", "us": 7.9, "gpu": None}]
+    assert targets.gpu_line(rows) == ("SM clock 1980 MHz median (lowest 1650), power up to 690 W, "
+                                      "clock-event reasons 0x4")
+    assert targets.gpu_line([{"K": 1, "N": 1, "M": 1, "kernel": "bf16", "us": 1.0}]) == ""
