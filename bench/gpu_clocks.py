@@ -2,7 +2,7 @@
 disagree can be told apart as a code difference or a machine-state difference (a power-capped H100 under a sustained
 large GEMM clocks lower than one that also runs small kernels in between).
 
-One ``nvidia-smi --query-gpu=... -lms <period>`` process streams samples for the whole run; a reader thread stamps each
+One ``nvidia-smi --query-gpu=... --loop-ms=<period>`` process streams samples for the whole run; a reader thread stamps each
 line with the host's monotonic clock. ``window(t0, t1)`` summarizes the samples taken between two stamps (SM clock
 median and minimum, memory clock, highest power and temperature, the clock-event reasons seen). Where nvidia-smi is
 missing or fails, the log is empty and every window is None: the timings never depend on it.
@@ -78,7 +78,7 @@ class ClockLog:
             if not ok:
                 fields = FIELDS[:4]
             cmd = [exe, f"--id={gpu}", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits",
-                   f"-lms={int(period_ms)}"]
+                   f"--loop-ms={int(period_ms)}"]
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         except OSError:
