@@ -21,12 +21,13 @@ A layer whose exact (N, K) is not in the table uses the entry of its kind neares
 int4 columns "dequant_cuda" / "dequant_triton" time dequantize+cuBLAS reading that kernel's layout (what a
 layer prepared with one layout runs at large M); where absent, the "dequant" column stands in.
 """
+import dataclasses
 import functools
 import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -49,6 +50,8 @@ class Plan:
     source: str = "default"              # "table:<N>x<K>" or "default" or the forced mode
     cuda_tail: int = 0                   # at 128 < M <= 256 on the CUDA kernel: a last 128-token tile of at most
                                          # this many rows runs as a small-M launch of its own (cuda_tail_rows)
+    bucket_us: Optional[Tuple[float, ...]] = field(default=None, compare=False)  # the table's µs of the chosen
+                                         # kernel per table bucket; None: some bucket untimed (or no table)
 
     def index(self, m: int) -> int:
         for i, b in enumerate(self.bounds[:-1]):
@@ -96,6 +99,24 @@ def cuda_tail_rows(buckets: Sequence[int], cuda_us: Sequence[Optional[float]]) -
     if t[128] is None or t[256] is None:
         return 0
     return max([r for r in TAIL_ROWS if t[r] is not None and t[128] + t[r] < TAIL_MARGIN * t[256]], default=0)
+
+
+# Two one-layout plans whose times at the smallest M differ by less than this share count as tied there (the
+# table's run-to-run noise); the geometric mean over all buckets then decides (QuantLinear.prepare, layouts="one")
+DECODE_TIE = 0.05
+
+
+def pick_one_layout(plans: Sequence[Plan]) -> int:
+    """Index of the plan to keep when a layer may hold one int4 layout: ``plans[i]`` runs layout i's kernel and
+    dequantize+cuBLAS from it, ``plans[0]`` being the table's decode (smallest-M) kernel. The plans within
+    DECODE_TIE of the fastest at the smallest bucket compete on the geometric mean of their bucket times; on a
+    tie, or where some bucket is untimed, the earlier plan wins. E.g. H100 4096x4096: Triton 8.1 against CUDA
+    8.2 us at M = 1 is a tie, and CUDA's 17 / 23 / 48 us against 21 / 30 / 58 at M = 128 / 256 / 1024 decide."""
+    if len(plans) < 2 or any(p.bucket_us is None for p in plans):
+        return 0
+    first = min(p.bucket_us[0] for p in plans)
+    near = [i for i, p in enumerate(plans) if p.bucket_us[0] <= first * (1 + DECODE_TIE)]
+    return min(near, key=lambda i: (sum(math.log(max(t, 1e-9)) for t in plans[i].bucket_us), i))
 
 
 def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[Tuple[int, ...]],
@@ -242,18 +263,20 @@ def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optio
     us: Dict[str, list] = entry["us"]
     cfgs = entry.get("triton_config") or [None] * len(buckets)
     col = {name: (columns or {}).get(name) if (columns or {}).get(name) in us else _col(name) for name in av}
-    kernels, configs = [], []
+    kernels, configs, times = [], [], []
     for i, b in enumerate(buckets):
         # "dense" (a cached x.dtype copy of W, opt-in) runs exactly the bf16 baseline's F.linear
         timed = [(us[col[name]][i], name) for name in av if col[name] in us and us[col[name]][i] is not None]
         name = min(timed)[1] if timed else default_choice(kind, b, av)
+        times.append(min(timed)[0] if timed else None)
         kernels.append(name)
         configs.append(tuple(cfgs[i]) if name == "triton" and cfgs[i] else ())
     tail = 0
     if kind == "int4" and "cuda" in av and col["cuda"] in us and 256 in buckets and \
             kernels[buckets.index(256)] == "cuda":
         tail = cuda_tail_rows(buckets, us[col["cuda"]])
-    return _compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}", tail)
+    return dataclasses.replace(_compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}", tail),
+                               bucket_us=None if None in times else tuple(times))
 
 
 # ---------------------------------------------------------------------------------------------- writing

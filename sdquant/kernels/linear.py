@@ -11,7 +11,11 @@ Kernel layouts built by ``prepare`` are non-persistent buffers: ``state_dict`` k
 
 Memory (what a prepared INT4 layer keeps on its device). ``prepare`` builds a kernel's layout only if some M
 bucket of the plan calls it, and by default (``layouts="one"``) at most ONE int4 layout per layer: the layout
-of the kernel the plan runs at the smallest M (decode; the CUDA C++ kernel on the H200). Buckets the table gave
+of the kernel the plan runs at the smallest M (decode; the CUDA C++ kernel on the H200), unless the other
+kernel's plan is within 5% of it there and faster over all the table's buckets in geometric mean (each plan: the
+kernel and dequantize+cuBLAS from its layout, per bucket the faster; ``dispatch.pick_one_layout``). So a
+near-tie at M = 1 does not decide alone (H100, 4096x4096: Triton 8.1 against CUDA 8.2 us at M = 1, but 21
+against 17 at M = 128 and 30 against 23 at M = 256). Buckets the table gave
 to the other int4 kernel are re-planned among the kept kernel and dequantize+cuBLAS, and dequantize+cuBLAS
 reads the kept layout (``layout_dequant``: a Triton kernel writes W from the layout, then one GEMM), so the
 canonical tensors are not needed on the device. They then stay on the host (CPU memory, the package's exact
@@ -252,7 +256,8 @@ class QuantLinear(_Prepared):
         GPU, fp32 on a CPU). ``dense``: also keep a dequantized copy of W for the buckets where bf16 F.linear is
         fastest (see ``_set_dense``): the only way an int4 layer matches bf16 at large M, at the cost of W's
         bf16 memory. ``layouts``: "one" (default) keeps at most one int4 kernel layout, that of the plan's smallest-M
-        kernel, and dequantizes from it at large M, so the canonical tensors go back to the host; "all" keeps
+        kernel (or of the other where it ties there and is faster over all buckets), and dequantizes from it at
+        large M, so the canonical tensors go back to the host; "all" keeps
         every layout the plan calls plus the canonical tensors for dequantize+cuBLAS (fastest at every M, about
         3x the memory). See the module docstring.
         """
@@ -273,11 +278,14 @@ class QuantLinear(_Prepared):
             plan = self._plan(av, device, dtype, kernels, table)
             used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
             if layouts == "one" and used:
-                # one layout per layer: keep the decode (smallest-M) kernel, re-plan the other's buckets
-                # among it and dequantize+cuBLAS, timed by the table's column for dequantize+cuBLAS from
-                # that layout where measured ("dequant_cuda"), else by the canonical "dequant" column
-                plan = self._plan(tuple(k for k in av if k not in used[1:]), device, dtype, kernels, table,
-                                  {"dequant": f"dequant_{used[0]}"})
+                # one layout per layer: for each int4 kernel the plan calls, re-plan every bucket among that
+                # kernel and dequantize+cuBLAS, timed by the table's column for dequantize+cuBLAS from its
+                # layout where measured ("dequant_cuda"), else by the canonical "dequant" column; keep the
+                # decode (smallest-M) kernel's plan unless another is as fast there and faster over all
+                # buckets (dispatch.pick_one_layout)
+                plans = [self._plan(tuple(k for k in av if k == keep or k not in used), device, dtype, kernels,
+                                    table, {"dequant": f"dequant_{keep}"}) for keep in used]
+                plan = plans[dispatch.pick_one_layout(plans)]
                 used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
             bad = next((k for k in used if k not in self._layout_keys and not self.attach_int4(k, device, dtype)),
                        None)

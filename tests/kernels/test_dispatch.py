@@ -410,3 +410,20 @@ def test_a_table_column_runs_dequantize_from_an_attached_layout():
     with pytest.raises(ConfigError, match="no cuda layout is attached"):
         crossover.run_column(layer, "dequant_cuda", x)
     assert layer._dequant_from is None
+
+
+def test_one_layout_keeps_the_decode_kernel_unless_another_ties_there_and_is_faster_overall():
+    def plan(*us):
+        return dispatch.Plan((4096,), ("cuda",), ((),), "test", bucket_us=None if None in us else us)
+    decode, other = plan(5, 6, 20, 30, 300), plan(7, 7, 12, 30, 300)   # other: faster overall, 40% slower at M=1
+    assert dispatch.pick_one_layout([decode, other]) == 0
+    tie = plan(5.2, 6, 12, 30, 300)                                      # within DECODE_TIE at M=1
+    assert dispatch.pick_one_layout([decode, tie]) == 1
+    assert dispatch.pick_one_layout([tie, decode]) == 0
+    assert dispatch.pick_one_layout([decode, plan(5, 6, 20, 30, 300)]) == 0  # equal: the earlier
+    assert dispatch.pick_one_layout([plan(5, None, 20, 30, 300), tie]) == 0  # an untimed bucket: the decode kernel
+    assert dispatch.pick_one_layout([decode]) == 0
+    # plan_layer fills the times from the table; default plans carry none
+    p = dispatch.plan_layer("int4", 4096, 4096, ("cuda", "triton", "dequant"), _table())
+    assert p.bucket_us == (5, 6, 12, 30, 300)
+    assert dispatch.plan_layer("int4", 4096, 4096, ("cuda", "dequant"), None).bucket_us is None
