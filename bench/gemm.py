@@ -320,8 +320,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None, gs: int = GS):
-    """Time every kernel in ``which`` at every (K, N) x M; ``on_shape(rows)`` after each shape (partial saves)."""
+def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None, gs: int = GS,
+              rounds: int = 1):
+    """Time every kernel in ``which`` at every (K, N) x M; ``on_shape(rows)`` after each shape (partial saves).
+    ``rounds`` > 1: at each (K, N, M) the kernels are timed round robin that many times and each keeps the median of
+    its rounds (``us_rounds`` lists them, ``gpu`` is the GPU's state over the median round), so a clock that drifts
+    under a power cap weighs on every kernel of a point alike instead of on whichever ran last."""
     rows = []
     for (k, n) in shapes:
         t0 = time.time()
@@ -333,36 +337,60 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
             if check:
                 ref = x.double() @ w_ref.double().t()
                 ref = ref.float()
-            bf16_us = None
+            live, out = [], {}  # live: (name, run, ctxs, wbytes, err); out: name -> its row (in provider order)
             for name, p in provs.items():
                 if p is None:
-                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "not available"})
+                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "not available"}
                     continue
                 make, run, wbytes = p
                 if name == "tinygemm" and m > 256:  # a decode kernel: milliseconds a call, no information
-                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "skipped (M>256)"})
+                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "skipped (M>256)"}
                     continue
                 try:
                     if name not in ctx_cache:  # weight copies built once per shape and kernel
                         ctx_cache[name] = [make(i) for i in range(n_copies(wbytes))]
-                    ctxs = ctx_cache[name]
                     _XQ.clear()
-                    err = rel_err(run(ctxs[0], x), ref) if check else None
-                    us = time_rotating(lambda i: run(ctxs[i], x), len(ctxs))
+                    err = rel_err(run(ctx_cache[name][0], x), ref) if check else None
                 except Exception as ex:
                     log_fn(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
-                    rows.append({"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": f"failed: {ex}"[:200]})
+                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": f"failed: {ex}"[:200]}
                     continue
+                live.append((name, run, ctx_cache[name], wbytes, err))
+                out[name] = None
+            timed = {name: [] for name, *_ in live}
+            for _ in range(max(1, rounds)):
+                for name, run, ctxs, _w, _e in live:
+                    if timed[name] is None:
+                        continue
+                    try:
+                        _XQ.clear()
+                        us = time_rotating(lambda i: run(ctxs[i], x), len(ctxs))
+                    except Exception as ex:
+                        log_fn(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+                        out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None,
+                                     "note": f"failed: {ex}"[:200]}
+                        timed[name] = None
+                        continue
+                    timed[name].append((us, gpu_state()))
+            done = {name: sorted(ts, key=lambda t: t[0]) for name, ts in timed.items() if ts}
+            bf16_us = statistics.median(t for t, _ in done["bf16"]) if "bf16" in done else None
+            for name, run, ctxs, wbytes, err in live:
+                if name not in done:
+                    continue
+                ts = done[name]
+                us = statistics.median(t for t, _ in ts)
                 nbytes = wbytes + m * k * 2 + m * n * 2
                 tbs = nbytes / (us * 1e-6) / 1e12
-                if name == "bf16":
-                    bf16_us = us
                 row = {"K": k, "N": n, "M": m, "kernel": name, "us": round(us, 2), "rel_err": err,
                        "TBps": round(tbs, 3), "pct_copy": round(100 * tbs / copy_bw, 1),
-                       "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3), "gpu": gpu_state()}
+                       "speedup_vs_bf16": None if bf16_us is None else round(bf16_us / us, 3),
+                       "gpu": ts[(len(ts) - 1) // 2][1]}
+                if len(ts) > 1:
+                    row["us_rounds"] = [round(t, 2) for t, _ in ts]
                 if name in LAYERS:
                     row["plan"] = layer_plan(ctxs[0], m)
-                rows.append(row)
+                out[name] = row
+            rows.extend(r for r in out.values() if r is not None)
             torch.cuda.empty_cache()
         log_fn(f"shape {k}x{n} done in {time.time() - t0:.1f} s")
         del provs, ctx_cache
@@ -410,6 +438,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="time each point's kernels round robin this many times and "
+                                                          "keep each one's median (a power-capped clock drifts)")
     ap.add_argument("--group-size", type=int, default=GS, help="INT4 group size of the random weights (-1: per channel)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -419,7 +449,7 @@ def main(argv=None):
     kernels = a.kernels.split(",")
     bw = copy_bandwidth(dev)
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} copy bandwidth {bw:.2f} TB/s")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw,
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw, "rounds": a.rounds,
             "dtype": a.dtype, "group_size": a.group_size, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": os.environ.get("SDQUANT_COMMIT"), "src_digest": provenance.source_digest(),
             "gpu_limits": gpu_clocks.limits()}
@@ -429,7 +459,8 @@ def main(argv=None):
         tmp = Path(a.out) / "gemm.json.tmp"
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, Path(a.out) / "gemm.json")
-    rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check, on_shape=save, gs=a.group_size)
+    rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check, on_shape=save, gs=a.group_size,
+                     rounds=a.rounds)
     save(rows)
     log(table(rows, kernels))
 

@@ -6,6 +6,8 @@
 #         each forced; Pending 42) in the time left.
 #   H100: gemm.py at the table's buckets, planned from the shipped H100 table (measured 2026-12-07, so the layers'
 #         plans are this tree's, e.g. the one-layout choice on 4096x4096), then the one-launch A/B.
+#   gemm.py times each point's kernels round robin (--rounds: 2 on the H200's whole table, 3 on the H100's buckets):
+#   the H100's SM clock fell to 1455-1650 MHz under its power cap at M >= 1024 in gemm run 21.
 # Here:   bash bench/issue4_call.sh <full commit hash of the tree sent>   (ISSUE4_LIMIT_S=<s>: a shorter call;
 #         under 480 s the H200 skips the tuning and plans from the shipped table)
 # Output under $OUT: t.json and tune.log (H200), gemm/gemm.json, gemm.log, int4_wgmma.json, wave.log.
@@ -50,11 +52,12 @@ gemm() {  # $1: seconds it may take; the rest: gemm.py's arguments
 if echo "$G" | grep -q H200; then
   if [ "$LIMIT" -ge 480 ]; then tune 200; else echo "tune: skipped (ISSUE4_LIMIT_S=$LIMIT); the shipped table plans"; fi
   L=$(left)
-  if [ "$LIMIT" -ge 480 ]; then gemm $((L < 330 ? L : 330)); else  # short: the targets' columns only
+  if [ "$LIMIT" -ge 480 ]; then gemm $((L < 330 ? L : 330)) --rounds 2; else  # short: the targets' columns only
     gemm "$L" --kernels bf16,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_int4_layer,sdq_fp8_layer; fi
   wave "$(left)"
 else  # H100: the layers from the shipped H100 table, then the A/B
-  gemm $((LIMIT * 2 / 5)) --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer
+  gemm $((LIMIT * 2 / 5)) --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer \
+    --rounds 3
   wave "$(left)"
 fi
 ls -la "$OUT" "$OUT/gemm"

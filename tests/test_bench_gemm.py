@@ -89,3 +89,33 @@ def test_issue4_targets_states_the_gpu_clocks_of_the_run():
     assert targets.gpu_line(rows) == ("SM clock 1980 MHz median (lowest 1650), power up to 690 W, "
                                       "clock-event reasons 0x4")
     assert targets.gpu_line([{"K": 1, "N": 1, "M": 1, "kernel": "bf16", "us": 1.0}]) == ""
+
+
+def test_rounds_time_the_kernels_of_a_point_round_robin_and_keep_each_median(monkeypatch):
+    """run_sweep(rounds=3): bf16, layer, bf16, layer, ... at one point; each kernel keeps the median of its rounds,
+    the GPU state of that median round, and the speedup divides the two medians."""
+    times = iter([10.0, 5.0, 30.0, 1.0, 20.0, 3.0])  # bf16 and the layer alternating, three rounds
+    states = iter(range(1, 7))
+    calls = []
+
+    def fake_time(call, n_rot):
+        calls.append(n_rot)
+        call(0)  # the kernel does run
+        return next(times)
+    monkeypatch.setattr(gemm, "time_rotating", fake_time)
+    monkeypatch.setattr(gemm, "gpu_state", lambda: {"n": next(states)})
+    logged = []
+    rows = gemm.run_sweep([(256, 64)], [3], torch.device("cpu"), torch.float32, {"bf16", "sdq_int4_layer"}, 1.0,
+                          log_fn=logged.append, rounds=3)
+    assert len(calls) == 6 and not [line for line in logged if "FAILED" in line]
+    by = {r["kernel"]: r for r in rows}
+    assert [r["kernel"] for r in rows] == ["bf16", "sdq_int4_layer"]
+    assert by["bf16"]["us"] == 20.0 and by["bf16"]["us_rounds"] == [10.0, 20.0, 30.0] and by["bf16"]["gpu"] == {"n": 5}
+    assert by["sdq_int4_layer"]["us"] == 3.0 and by["sdq_int4_layer"]["gpu"] == {"n": 6}
+    assert by["sdq_int4_layer"]["speedup_vs_bf16"] == round(20.0 / 3.0, 3)
+    assert by["sdq_int4_layer"]["rel_err"] < 1e-5 and by["sdq_int4_layer"]["plan"] == "reference"
+    # one round: the form of before (no us_rounds)
+    times, states = iter([4.0, 2.0]), iter(range(2))
+    rows = gemm.run_sweep([(256, 64)], [3], torch.device("cpu"), torch.float32, {"bf16", "sdq_int4_layer"}, 1.0,
+                          log_fn=logged.append, check=False)
+    assert [r["us"] for r in rows] == [4.0, 2.0] and "us_rounds" not in rows[0] and rows[1]["speedup_vs_bf16"] == 2.0
