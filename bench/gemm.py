@@ -323,9 +323,10 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None, gs: int = GS,
               rounds: int = 1):
     """Time every kernel in ``which`` at every (K, N) x M; ``on_shape(rows)`` after each shape (partial saves).
-    ``rounds`` > 1: at each (K, N, M) the kernels are timed round robin that many times and each keeps the median of
-    its rounds (``us_rounds`` lists them, ``gpu`` is the GPU's state over the median round), so a clock that drifts
-    under a power cap weighs on every kernel of a point alike instead of on whichever ran last."""
+    ``rounds`` > 1: at each (K, N, M) the kernels are timed round robin that many times, each round starting one
+    kernel later, and each keeps the median of its rounds (``us_rounds`` lists them, ``gpu`` is the GPU's state over
+    the median round), so a clock that drifts under a power cap weighs on every kernel of a point alike instead of
+    on whichever ran last or after the most power-hungry one."""
     rows = []
     for (k, n) in shapes:
         t0 = time.time()
@@ -358,8 +359,10 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                 live.append((name, run, ctx_cache[name], wbytes, err))
                 out[name] = None
             timed = {name: [] for name, *_ in live}
-            for _ in range(max(1, rounds)):
-                for name, run, ctxs, _w, _e in live:
+            for rnd in range(max(1, rounds)):
+                # each round starts one kernel later: a kernel timed right after a power-hungry one meets the
+                # power cap's lowered clock, so no kernel should always hold the same place
+                for name, run, ctxs, _w, _e in live[rnd % max(1, len(live)):] + live[:rnd % max(1, len(live))]:
                     if timed[name] is None:
                         continue
                     try:

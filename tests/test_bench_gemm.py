@@ -92,9 +92,10 @@ def test_issue4_targets_states_the_gpu_clocks_of_the_run():
 
 
 def test_rounds_time_the_kernels_of_a_point_round_robin_and_keep_each_median(monkeypatch):
-    """run_sweep(rounds=3): bf16, layer, bf16, layer, ... at one point; each kernel keeps the median of its rounds,
-    the GPU state of that median round, and the speedup divides the two medians."""
-    times = iter([10.0, 5.0, 30.0, 1.0, 20.0, 3.0])  # bf16 and the layer alternating, three rounds
+    """run_sweep(rounds=3): bf16, layer | layer, bf16 | bf16, layer at one point (each round starts one kernel later);
+    each kernel keeps the median of its rounds, the GPU state of that median round, and the speedup divides the two
+    medians."""
+    times = iter([10.0, 5.0, 30.0, 1.0, 20.0, 3.0])  # in call order
     states = iter(range(1, 7))
     calls = []
 
@@ -110,9 +111,11 @@ def test_rounds_time_the_kernels_of_a_point_round_robin_and_keep_each_median(mon
     assert len(calls) == 6 and not [line for line in logged if "FAILED" in line]
     by = {r["kernel"]: r for r in rows}
     assert [r["kernel"] for r in rows] == ["bf16", "sdq_int4_layer"]
-    assert by["bf16"]["us"] == 20.0 and by["bf16"]["us_rounds"] == [10.0, 20.0, 30.0] and by["bf16"]["gpu"] == {"n": 5}
-    assert by["sdq_int4_layer"]["us"] == 3.0 and by["sdq_int4_layer"]["gpu"] == {"n": 6}
-    assert by["sdq_int4_layer"]["speedup_vs_bf16"] == round(20.0 / 3.0, 3)
+    # bf16: calls 1, 4, 5 -> 10, 1, 20; the layer: calls 2, 3, 6 -> 5, 30, 3
+    assert by["bf16"]["us"] == 10.0 and by["bf16"]["us_rounds"] == [1.0, 10.0, 20.0] and by["bf16"]["gpu"] == {"n": 1}
+    assert by["sdq_int4_layer"]["us"] == 5.0 and by["sdq_int4_layer"]["us_rounds"] == [3.0, 5.0, 30.0]
+    assert by["sdq_int4_layer"]["gpu"] == {"n": 2}
+    assert by["sdq_int4_layer"]["speedup_vs_bf16"] == 2.0
     assert by["sdq_int4_layer"]["rel_err"] < 1e-5 and by["sdq_int4_layer"]["plan"] == "reference"
     # one round: the form of before (no us_rounds)
     times, states = iter([4.0, 2.0]), iter(range(2))
