@@ -74,7 +74,8 @@ def parse_label(lab: str) -> tuple:
 class schedule_set:
     """Run a block with int4_cuda.set_wgmma_schedule(mode) in force (launches and the split / grid choice read it);
     mode "r256" is the automatic schedule with 256-row launches at M > 256 (int4_cuda.set_wgmma_rows(256), the rule
-    before the warp-specialized kernel took every row in one launch); "nocl" the automatic schedule with the
+    before the warp-specialized kernel took every row in one launch); "k4096" the automatic schedule with every row of
+    M > 256 in one launch wherever K <= 4096 (int4_cuda.set_wgmma_one_launch_k; any "k<K>" works); "nocl" the automatic schedule with the
     warp-specialized split-K summed by a second kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False));
     "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
     (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "rem32" /
@@ -88,11 +89,13 @@ class schedule_set:
 
     def __enter__(self):
         from sdquant.kernels import int4_cuda
-        self.old = self.old_rows = self.old_cl = self.old_wave = self.old_rem = None
+        self.old = self.old_rows = self.old_cl = self.old_wave = self.old_rem = self.old_onek = None
         if self.mode in ("rem0", "rem32", "rem64"):
             self.old_rem = int4_cuda.set_wgmma_remainder(int(self.mode[3:]))
         elif self.mode == "r256":
             self.old_rows = int4_cuda.set_wgmma_rows(256)
+        elif self.mode.startswith("k") and self.mode[1:].isdigit():
+            self.old_onek = int4_cuda.set_wgmma_one_launch_k(int(self.mode[1:]))
         elif self.mode == "nocl":
             self.old_cl = int4_cuda.set_wgmma_cluster(False)
         elif self.mode in ("wave", "nowave"):
@@ -107,6 +110,8 @@ class schedule_set:
             int4_cuda.set_wgmma_schedule(self.old)
         if self.old_rows is not None:
             int4_cuda.set_wgmma_rows(self.old_rows)
+        if self.old_onek is not None:
+            int4_cuda.set_wgmma_one_launch_k(self.old_onek)
         if self.old_cl is not None:
             int4_cuda.set_wgmma_cluster(self.old_cl)
         if self.old_wave is not None:
@@ -328,7 +333,9 @@ def main(argv=None):
                                                         "/ wave: without / with two splits at M > 256 where "
                                                         "waves gain, int4_cuda.set_wgmma_wave_splits; rem32 / "
                                                         "rem64: a last tile of <= 32 / 64 rows as a launch of its "
-                                                        "own, rem0: never, int4_cuda.set_wgmma_remainder)")
+                                                        "own, rem0: never, int4_cuda.set_wgmma_remainder; k4096: M > 256 "
+                                                        "in one launch wherever K <= 4096, "
+                                                        "int4_cuda.set_wgmma_one_launch_k)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")

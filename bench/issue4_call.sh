@@ -2,8 +2,8 @@
 # Issue 4's measurements in one device call of at most ~9.5 minutes, whichever Hopper GPU comes:
 #   H200: `sdquant tune-kernels` (the crossover table as the op is now; Pending 31), then bench/gemm.py's whole issue
 #         table with its dispatched-layer columns planned from that table, then the M > 256 one-launch A/B
-#         (int4_wgmma --schedule auto,ws,r256: the automatic choice between one launch and 256-row launches against
-#         each forced; Pending 42) in the time left.
+#         (int4_wgmma --schedule auto,k4096,ws on the K = 4096 shapes: the automatic choice against the off-by-default
+#         K <= 4096 one-launch toggle and one launch forced; Pending 42) in the time left.
 #   H100: gemm.py at the table's buckets, planned from the shipped H100 table (measured 2026-12-07, so the layers'
 #         plans are this tree's, e.g. the one-layout choice on 4096x4096), then the one-launch A/B.
 #   gemm.py times each point's kernels round robin (--rounds: 2 on the H200's whole table, 3 on the H100's buckets):
@@ -22,13 +22,13 @@ mkdir -p "$OUT/gemm"
 T0=$SECONDS
 left() { echo $((LIMIT - SECONDS + T0)); }
 
-wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. M > 256: the automatic one-launch / 256-row
-  # choice against one launch forced (ws) and 256-row launches forced (r256)
+wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. M > 256 on the K = 4096 shapes: the automatic
+  # one-launch / 256-row choice against the K <= 4096 one-launch toggle (k4096, Pending 42) and one launch forced (ws)
   local t=$1
   shift
   [ "$t" -gt 90 ] || { echo "wave: skipped (${t}s left)"; return; }
-  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,ws,r256 --ms 384,520,640,777,1040,1536,2100 \
-    --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
+  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,k4096,ws --ms 384,520,640,777,1040,1536,2100 \
+    --shapes 4096x4096,4096x6144,4096x28672 --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
   echo "wave rc=$? t=$((SECONDS - T0))"
   tail -24 "$OUT/wave.log" | cut -c1-300
 }

@@ -377,6 +377,19 @@ def set_wgmma_rows(rows: int) -> int:
     return int(ext.set_wg_rows(int(rows)))
 
 
+def set_wgmma_one_launch_k(k_max: int) -> int:
+    """From now on in this process, variant 63 runs every row of M > 256 in one launch wherever K <= ``k_max``, whatever
+    its fill test says (csrc/w4a16.h ``sdq_wg_one_launch_short_k``); 0 (the default) turns that off. An A/B toggle
+    (bench/int4_wgmma.py --schedule k4096; docs/BENCHMARKS.md Pending 42), not a measured rule. Read at launch time,
+    so set it before a CUDA graph is captured. Returns the previous setting (0 where the extension is not built)."""
+    if int(k_max) < 0:
+        raise ValueError(f"k_max: {k_max!r} must be >= 0 (0: off)")
+    ext = extension()
+    if ext is None:
+        return 0
+    return int(ext.set_wg_one_launch_k(int(k_max)))
+
+
 def m_bucket(m: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if m <= b:

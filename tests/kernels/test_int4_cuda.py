@@ -231,6 +231,29 @@ def test_wgmma_rows_setting_is_checked():
         int4_cuda.set_wgmma_rows(128)
 
 
+def test_wgmma_one_launch_k_setting_is_checked():
+    with pytest.raises(ValueError, match="k_max: -1 must be >= 0"):
+        int4_cuda.set_wgmma_one_launch_k(-1)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_one_launch_short_k_toggle(tmp_path):
+    """sdq_wg_one_launch_short_k (w4a16.h), the off-by-default A/B toggle of Pending 42: at M > 256 and K <= k_max
+    (groups a multiple of 128, K of 128) it grants the one launch; off (k_max 0), at M <= 256 or at longer K never.
+    Cases: (m, k, group_k16, k_max) -> granted."""
+    cases = [
+        ((520, 4096, 8, 4096), 1),     # 4096x4096 M = 520: the fill test refused it (three 256-row launches)
+        ((777, 4096, 8, 4096), 1),
+        ((520, 14336, 8, 4096), 0),    # 14336x4096: one launch measured slower; K above the limit
+        ((520, 4096, 8, 0), 0),        # off (the default)
+        ((256, 4096, 8, 4096), 0),     # M <= 256: not the one-launch question
+        ((520, 4096, 4, 4096), 0),     # group 64: the warp-specialized kernel does not take it
+        ((520, 4160, 8, 8192), 0),     # K not a multiple of 128
+    ]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_one_launch_short_k({m}, {k}, {g}, {km})" for (m, k, g, km), _ in cases])
+    assert got == [want for _, want in cases]
+
+
 def test_wgmma_remainder_rows_rule():
     """set_wgmma_remainder / remainder_rows: off by default; when set, only the last part-filled 128-token tile of a
     wgmma launch (M > 128, 1..rows rows) is split off; other kernels' configs and whole tiles never are."""

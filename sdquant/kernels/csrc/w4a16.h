@@ -139,6 +139,15 @@ static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_s
   return !sdq_wg_split_fills(m, n, k, 128, wg_slots, sms, 9, 10);
 }
 
+// M > 256: variant 63's one launch granted at K <= k_max whatever sdq_wg_ws_auto's fill test says (k_max 0, the
+// default: off; sdq_w4a16_set_wg_one_launch_k). An A/B toggle (bench/int4_wgmma.py --schedule k4096), not a measured
+// rule: H100 int4_wgmma runs 48-49 timed one launch forced 5-24% faster than the 256-row launches the fill test chose
+// on the K = 4096 shapes (4096x4096 M = 520 / 640: 47 against 54-62 us; 4096x6144 M = 777: 93 against 102) and
+// 2-43% slower on 14336x4096 and 28672x8192; forcing also changed the sub-path, which this toggle does not.
+static inline int sdq_wg_one_launch_short_k(int m, int k, int group_k16, int k_max) {
+  return m > 256 && k_max > 0 && k <= k_max && group_k16 % 8 == 0 && k % 128 == 0;
+}
+
 // M > 256 (one launch): two splits summed in clusters of 2 where the tiles alone leave the last wave part-empty, so that
 // twice the CTAs at half the work each take at most 90% of the waves' time: 4096x6144 M = 1024 (192 tiles: 2 waves 73%
 // full -> 3 waves of half the work), 8192x10240 M = 1024 (320 tiles: 3 -> 5 half waves), 4096x28672 M = 512; not
@@ -188,6 +197,10 @@ int sdq_w4a16_wg_schedule(void);
 // before). Returns the previous setting.
 int sdq_w4a16_set_wg_rows(int rows);
 int sdq_w4a16_wg_rows(void);
+// K up to which variant 63 runs every row of M > 256 in one launch whatever its fill test says (sdq_wg_one_launch_short_k;
+// 0, the default: off). Returns the previous setting.
+int sdq_w4a16_set_wg_one_launch_k(int k_max);
+int sdq_w4a16_wg_one_launch_k(void);
 // Whether variant 63's warp-specialized split-K sums its 2-8 splits inside a thread-block cluster (1, the default) or
 // through [splits, m, n] fp32 partials and a second kernel (0). Returns the previous setting.
 int sdq_w4a16_set_wg_cluster(int on);

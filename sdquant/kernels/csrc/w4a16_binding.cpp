@@ -240,6 +240,8 @@ int64_t set_wg_schedule(int64_t mode) { return sdq_w4a16_set_wg_schedule(static_
 
 int64_t set_wg_rows(int64_t rows) { return sdq_w4a16_set_wg_rows(static_cast<int>(rows)); }
 
+int64_t set_wg_one_launch_k(int64_t k_max) { return sdq_w4a16_set_wg_one_launch_k(static_cast<int>(k_max)); }
+
 int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast<int>(on)); }
 
 int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
@@ -272,6 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "returns the old");
   mod.def("set_wg_rows", &set_wg_rows,
           "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");
+  mod.def("set_wg_one_launch_k", &set_wg_one_launch_k,
+          "K up to which M > 256 runs in one launch whatever the fill test says (0 off); returns the old");
   mod.def("set_wg_cluster", &set_wg_cluster,
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,

@@ -221,6 +221,7 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 namespace {
 int g_wg_schedule = 0;
 int g_wg_rows = 0;
+int g_wg_one_k = 0;
 int g_wg_cluster = 1;
 int g_wg_wave = 1;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
@@ -233,6 +234,10 @@ extern "C" int sdq_w4a16_set_wg_rows(int rows) {
   return std::exchange(g_wg_rows, rows == 256 ? 256 : 0);
 }
 extern "C" int sdq_w4a16_wg_rows(void) { return g_wg_rows; }
+extern "C" int sdq_w4a16_set_wg_one_launch_k(int k_max) {
+  return std::exchange(g_wg_one_k, k_max > 0 ? k_max : 0);
+}
+extern "C" int sdq_w4a16_wg_one_launch_k(void) { return g_wg_one_k; }
 extern "C" int sdq_w4a16_set_wg_cluster(int on) {
   return std::exchange(g_wg_cluster, on ? 1 : 0);
 }

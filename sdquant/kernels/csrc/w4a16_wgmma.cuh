@@ -1519,7 +1519,8 @@ bool wg_ws(const SdqW4A16Params& p) {
     if (mode != 0) return mode == 3;
     const int sms = sm_count_now();
     return sdq_wg_ws_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, WS_KS128>::per_sm(), sms) != 0 ||
-           (SEP && wg_cluster_fit_splits<T>(p) >= 2);
+           (SEP && wg_cluster_fit_splits<T>(p) >= 2) ||
+           sdq_wg_one_launch_short_k(p.m, p.k, p.group_k16, sdq_w4a16_wg_one_launch_k());
   }
 }
 
