@@ -339,13 +339,16 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                 ref = x.double() @ w_ref.double().t()
                 ref = ref.float()
             live, out = [], {}  # live: (name, run, ctxs, wbytes, err); out: name -> its row (in provider order)
+
+            def untimed(name, note):
+                return {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": note}
             for name, p in provs.items():
                 if p is None:
-                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "not available"}
+                    out[name] = untimed(name, "not available")
                     continue
                 make, run, wbytes = p
                 if name == "tinygemm" and m > 256:  # a decode kernel: milliseconds a call, no information
-                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": "skipped (M>256)"}
+                    out[name] = untimed(name, "skipped (M>256)")
                     continue
                 try:
                     if name not in ctx_cache:  # weight copies built once per shape and kernel
@@ -354,7 +357,7 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                     err = rel_err(run(ctx_cache[name][0], x), ref) if check else None
                 except Exception as ex:
                     log_fn(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
-                    out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None, "note": f"failed: {ex}"[:200]}
+                    out[name] = untimed(name, f"failed: {ex}"[:200])
                     continue
                 live.append((name, run, ctx_cache[name], wbytes, err))
                 out[name] = None
@@ -362,7 +365,8 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
             for rnd in range(max(1, rounds)):
                 # each round starts one kernel later: a kernel timed right after a power-hungry one meets the
                 # power cap's lowered clock, so no kernel should always hold the same place
-                for name, run, ctxs, _w, _e in live[rnd % max(1, len(live)):] + live[:rnd % max(1, len(live))]:
+                first = rnd % len(live) if live else 0
+                for name, run, ctxs, _w, _e in live[first:] + live[:first]:
                     if timed[name] is None:
                         continue
                     try:
@@ -370,8 +374,7 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                         us = time_rotating(lambda i: run(ctxs[i], x), len(ctxs))
                     except Exception as ex:
                         log_fn(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
-                        out[name] = {"K": k, "N": n, "M": m, "kernel": name, "us": None,
-                                     "note": f"failed: {ex}"[:200]}
+                        out[name] = untimed(name, f"failed: {ex}"[:200])
                         timed[name] = None
                         continue
                     timed[name].append((us, gpu_state()))

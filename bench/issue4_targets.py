@@ -93,8 +93,9 @@ def main(argv=None):
     vs = verdicts(d["rows"])
     meta = d.get("meta", {})
     print(f"{meta.get('device')} {meta.get('date')} commit {meta.get('commit')}")
-    if gpu_line(d["rows"]):
-        print(gpu_line(d["rows"]))
+    line = gpu_line(d["rows"])
+    if line:
+        print(line)
     if a.markdown:
         print("| target | point | measured | met |\n|---|---|---|---|")
         for t, where, val, ok in vs:

@@ -21,7 +21,6 @@ A layer whose exact (N, K) is not in the table uses the entry of its kind neares
 int4 columns "dequant_cuda" / "dequant_triton" time dequantize+cuBLAS reading that kernel's layout (what a
 layer prepared with one layout runs at large M); where absent, the "dequant" column stands in.
 """
-import dataclasses
 import functools
 import json
 import math
@@ -120,7 +119,7 @@ def pick_one_layout(plans: Sequence[Plan]) -> int:
 
 
 def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[Tuple[int, ...]],
-              source: str, cuda_tail: int = 0) -> Plan:
+              source: str, cuda_tail: int = 0, bucket_us: Optional[Tuple[float, ...]] = None) -> Plan:
     """Merge neighbouring buckets that run the same kernel with the same config."""
     b_out: List[int] = []
     k_out: List[str] = []
@@ -132,7 +131,7 @@ def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[
             b_out.append(b)
             k_out.append(k)
             c_out.append(c)
-    return Plan(tuple(b_out), tuple(k_out), tuple(c_out), source, cuda_tail)
+    return Plan(tuple(b_out), tuple(k_out), tuple(c_out), source, cuda_tail, bucket_us)
 
 
 # --------------------------------------------------------------------------------------------- the table
@@ -275,8 +274,8 @@ def plan_layer(kind: str, n: int, k: int, available: Iterable[str], table: Optio
     if kind == "int4" and "cuda" in av and col["cuda"] in us and 256 in buckets and \
             kernels[buckets.index(256)] == "cuda":
         tail = cuda_tail_rows(buckets, us[col["cuda"]])
-    return dataclasses.replace(_compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}", tail),
-                               bucket_us=None if None in times else tuple(times))
+    return _compress(buckets, kernels, configs, f"table:{entry['N']}x{entry['K']}", tail,
+                     None if None in times else tuple(times))
 
 
 # ---------------------------------------------------------------------------------------------- writing
