@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -74,50 +75,57 @@ def parse_label(lab: str) -> tuple:
 class schedule_set:
     """Run a block with int4_cuda.set_wgmma_schedule(mode) in force (launches and the split / grid choice read it);
     mode "r256" is the automatic schedule with 256-row launches at M > 256 (int4_cuda.set_wgmma_rows(256), the rule
-    before the warp-specialized kernel took every row in one launch); "k4096" the automatic schedule with every row of
-    M > 256 in one launch wherever K <= 4096 (int4_cuda.set_wgmma_one_launch_k; any "k<K>" works); "nocl" the automatic schedule with the
-    warp-specialized split-K summed by a second kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False));
-    "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
-    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "rem32" /
-    "rem64" the automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own
-    wherever it occurs, "rem0" with no such launch even where the automatic rules split one off
-    (int4_cuda.set_wgmma_remainder; "auto" keeps its rules, and the op here gets no plan's tail, so at M = 129-256
-    "auto" equals "rem0")."""
+    before the warp-specialized kernel took every row in one launch); "k<K>" the automatic schedule with every row of
+    M > 256 in one launch wherever K <= <K> (int4_cuda.set_wgmma_one_launch_k; "k4096" the default since 2026-12-07,
+    "k0" none: the fill test alone); "nocl" the automatic schedule with the warp-specialized split-K summed by a second
+    kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False)); "nowave" the automatic schedule without two
+    splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
+    forces them on, the default since int4_wgmma run 39); "wc<N>" those splits' rule charging the cluster sum N stages
+    (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "rem32" / "rem64" the
+    automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own wherever
+    it occurs, "rem0" with no such launch even where the automatic rules split one off (int4_cuda.set_wgmma_remainder;
+    "auto" keeps its rules, and the op here gets no plan's tail, so at M = 129-256 "auto" equals "rem0"). Modes join
+    with "+" ("k0+wc0": the automatic schedule as it was before 2026-12-07)."""
 
     def __init__(self, mode: str):
-        self.mode = mode
+        self.modes = [m for m in mode.split("+") if m]
+        self.undo = []
+
+    @staticmethod
+    def _set(mode: str):
+        """Apply one mode; returns the call that restores what it changed (None for "auto")."""
+        from sdquant.kernels import int4_cuda as c
+        if mode in ("rem0", "rem32", "rem64"):
+            old = c.set_wgmma_remainder(int(mode[3:]))
+            return lambda: c.set_wgmma_remainder(old)
+        if mode == "r256":
+            old = c.set_wgmma_rows(256)
+            return lambda: c.set_wgmma_rows(old)
+        if mode.startswith("k") and mode[1:].isdigit():
+            old = c.set_wgmma_one_launch_k(int(mode[1:]))
+            return lambda: c.set_wgmma_one_launch_k(old)
+        if mode.startswith("wc") and mode[2:].isdigit():
+            old = c.set_wgmma_wave_cost(int(mode[2:]))
+            return lambda: c.set_wgmma_wave_cost(old)
+        if mode == "nocl":
+            old = c.set_wgmma_cluster(False)
+            return lambda: c.set_wgmma_cluster(old)
+        if mode in ("wave", "nowave"):
+            old = c.set_wgmma_wave_splits(mode == "wave")
+            return lambda: c.set_wgmma_wave_splits(old)
+        if mode != "auto":
+            old = c.set_wgmma_schedule(mode)
+            return lambda: c.set_wgmma_schedule(old)
+        return None
 
     def __enter__(self):
-        from sdquant.kernels import int4_cuda
-        self.old = self.old_rows = self.old_cl = self.old_wave = self.old_rem = self.old_onek = None
-        if self.mode in ("rem0", "rem32", "rem64"):
-            self.old_rem = int4_cuda.set_wgmma_remainder(int(self.mode[3:]))
-        elif self.mode == "r256":
-            self.old_rows = int4_cuda.set_wgmma_rows(256)
-        elif self.mode.startswith("k") and self.mode[1:].isdigit():
-            self.old_onek = int4_cuda.set_wgmma_one_launch_k(int(self.mode[1:]))
-        elif self.mode == "nocl":
-            self.old_cl = int4_cuda.set_wgmma_cluster(False)
-        elif self.mode in ("wave", "nowave"):
-            self.old_wave = int4_cuda.set_wgmma_wave_splits(self.mode == "wave")
-        elif self.mode != "auto":
-            self.old = int4_cuda.set_wgmma_schedule(self.mode)
+        self.undo = [u for u in (self._set(m) for m in self.modes) if u is not None]
         return self
 
     def __exit__(self, *exc):
-        from sdquant.kernels import int4_cuda
-        if self.old is not None:
-            int4_cuda.set_wgmma_schedule(self.old)
-        if self.old_rows is not None:
-            int4_cuda.set_wgmma_rows(self.old_rows)
-        if self.old_onek is not None:
-            int4_cuda.set_wgmma_one_launch_k(self.old_onek)
-        if self.old_cl is not None:
-            int4_cuda.set_wgmma_cluster(self.old_cl)
-        if self.old_wave is not None:
-            int4_cuda.set_wgmma_wave_splits(self.old_wave)
-        if self.old_rem is not None:
-            int4_cuda.set_wgmma_remainder(self.old_rem)
+        for u in reversed(self.undo):
+            u()
+        self.undo = []
         return False
 
 
@@ -182,7 +190,8 @@ def timed_names(configs, splits=(0,)) -> list:
     return [f"v{lab}" + (f"s{sp}" if sp else "") for lab in configs for sp in splits]
 
 
-def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float, splits=(0,)) -> list:
+def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: float, splits=(0,),
+                rounds: int = 1, skip=()) -> list:
     from sdquant.kernels import int4_cuda
     dtype = torch.bfloat16
     rows = []
@@ -220,6 +229,8 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                     x, lay_c[i]["qweight"], lay_c[i]["scales"], lay_c[i]["zeros"], lay_c[i]["perm"], None), ncopy)
             if tiny is not None and m <= 64:
                 provs["tinygemm"] = (lambda i: torch._weight_int4pack_mm(x, tiny[i][0], gemm.GS, tiny[i][1]), ncopy)
+            for name in skip:
+                provs.pop(name, None)
             mode_of = {}
             for lab in configs:  # labels: "62", "63-on", ...
                 c, mode = parse_label(lab)
@@ -238,17 +249,25 @@ def time_shapes(dev, shapes, ms, configs, dry: bool, budget_s: float, t_start: f
                         r_m = min(m, int4_cuda.launch_rows(m, n, k, gemm.GS, c, dtype))
                         row[f"v{lab}_path"] = int4_cuda.wgmma_path(r_m, n, k, gemm.GS, c, dtype)
             t_row = time.monotonic()
-            for name, (call, nrot) in provs.items():
+            ok = []
+            for name, (call, nrot) in provs.items():  # each output checked once, then the timing rounds
                 try:
                     with schedule_set(mode_of.get(name, "auto")):
-                        err = gemm.rel_err(call(0), ref)
-                        us = timer(call, nrot)
+                        row[name + "_err"] = gemm.rel_err(call(0), ref)
+                    ok.append(name)
                 except Exception as ex:  # noqa: BLE001 - reported in the row
                     log(f"  {name} {k}x{n} M={m}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
                     row[name] = None
-                    continue
-                row[name] = round(us, 2)
-                row[name + "_err"] = err
+            times = {name: [] for name in ok}
+            for rnd in range(max(1, rounds)):  # round robin, each round starting one kernel later
+                for name in ok[rnd % len(ok):] + ok[:rnd % len(ok)] if ok else []:
+                    call, nrot = provs[name]
+                    with schedule_set(mode_of.get(name, "auto")):
+                        times[name].append(timer(call, nrot))
+            for name, ts in times.items():
+                row[name] = round(statistics.median(ts), 2)
+                if rounds > 1:
+                    row[name + "_rounds"] = [round(t, 2) for t in ts]
             if not dry:  # the clocks and power while this row's kernels ran (bench/gpu_clocks.py)
                 row["gpu"] = gemm.gpu_state(t_row, time.monotonic())
             rows.append(row)
@@ -333,11 +352,16 @@ def main(argv=None):
                                                         "/ wave: without / with two splits at M > 256 where "
                                                         "waves gain, int4_cuda.set_wgmma_wave_splits; rem32 / "
                                                         "rem64: a last tile of <= 32 / 64 rows as a launch of its "
-                                                        "own, rem0: never, int4_cuda.set_wgmma_remainder; k4096: M > 256 "
+                                                        "own, rem0: never, int4_cuda.set_wgmma_remainder; k4096 / k0: M > 256 "
                                                         "in one launch wherever K <= 4096, "
                                                         "int4_cuda.set_wgmma_one_launch_k)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
+    ap.add_argument("--rounds", type=int, default=1, help="time each point's kernels round robin this many times, each "
+                                                          "round starting one kernel later; each keeps its median "
+                                                          "(<name>_rounds lists them)")
+    ap.add_argument("--skip", default="", help="baselines not to time, comma-separated (triton, dequant, tinygemm, "
+                                               "cuda_default); bf16 is always timed")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--check-timeout", type=float, default=300.0)
     ap.add_argument("--update-table", nargs=2, metavar=("RUN_JSON", "TABLE"),
@@ -347,6 +371,10 @@ def main(argv=None):
     ap.add_argument("--dry", action="store_true", help="CPU: the op's PyTorch path on tiny shapes (no build, no timing "
                                                        "of any kernel)")
     args = ap.parse_args(argv)
+    skip = [v for v in args.skip.split(",") if v]
+    bad = set(skip) - {"triton", "dequant", "tinygemm", "cuda_default"}
+    if bad:
+        ap.error(f"--skip: {sorted(bad)} are not baselines this script can leave out")
     if args.update_table:
         update_table(*args.update_table)
         return 0
@@ -375,7 +403,8 @@ def main(argv=None):
         ms = [int(v) for v in args.ms.split(",")]
     result["passing"] = passing
     splits = [int(v) for v in args.splits.split(",")]
-    result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start, splits)
+    result["rounds"] = args.rounds
+    result["rows"] = time_shapes(dev, shapes, ms, passing, args.dry, args.budget_s, t_start, splits, args.rounds, skip)
     (out / "int4_wgmma.json").write_text(json.dumps(result, indent=1))
     if args.ncu and not args.dry and passing:
         items = ([tuple(int(v) for v in it.split(",")) for it in args.ncu_items.split(";")] if args.ncu_items

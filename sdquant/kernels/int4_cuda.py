@@ -379,9 +379,9 @@ def set_wgmma_rows(rows: int) -> int:
 
 def set_wgmma_one_launch_k(k_max: int) -> int:
     """From now on in this process, variant 63 runs every row of M > 256 in one launch wherever K <= ``k_max``, whatever
-    its fill test says (csrc/w4a16.h ``sdq_wg_one_launch_short_k``); 0 (the default) turns that off. An A/B toggle
-    (bench/int4_wgmma.py --schedule k4096; docs/BENCHMARKS.md Pending 42), not a measured rule. Read at launch time,
-    so set it before a CUDA graph is captured. Returns the previous setting (0 where the extension is not built)."""
+    its fill test says (csrc/w4a16.h ``sdq_wg_one_launch_short_k``); 4096 by default (measured: docs/BENCHMARKS.md
+    Pending 42), 0 turns it off (bench/int4_wgmma.py --schedule k0). Read at launch time, so set it before a CUDA graph
+    is captured. Returns the previous setting (0 where the extension is not built)."""
     if int(k_max) < 0:
         raise ValueError(f"k_max: {k_max!r} must be >= 0 (0: off)")
     ext = extension()
@@ -532,6 +532,20 @@ def set_wgmma_wave_splits(on: bool) -> bool:
     if ext is None:
         return True
     return bool(ext.set_wg_wave_splits(1 if on else 0))
+
+
+def set_wgmma_wave_cost(stages: int) -> int:
+    """From now on in this process, what ``set_wgmma_wave_splits``' rule charges the two splits' cluster sum, in
+    128-K stages (csrc/w4a16.h ``sdq_wg_wave_splits``): it splits only where the waves of half the work plus this cost
+    take less time than the waves of whole tiles. 4 by default (measured: docs/BENCHMARKS.md Pending 42); 0 leaves the
+    fill rule alone, the rule before 2026-12-07 (bench/int4_wgmma.py --schedule wc0). Returns the previous setting (4
+    where the extension is not built)."""
+    if int(stages) < 0:
+        raise ValueError(f"stages: {stages!r} must be >= 0 (0: the fill rule alone)")
+    ext = extension()
+    if ext is None:
+        return 4
+    return int(ext.set_wg_wave_cost(int(stages)))
 
 
 def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:

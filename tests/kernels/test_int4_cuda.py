@@ -236,22 +236,28 @@ def test_wgmma_one_launch_k_setting_is_checked():
         int4_cuda.set_wgmma_one_launch_k(-1)
 
 
+def test_wgmma_wave_cost_setting_is_checked():
+    with pytest.raises(ValueError, match="stages: -2 must be >= 0"):
+        int4_cuda.set_wgmma_wave_cost(-2)
+
+
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_wgmma_one_launch_short_k_toggle(tmp_path):
-    """sdq_wg_one_launch_short_k (w4a16.h), the off-by-default A/B toggle of Pending 42: at M > 256 and K <= k_max
-    (groups a multiple of 128, K of 128) it grants the one launch; off (k_max 0), at M <= 256 or at longer K never.
-    Cases: (m, k, group_k16, k_max) -> granted."""
+    """sdq_wg_one_launch_short_k (w4a16.h), Pending 42's rule (k_max 4096 by default since 2026-12-07): at M > 256 and
+    K <= k_max (groups a multiple of 128, K of 128) it grants the one launch; off (k_max 0), at M <= 256 or at longer
+    K never. Cases: (m, k, group_k16, k_max) -> granted."""
     cases = [
         ((520, 4096, 8, 4096), 1),     # 4096x4096 M = 520: the fill test refused it (three 256-row launches)
         ((777, 4096, 8, 4096), 1),
         ((520, 14336, 8, 4096), 0),    # 14336x4096: one launch measured slower; K above the limit
-        ((520, 4096, 8, 0), 0),        # off (the default)
+        ((520, 4096, 8, 0), 0),        # off
         ((256, 4096, 8, 4096), 0),     # M <= 256: not the one-launch question
         ((520, 4096, 4, 4096), 0),     # group 64: the warp-specialized kernel does not take it
         ((520, 4160, 8, 8192), 0),     # K not a multiple of 128
     ]
-    got = _run_host_rule(tmp_path, [f"sdq_wg_one_launch_short_k({m}, {k}, {g}, {km})" for (m, k, g, km), _ in cases])
-    assert got == [want for _, want in cases]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_one_launch_short_k({m}, {k}, {g}, {km})" for (m, k, g, km), _ in cases]
+                         + ["SDQ_WG_ONE_LAUNCH_K_DEFAULT"])
+    assert got == [want for _, want in cases] + [4096]
 
 
 def test_wgmma_remainder_rows_rule():
@@ -378,6 +384,8 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_rows(256) == 0
         assert int4_cuda.set_wgmma_cluster(False) is True
         assert int4_cuda.set_wgmma_wave_splits(False) is True
+        assert int4_cuda.set_wgmma_wave_cost(0) == 4
+        assert int4_cuda.set_wgmma_one_launch_k(0) == 0
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
         assert int4_cuda.wgmma_max_clusters(2) == 0
@@ -543,10 +551,18 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
     """bench/int4_wgmma.py and bench/x_smem.py --dry (CPU op path, tiny shapes): the checks pass for both wgmma
     variants, every provider is timed, and the tables print."""
     import json
-    r = _run_bench("int4_wgmma.py", "--dry", "--out", str(tmp_path))
+    r = _run_bench("int4_wgmma.py", "--dry", "--rounds", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads((tmp_path / "int4_wgmma.json").read_text())
     assert d["passing"] == ["62", "63"] and d["checks"] and all(c["pass"] for c in d["checks"])
+    assert d["rounds"] == 2 and all(len(row["v63_rounds"]) == 2 and row["v63"] > 0 for row in d["rows"])
+    skipped = tmp_path / "skip"
+    r2 = _run_bench("int4_wgmma.py", "--dry", "--configs", "63", "--skip", "triton,dequant", "--out", str(skipped))
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    rows = json.loads((skipped / "int4_wgmma.json").read_text())["rows"]
+    assert rows and all("triton" not in row and "dequant" not in row and row["bf16"] > 0 for row in rows)
+    r2 = _run_bench("int4_wgmma.py", "--dry", "--skip", "bf16", "--out", str(skipped))
+    assert r2.returncode != 0 and "--skip" in r2.stderr and "Traceback" not in r2.stderr
     assert len(d["src_digest"]) == 12  # which sources ran (bench/provenance.py)
     assert {c["config"] for c in d["checks"]} == {62, 63} and {c["M"] for c in d["checks"]} >= {1, 17, 40}
     for row in d["rows"]:
@@ -555,11 +571,35 @@ def test_int4_wgmma_and_x_smem_dry_runs_check_and_time_every_config(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import int4_wgmma  # the labels of configs under a forced schedule (--schedule)
     assert [int4_wgmma.label(63, m) for m in ("auto", "ws")] == ["63", "63-ws"]
-    assert [int4_wgmma.parse_label(v) for v in ("62", "63-stream")] == [(62, "auto"), (63, "stream")]
+    assert [int4_wgmma.parse_label(v) for v in ("62", "63-stream", "63-k0+wc0")] == \
+        [(62, "auto"), (63, "stream"), (63, "k0+wc0")]
     r = _run_bench("x_smem.py", "--dry", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "x_smem.json").read_text())["rows"]
     assert rows and all(row["v10_identical"] and row["v10_xs0"] > 0 for row in rows)
+
+
+def test_int4_wgmma_joined_schedules_set_each_part_and_restore_in_reverse(monkeypatch):
+    """bench/int4_wgmma.py's schedule_set: modes joined with "+" ("k0+wc0", the automatic schedule before 2026-12-07)
+    apply each part's process setting in order and restore each previous value in reverse order on exit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import int4_wgmma
+    calls, state = [], {"k": 4096, "wc": 4}
+
+    def setter(key):
+        def f(v):
+            calls.append((key, int(v)))
+            old, state[key] = state[key], int(v)
+            return old
+        return f
+    monkeypatch.setattr(int4_cuda, "set_wgmma_one_launch_k", setter("k"))
+    monkeypatch.setattr(int4_cuda, "set_wgmma_wave_cost", setter("wc"))
+    with int4_wgmma.schedule_set("k0+wc0"):
+        assert state == {"k": 0, "wc": 0}
+    assert calls == [("k", 0), ("wc", 0), ("wc", 4), ("k", 4096)] and state == {"k": 4096, "wc": 4}
+    with int4_wgmma.schedule_set("auto"):
+        pass
+    assert len(calls) == 4  # "auto" touches no setting
 
 
 def test_chain_dry_runs_every_mode_and_sweep_entry(tmp_path):
@@ -713,11 +753,18 @@ def test_wgmma_ws_stream_k_rule_takes_the_single_role_stream_k_points(tmp_path):
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_wgmma_wave_split_rule(tmp_path):
     """sdq_wg_wave_splits (w4a16.h): at M > 256, two splits in clusters of 2 where twice the CTAs at half the work take
-    at most 90% of the waves' time (132 slots, 66 pairs resident as on the H100). Cases: (m, n, k, group_k16) -> splits."""
+    at most 90% of the waves' time (the fill rule) and the waves of half the work plus the cluster sum's cost (4 stages
+    of 128 K by default) take less than the waves of whole tiles (the cost rule); 132 slots, 66 pairs resident as on
+    the H100. Cases: (m, n, k, group_k16) -> splits."""
     cases = [
-        ((1024, 6144, 4096, 8), 2),    # 192 tiles: 2 waves -> 3 half waves
-        ((1024, 10240, 8192, 8), 2),   # 320 tiles: 3 -> 5 half waves
-        ((512, 28672, 4096, 8), 2),    # 448 tiles: 4 -> 7 half waves
+        ((1024, 6144, 4096, 8), 2),    # 192 tiles: 2 waves -> 3 half waves (measured -14%)
+        ((1024, 10240, 8192, 8), 2),   # 320 tiles: 3 -> 5 half waves (-9..-15%)
+        ((512, 28672, 8192, 8), 2),    # 448 tiles of 64 stages: 4 -> 7 half waves (-5..-8%)
+        ((1536, 4096, 4096, 8), 2),    # 192 tiles: 2 -> 3 (-7%)
+        ((520, 28672, 4096, 8), 1),    # 560 tiles of 32 stages: 5 -> 9 half waves, the sums cost more (+13% split)
+        ((512, 28672, 4096, 8), 1),    # 448 tiles of 32 stages: 4 -> 7, 7 x 20 > 4 x 32
+        ((1536, 6144, 4096, 8), 1),    # 288 tiles: 3 -> 5 (+7% split)
+        ((2100, 6144, 4096, 8), 1),    # 408 tiles: 4 -> 7 (+15% split)
         ((1024, 28672, 8192, 8), 1),   # 896 tiles: 7 -> 14 half waves, nothing gained
         ((1024, 4096, 14336, 8), 1),   # 128 tiles in one wave
         ((2048, 4096, 4096, 8), 1),    # 256 tiles: 2 -> 4 half waves
@@ -725,10 +772,17 @@ def test_wgmma_wave_split_rule(tmp_path):
         ((1024, 6144, 1024, 8), 1),    # 8 stages of 128 K: splits too short
         ((1024, 6144, 4096, 4), 1),    # group 64
     ]
-    got = _run_host_rule(tmp_path, [f"sdq_wg_wave_splits({m}, {n}, {k}, {g}, 132, 66)" for (m, n, k, g), _ in cases])
-    assert got == [want for _, want in cases]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_wave_splits({m}, {n}, {k}, {g}, 132, 66, SDQ_WG_WAVE_COST_DEFAULT)"
+                                    for (m, n, k, g), _ in cases] + ["SDQ_WG_WAVE_COST_DEFAULT"])
+    assert got == [want for _, want in cases] + [4]
     # pairs that do not pack the device (fewer than 90% of the slots as clusters of 2): never
-    assert _run_host_rule(tmp_path, ["sdq_wg_wave_splits(1024, 6144, 4096, 8, 132, 59)"]) == [1]
+    assert _run_host_rule(tmp_path, ["sdq_wg_wave_splits(1024, 6144, 4096, 8, 132, 59, 4)"]) == [1]
+    # cost 0: the fill rule alone (the rule before 2026-12-07) splits where the cost rule does not; an explicit cost
+    # equal to the default answers as the default; a larger cost refuses a split the default keeps
+    assert _run_host_rule(tmp_path, ["sdq_wg_wave_splits(520, 28672, 4096, 8, 132, 66, 0)",
+                                     "sdq_wg_wave_splits(2100, 6144, 4096, 8, 132, 66, 0)",
+                                     "sdq_wg_wave_splits(1536, 4096, 4096, 8, 132, 66, 4)",
+                                     "sdq_wg_wave_splits(1536, 4096, 4096, 8, 132, 66, 16)"]) == [2, 2, 2, 1]
 
 
 def test_wgmma_split_rule(tmp_path):

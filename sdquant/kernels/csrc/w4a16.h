@@ -139,28 +139,38 @@ static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_s
   return !sdq_wg_split_fills(m, n, k, 128, wg_slots, sms, 9, 10);
 }
 
-// M > 256: variant 63's one launch granted at K <= k_max whatever sdq_wg_ws_auto's fill test says (k_max 0, the
-// default: off; sdq_w4a16_set_wg_one_launch_k). An A/B toggle (bench/int4_wgmma.py --schedule k4096), not a measured
-// rule: H100 int4_wgmma runs 48-49 timed one launch forced 5-24% faster than the 256-row launches the fill test chose
-// on the K = 4096 shapes (4096x4096 M = 520 / 640: 47 against 54-62 us; 4096x6144 M = 777: 93 against 102) and
-// 2-43% slower on 14336x4096 and 28672x8192; forcing also changed the sub-path, which this toggle does not.
+// M > 256: variant 63's one launch granted at K <= k_max whatever sdq_wg_ws_auto's fill test says (k_max 4096 by
+// default; 0 turns it off: sdq_w4a16_set_wg_one_launch_k). On the K = 4096 shapes the fill test chose 256-row launches
+// where one launch was faster: H100 int4_wgmma runs 48-50 (same process, us): 4096x4096 M = 520 / 640 47 against 53-62,
+// 4096x6144 M = 777 89-94 against 102-106, M = 384 46.5-46.9 against 48.6-49.2; it was never slower there. At longer K it
+// is not granted: one launch forced was 2-43% slower on 14336x4096 and 28672x8192 (runs 48-49).
+#define SDQ_WG_ONE_LAUNCH_K_DEFAULT 4096  // k_max by default (sdq_w4a16_set_wg_one_launch_k)
 static inline int sdq_wg_one_launch_short_k(int m, int k, int group_k16, int k_max) {
   return m > 256 && k_max > 0 && k <= k_max && group_k16 % 8 == 0 && k % 128 == 0;
 }
 
 // M > 256 (one launch): two splits summed in clusters of 2 where the tiles alone leave the last wave part-empty, so that
-// twice the CTAs at half the work each take at most 90% of the waves' time: 4096x6144 M = 1024 (192 tiles: 2 waves 73%
-// full -> 3 waves of half the work), 8192x10240 M = 1024 (320 tiles: 3 -> 5 half waves), 4096x28672 M = 512; not
-// 8192x28672 M = 1024 (896 tiles: 6.8 waves). Only where pairs pack the device (pair_clusters: clusters of 2 resident at
-// once, x 2 >= 90% of the slots) and each split keeps >= 8 stages of 128 K. Returns 2 or 1. On by default since H100
-// int4_wgmma runs 38-39 (4096x6144 M = 1024 -14%, 8192x10240 M = 1024 -9..-15%, 8192x28672 M = 512 -5..-8%, no loss
-// where it applies; docs/BENCHMARKS.md "Two splits for the one-launch path's last wave");
-// sdq_w4a16_set_wg_wave_splits(0) turns it off for A/Bs.
-static inline int sdq_wg_wave_splits(int m, int n, int k, int group_k16, int slots, int pair_clusters) {
+// twice the CTAs at half the work each take at most 90% of the waves' time (the fill rule), and the waves of half the
+// work plus the cluster sum's cost take less time than the waves of whole tiles (the cost rule): w2 (S / 2 + cost) < w1 S
+// for w1 / w2 waves unsplit / split, S = K / 128 stages a tile and `cost` in stages (4 by default,
+// sdq_w4a16_set_wg_wave_cost; 0 leaves the fill rule alone, the rule from 2026-12-06 to 2026-12-07). Only where pairs
+// pack the device (pair_clusters: clusters of 2 resident at once, x 2 >= 90% of the slots) and each split keeps >= 8
+// stages of 128 K. Returns 2 or 1.
+// * The fill rule: H100 int4_wgmma runs 38-39 (4096x6144 M = 1024 -14%, 8192x10240 M = 1024 -9..-15%, 8192x28672
+//   M = 512 -5..-8%; docs/BENCHMARKS.md "Two splits for the one-launch path's last wave").
+// * The cost rule: at K = 4096 (S = 32) the fill rule's splits were slower where they add many half waves: H100 runs
+//   48-50, one launch without the splits against with them (us): 4096x28672 M = 520 / 640 (5 -> 9 waves) 233 / 246
+//   against 268 / 277, 4096x6144 M = 1536 / 2100 (3 -> 5, 4 -> 7) 146 / 193 against 156 / 222, 4096x4096 M = 2100
+//   115 against 121; they were faster where they add few: 4096x4096 M = 1536 (2 -> 3) 90 against 97, 4096x6144 M = 777
+//   89 against 94. A cost of 4 stages (about 6 us at 1.5 us a stage: the cluster barrier and the DSMEM sum, 6-8 us in
+//   bench/ws_trace.py) fits all of these and keeps every split of runs 38-39.
+#define SDQ_WG_WAVE_COST_DEFAULT 4  // cost by default (sdq_w4a16_set_wg_wave_cost)
+static inline int sdq_wg_wave_splits(int m, int n, int k, int group_k16, int slots, int pair_clusters, int cost) {
   if (m <= 256 || group_k16 % 8 || k % 128 || k / 128 < 16 || 20 * pair_clusters < 9 * slots) return 1;
-  const long long tiles = (long long)((m + 127) / 128) * (n / 256);
+  const long long tiles = (long long)((m + 127) / 128) * (n / 256), s = k / 128, c = cost > 0 ? cost : 0;
   const long long w1 = (tiles + slots - 1) / slots, w2 = (2 * tiles + slots - 1) / slots;
-  return 10 * w2 <= 18 * w1 ? 2 : 1;  // w2 / 2 <= 0.9 w1
+  // fill: w2 / 2 <= 0.9 w1; cost: w2 (s / 2 + c) < w1 s (with c = 0 the fill rule implies it)
+  return 10 * w2 <= 18 * w1 && w2 * (s + 2 * c) < 2 * w1 * s ? 2 : 1;
 }
 
 #ifdef __cplusplus
@@ -198,7 +208,7 @@ int sdq_w4a16_wg_schedule(void);
 int sdq_w4a16_set_wg_rows(int rows);
 int sdq_w4a16_wg_rows(void);
 // K up to which variant 63 runs every row of M > 256 in one launch whatever its fill test says (sdq_wg_one_launch_short_k;
-// 0, the default: off). Returns the previous setting.
+// 4096 by default, 0: off). Returns the previous setting.
 int sdq_w4a16_set_wg_one_launch_k(int k_max);
 int sdq_w4a16_wg_one_launch_k(void);
 // Whether variant 63's warp-specialized split-K sums its 2-8 splits inside a thread-block cluster (1, the default) or
@@ -208,6 +218,10 @@ int sdq_w4a16_wg_cluster(void);
 // Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).
 int sdq_w4a16_set_wg_wave_splits(int on);
 int sdq_w4a16_wg_wave_splits(void);
+// sdq_wg_wave_splits' cost of the cluster sum, in 128-K stages (4 by default; 0: its fill rule alone). Returns the
+// previous setting.
+int sdq_w4a16_set_wg_wave_cost(int stages);
+int sdq_w4a16_wg_wave_cost(void);
 // The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
 // write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
 // sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).

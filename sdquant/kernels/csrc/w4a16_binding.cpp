@@ -246,6 +246,8 @@ int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast
 
 int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
 
+int64_t set_wg_wave_cost(int64_t stages) { return sdq_w4a16_set_wg_wave_cost(static_cast<int>(stages)); }
+
 // the warp-specialized kernel's phase trace: a device buffer's address (0 = off) for a -DSDQ_WS_TRACE=1 build's launches
 // (bench/ws_trace.py); returns whether this build writes it
 int64_t set_ws_trace(int64_t ptr) {
@@ -275,11 +277,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_wg_rows", &set_wg_rows,
           "rows a launch of the wgmma kernel takes from now on (0 automatic, 256 always 256); returns the old");
   mod.def("set_wg_one_launch_k", &set_wg_one_launch_k,
-          "K up to which M > 256 runs in one launch whatever the fill test says (0 off); returns the old");
+          "K up to which M > 256 runs in one launch whatever the fill test says (4096 default, 0 off); returns the old");
   mod.def("set_wg_cluster", &set_wg_cluster,
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
+  mod.def("set_wg_wave_cost", &set_wg_wave_cost,
+          "the wave splits' cluster-sum cost in 128-K stages (0: the fill rule alone); returns the old");
   mod.def("set_ws_trace", &set_ws_trace,
           "trace buffer address for the warp-specialized kernel (0 off); returns 1 in a -DSDQ_WS_TRACE=1 build");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");

@@ -145,7 +145,7 @@ extern "C" int sdq_w4a16_auto_splits(int m, int n, int k, int group_k16, int is_
       if (cs >= 2) return cs;
       if (m > 256 && sdq_w4a16_wg_wave_splits() && dispatch_m(8, q, nullptr) == m) {  // one launch: two splits
         q.splits = 2;                                                                  // where the waves gain
-        return sdq_wg_wave_splits(m, n, k, group_k16, slots, dispatch_m(10, q, nullptr));
+        return sdq_wg_wave_splits(m, n, k, group_k16, slots, dispatch_m(10, q, nullptr), sdq_w4a16_wg_wave_cost());
       }
     }
     return sdq_wg_splits(tiles, want < slots ? want : slots, k, target2 > 0 ? 0 : 2 * sms);
@@ -221,9 +221,10 @@ extern "C" int sdq_w4a16_probe(const SdqW4A16Params* p, int kind, int ctas, cuda
 namespace {
 int g_wg_schedule = 0;
 int g_wg_rows = 0;
-int g_wg_one_k = 0;
+int g_wg_one_k = SDQ_WG_ONE_LAUNCH_K_DEFAULT;
 int g_wg_cluster = 1;
 int g_wg_wave = 1;
+int g_wg_wave_cost = SDQ_WG_WAVE_COST_DEFAULT;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
@@ -246,6 +247,10 @@ extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
   return std::exchange(g_wg_wave, on ? 1 : 0);
 }
 extern "C" int sdq_w4a16_wg_wave_splits(void) { return g_wg_wave; }
+extern "C" int sdq_w4a16_set_wg_wave_cost(int stages) {
+  return std::exchange(g_wg_wave_cost, stages > 0 ? stages : 0);
+}
+extern "C" int sdq_w4a16_wg_wave_cost(void) { return g_wg_wave_cost; }
 extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
   return std::exchange(g_ws_trace, trace);
 }
