@@ -5,8 +5,8 @@
         x        fp16/bf16 [..., K]            (dtype must match zeros)
         qweight  int32 [N/64, K/16, 32, 4]     scales fp16 / zeros x.dtype [G, N/64, 8, 8]  (int4_layout.repack_cuda)
         perm     int32 [K] or None             act-order: x[:, perm] is gathered before the kernel
-        locks    int32 [N/64]                  split-K counters; zero before and after every call (so one layout
-                                               must not run on two streams at once)
+        locks    int32 [max(N/64, 1024)]       split-K / stream-K counters; zero before and after every call (so one
+                                               layout must not run on two streams at once)
         bias     dtype [N] or None
         splits   split-K factor, 0 = automatic (fill every SM once)
         evict_first  copy weights with an L2 evict-first policy (use only if ``evict_first_works()``; variant 0 only)

@@ -21,7 +21,8 @@ API (used by the dispatch code; all return/accept plain dicts of tensors, never 
         contiguous axis, so a thread's 16-byte load covers 4 features. "locks": split-K counters (one a
         32-feature tile at most), zero, left at zero by the kernels.
     repack_cuda(qw, dtype) -> {"qweight": int32 [N/64, K/16, 32, 4], "scales": fp16 [G, N/64, 8, 8],
-                               "zeros": dtype [G, N/64, 8, 8], "perm": int32 [K] | None, "locks": int32 [N/64]}
+                               "zeros": dtype [G, N/64, 8, 8], "perm": int32 [K] | None,
+                               "locks": int32 [max(N/64, CUDA_LOCKS_MIN)]}
         fragment-ordered: lane l = 4g + t of a warp loads 16 bytes (4 words) per 64-feature x 16-k tile, exactly
         its A fragments for four m16n8k16 MMAs (features 16w+g and 16w+8+g of word w, k rows 2t, 2t+1, 2t+8,
         2t+9; see ``_CUDA_NIBBLES``); scales/zeros [g, nb, r, e] belong to feature nb*64 + 16*(e//2) + 8*(e%2)
@@ -147,6 +148,11 @@ def _cuda_index(device):
     return j.to(device), kr.to(device)
 
 
+# Split-K / stream-K counters of a CUDA layout: max(N/64, this) (csrc/w4a16.h SDQ_LOCKS_MIN: the warp-specialized stream-K
+# counts in on its owner CTA's lock, one a CTA of its grid)
+CUDA_LOCKS_MIN = 1024
+
+
 def repack_cuda(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
     _check_int4(qw, 64, 64, 32, "repack_cuda")
     codes, _, _, perm = _prepared(qw, dtype)
@@ -162,7 +168,7 @@ def repack_cuda(qw: QuantizedWeight, dtype: torch.dtype) -> Layout:
         return t.t().reshape(g, nb, 8, 8).transpose(2, 3).contiguous().to(dt)
     return {"qweight": words.contiguous(), "scales": perm_groups(qw.scales, torch.float16),
             "zeros": perm_groups(zeros, dtype), "perm": perm,
-            "locks": torch.zeros(nb, dtype=torch.int32, device=codes.device)}
+            "locks": torch.zeros(max(nb, CUDA_LOCKS_MIN), dtype=torch.int32, device=codes.device)}
 
 
 def _cuda_codes_nk(layout: Layout) -> torch.Tensor:

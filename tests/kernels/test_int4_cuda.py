@@ -748,6 +748,9 @@ def test_wgmma_ws_stream_k_rule_takes_the_single_role_stream_k_points(tmp_path):
     got = _run_host_rule(tmp_path, [f"sdq_wg_ws_sk_auto({m}, {n}, {k}, {g}, 132, 132, 132, cap)"
                                     for (m, n, k, g), _ in cases], prelude=f"static const int cap[9] = {cap};")
     assert got == [want for _, want in cases]
+    # any M fits the kernel (its locks are per owner CTA), automatic only at M = 129-256 so far
+    assert _run_host_rule(tmp_path, ["sdq_wg_ws_sk_fits(1024, 28672, 8192, 8)", "sdq_wg_ws_sk_fits(4096, 8192, 28672, 8)",
+                                     "sdq_wg_ws_sk_fits(1024, 28672, 8192, 4)", "SDQ_LOCKS_MIN"]) == [1, 1, 0, 1024]
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")

@@ -63,6 +63,19 @@ def test_cuda_fragment_order():
                     assert (word >> (4 * p)) & 0xF == int(codes[row, kb * 16 + 2 * t + krow])
 
 
+def test_cuda_locks_cover_a_stream_k_grid():
+    """The CUDA layout's split-K / stream-K counters: max(N/64, CUDA_LOCKS_MIN) int32 zeros (the warp-specialized
+    stream-K counts in on its owner CTA's lock, one a CTA of its grid: csrc/w4a16.h SDQ_LOCKS_MIN)."""
+    import re
+    from sdquant.kernels import int4_cuda
+    header = (int4_cuda.CSRC / "w4a16.h").read_text()
+    assert int(re.search(r"#define SDQ_LOCKS_MIN (\d+)", header).group(1)) == L.CUDA_LOCKS_MIN == 1024
+    for n in (128, 64 * 1024, 64 * 2048):
+        lay = L.repack_cuda(make_qw(n, 64, 64, True, False), torch.float16)
+        assert lay["locks"].dtype == torch.int32 and lay["locks"].shape == (max(n // 64, 1024),)
+        assert not lay["locks"].any()
+
+
 def test_triton_word_order():
     qw = make_qw(64, 128, 32, True, False)
     q = L.repack_triton(qw, torch.float16)["qweight"]             # [K/8, N]

@@ -41,6 +41,7 @@ static int check(int tiles, int nst, int grid) {
   // the consumer loop as the kernel runs it: per CTA its segments in order; a peer's partial goes to slot g (one a CTA)
   // and it counts in; the owner's segment must be its range's last (it waits there), a peer's its range's first
   std::vector<int> slot_tile(grid, -1), whole(tiles, 0), counted(tiles, 0), owned(tiles, 0), covered(tiles, 0);
+  std::vector<int> lock_tile(grid, -1);  // the cut tile whose count lives on CTA g's lock (its owner's)
   for (int g = 0; g < grid; ++g)
     for (int u = rg.start(g), end = rg.start(g + 1); u < end;) {
       int t, sa, sb;
@@ -57,6 +58,8 @@ static int check(int tiles, int nst, int grid) {
       }
       if (g == rg.owner(t)) {
         if (!last) return fail("owner waits mid-range", tiles, nst, grid, t, g);
+        if (lock_tile[g] != -1) return fail("two cut tiles on one lock", tiles, nst, grid, g, t);
+        lock_tile[g] = t;
         ++owned[t];
         continue;
       }
@@ -82,8 +85,10 @@ static int check(int tiles, int nst, int grid) {
 }
 int main() {
   // the Llama shapes at the 128-token tile (M = 128 / 256, 128-K and 64-K stages) on 132 and 114 SMs, then a sweep
+  // and above 256 rows (every row in one launch): 8192x28672 at M = 1024, 28672x8192 at 4096 and 384, 4096x4096 at 2100
   const int shapes[][2] = {{112, 64}, {224, 64}, {32, 224}, {64, 224}, {40, 64}, {80, 64}, {16, 112}, {16, 32},
-                           {32, 32}, {24, 32}, {48, 32}, {112, 128}, {140, 8}, {5, 12}};
+                           {32, 32}, {24, 32}, {48, 32}, {112, 128}, {140, 8}, {5, 12},
+                           {896, 64}, {1024, 224}, {96, 224}, {272, 32}};
   for (const auto& s : shapes)
     for (int grid : {132, 114, 264})
       if (grid * 2 <= s[0] * s[1] && check(s[0], s[1], grid)) return 1;

@@ -3,6 +3,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+// Locks a layout holds at least (int4_layout.repack_cuda: max(N/64, this)): the warp-specialized stream-K counts a cut
+// tile's peers in on its owner CTA's lock, one a CTA of its grid (at most one CTA a SM)
+#define SDQ_LOCKS_MIN 1024
+
 struct SdqW4A16Params {
   const void* a;       // [m, k] fp16/bf16, row-major, rows 16-byte aligned (k % 8 == 0), m <= 32 (256: 62-63)
   const void* b;       // [n/64, k/16, 32 lanes, 4] int32 fragments (int4_layout.repack_cuda)
@@ -10,7 +14,7 @@ struct SdqW4A16Params {
   const void* zs;      // [g, n/64, 8, 8] integer zero points stored in the activation dtype
   void* c;             // [m, n] output, activation dtype
   float* partial;      // fp32 scratch: [splits, m, n] (read only when splits > 1); stream-K: [G, 2, m, 64 * WNN]
-  int* locks;          // >= ceil(n/256) ints, zero on entry and left zero on exit
+  int* locks;          // >= max(n/64, SDQ_LOCKS_MIN) ints, zero on entry and left zero on exit
   int m, n, k;
   int group_k16;       // group size / 16 (k / 16 for per-channel)
   int splits;          // split-K factor (>= 1), or the grid size G of a stream-K variant; sdq_w4a16_auto_splits picks it
@@ -124,15 +128,15 @@ static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, 
 // int4_wgmma runs 43-44 (H100, same process, us): 8192x10240 M = 144 / 192 / 256 86.5 / 86.4 / 88.5 -> 66.8 / 68.4 /
 // 69.7, 3584x18944 78.0 / 80.0 / 84.3 -> 57.3 / 56.8 / 57.5; where the warp-specialized split-K or its cluster sum runs
 // it was 1% faster to 43% slower (4096x4096 M = 128 17.0 -> 24.3), so not there.
-// What that kernel takes at all (forced or automatic): M <= 256, groups a multiple of 128, K of 128, and fewer than
-// 2^31 / 1025 (tile, stage) units.
+// What that kernel takes at all (forced or automatic): groups a multiple of 128, K of 128, and fewer than 2^31 / 1025
+// (tile, stage) units; any M since its locks are counted per owner CTA (SDQ_LOCKS_MIN), automatically at M = 129-256.
 static inline int sdq_wg_ws_sk_fits(int m, int n, int k, int group_k16) {
-  return m <= 256 && group_k16 % 8 == 0 && k % 128 == 0 &&
+  return group_k16 % 8 == 0 && k % 128 == 0 &&
          (long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 < (1LL << 31);
 }
 static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_slots, int wg_slots, int sms,
                                     const int* max_clusters) {
-  if (m <= 128 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;
+  if (m <= 128 || m > 256 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;  // (M > 256: forced only, so far)
   if (sdq_wg_ws_auto(m, n, k, group_k16, ws_slots, sms) ||
       sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters) >= 2)
     return 0;

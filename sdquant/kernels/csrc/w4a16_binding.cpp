@@ -28,7 +28,8 @@ void check_layout_args(const char* op, const torch::Tensor& x, const torch::Tens
   const int64_t k = x.size(1), n = qweight.size(0) * 64, g = scales.size(0);
   TORCH_CHECK(qweight.size(1) * 16 == k, op, ": x has K=", k, " but qweight holds K=", qweight.size(1) * 16);
   TORCH_CHECK(g > 0 && k % (16 * g) == 0, op, ": ", g, " groups do not divide K=", k);
-  TORCH_CHECK(locks.numel() >= n / 64, op, ": locks too small (need N/64 ints)");
+  TORCH_CHECK(locks.numel() >= std::max<int64_t>(n / 64, SDQ_LOCKS_MIN), op, ": locks too small (need max(N/64, ",
+              SDQ_LOCKS_MIN, ") ints: int4_layout.repack_cuda's)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
 }
 

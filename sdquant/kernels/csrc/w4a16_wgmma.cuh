@@ -1280,12 +1280,14 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
       continue;
     }
     const int owner = rg.owner(t), peers = rg.peers(t);
+    // A cut tile's lock is its owner's, p.locks[owner]: a CTA owns at most one cut tile (its range's last segment),
+    // so the grid's CTAs (<= SDQ_LOCKS_MIN) need that many locks whatever the number of tiles.
     if (g != owner) {  // a peer (its range's first segment): the partial into slot g, float4 i of thread tid at
-                       // i * NT + tid, then count in on the tile's lock. The barrier orders every consumer thread's
+                       // i * NT + tid, then count in on the owner's lock. The barrier orders every consumer thread's
                        // stores before thread 0's release, as split_count_in does.
       acc_store_partial<NU, ND, NT>(part + static_cast<size_t>(g) * SLOT + tid, acc);
       asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
-      if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p.locks + t) : "memory");
+      if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p.locks + owner) : "memory");
       continue;
     }
     // the owner (its range's last segment): wait until every peer has counted in (acquire), then add their partials
@@ -1293,9 +1295,9 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     if (tid == 0) {
       int n;
       do {
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p.locks + t) : "memory");
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(p.locks + g) : "memory");
       } while (n < peers);
-      p.locks[t] = 0;
+      p.locks[g] = 0;
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
     for (int q = owner + 1; q <= owner + peers; ++q)
@@ -1524,17 +1526,19 @@ bool wg_ws(const SdqW4A16Params& p) {
   }
 }
 
-// Stream-K over the warp-specialized pipeline (TmaSkKern) for variant 63 at the 128-token tile, M <= 256 (two token
-// tiles: one lock a tile fits p.locks), groups a multiple of 128 and K of 128, and fewer than 2^31 / 1025 (tile, stage)
-// units (its 32-bit range arithmetic, for grids up to 1024 CTAs): automatically where sdq_wg_ws_sk_auto (w4a16.h) says,
-// i.e. where variant 63 would otherwise take the single-role stream-K (not wg_ws, and wg_stream_k), or where
-// int4_cuda.set_wgmma_schedule("wssk") forces it (mode 4).
+// Stream-K over the warp-specialized pipeline (TmaSkKern) for variant 63 at the 128-token tile, any M (a cut tile counts
+// in on its owner CTA's lock: grids up to SDQ_LOCKS_MIN CTAs), groups a multiple of 128 and K of 128, and fewer than
+// 2^31 / 1025 (tile, stage) units (its 32-bit range arithmetic, for grids up to 1024 CTAs): automatically at M = 129-256
+// where sdq_wg_ws_sk_auto (w4a16.h) says, i.e. where variant 63 would otherwise take the single-role stream-K (not
+// wg_ws, and wg_stream_k), or where int4_cuda.set_wgmma_schedule("wssk") forces it (mode 4; above 256 rows every row
+// in one launch, wgmma_rows).
 template <typename T, int NTOK, bool SEP>
 bool wg_ws_sk(const SdqW4A16Params& p) {
   if constexpr (!SEP || NTOK != 128) {
     return false;
   } else {
     if (!sdq_wg_ws_sk_fits(p.m, p.n, p.k, p.group_k16)) return false;
+    if (sm_count_now() * TmaSkKern<T, WS_KS128>::per_sm() > SDQ_LOCKS_MIN) return false;  // a lock a CTA of the grid
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 4;
     if (p.m <= NTOK) return false;  // (before the queries)
@@ -1644,12 +1648,14 @@ int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 
 // Rows a launch takes (op 8): every row of p.m > 256 where variant 63's warp-specialized kernel runs that M (wg_ws, with
-// its split-K rule for the whole M), so the launch has one ramp and one tail instead of M / 256 launches of two token
-// tiles each (1.7 waves each on 8192x28672, split or streamed); else 256. sdq_w4a16_set_wg_rows(256) restores the
-// 256-row launches.
+// its split-K rule for the whole M, or its stream-K, wg_ws_sk, where forced), so the launch has one ramp and one tail
+// instead of M / 256 launches of two token tiles each (1.7 waves each on 8192x28672, split or streamed); else 256.
+// sdq_w4a16_set_wg_rows(256) restores the 256-row launches.
 template <typename T>
 int wgmma_rows(int v, const SdqW4A16Params& p) {
-  return p.m > 256 && v == 63 && sdq_w4a16_wg_rows() != 256 && wg_ws<T, 128, true>(p) ? p.m : 256;
+  return p.m > 256 && v == 63 && sdq_w4a16_wg_rows() != 256 && (wg_ws<T, 128, true>(p) || wg_ws_sk<T, 128, true>(p))
+             ? p.m
+             : 256;
 }
 
 template <typename T>
