@@ -1438,7 +1438,7 @@ struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   static constexpr auto kernel = w4a16_wgmma_tma_sk_kernel<T, KS>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = TmaSkKern::setup()) return rc;
-    if ((p.m + 127) / 128 * (p.n / 256) > p.n / 64) return -2;  // one lock a tile (p.locks holds N / 64)
+    if (p.splits > SDQ_LOCKS_MIN) return -2;  // one lock a CTA of the grid (p.locks holds max(N / 64, SDQ_LOCKS_MIN))
     if (reinterpret_cast<uintptr_t>(p.c) % 16) return -1;  // copy_out's 16-byte stores
     CUtensorMap map;
     if (const int rc = tma_x_map(p, 128, &map)) return rc;
