@@ -81,7 +81,8 @@ class schedule_set:
     kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False)); "nowave" the automatic schedule without two
     splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
     forces them on, the default since int4_wgmma run 39); "wc<N>" those splits' rule charging the cluster sum N stages
-    (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "rem32" / "rem64" the
+    (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above
+    256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "rem32" / "rem64" the
     automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own wherever
     it occurs, "rem0" with no such launch even where the automatic rules split one off (int4_cuda.set_wgmma_remainder;
     "auto" keeps its rules, and the op here gets no plan's tail, so at M = 129-256 "auto" equals "rem0"). Modes join
@@ -110,6 +111,9 @@ class schedule_set:
         if mode == "nocl":
             old = c.set_wgmma_cluster(False)
             return lambda: c.set_wgmma_cluster(old)
+        if mode == "nosk":
+            old = c.set_wgmma_stream_k_above_256(False)
+            return lambda: c.set_wgmma_stream_k_above_256(old)
         if mode in ("wave", "nowave"):
             old = c.set_wgmma_wave_splits(mode == "wave")
             return lambda: c.set_wgmma_wave_splits(old)

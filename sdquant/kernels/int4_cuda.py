@@ -548,6 +548,17 @@ def set_wgmma_wave_cost(stages: int) -> int:
     return int(ext.set_wg_wave_cost(int(stages)))
 
 
+def set_wgmma_stream_k_above_256(on: bool) -> bool:
+    """Whether variant 63 runs M > 256 as stream-K over the warp-specialized pipeline where its one launch would leave
+    the last wave part-empty (csrc/w4a16.h ``sdq_wg_ws_sk_big``; on by default, measured in docs/BENCHMARKS.md
+    "Stream-K above 256 rows"), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule nosk).
+    Returns the previous setting (True where the extension is not built)."""
+    ext = extension()
+    if ext is None:
+        return True
+    return bool(ext.set_wg_sk_big(1 if on else 0))
+
+
 def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:
     """Clusters of ``size`` (2-8) CTAs of the warp-specialized kernel's cluster-sum form resident at once on this
     device (the occupancy calculator's answer; the form runs only where every tile's cluster fits); 0 without the
@@ -640,8 +651,10 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
     m = x2.shape[0]
     head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch? (only the wave rule asks)
-    one = m > 256 and head < m and _REM[0] < 0 and \
-        launch_rows(head, n, k, k // scales.shape[0], config, x2.dtype) >= head
+    gs = k // scales.shape[0]
+    one = m > 256 and head < m and _REM[0] < 0 and launch_rows(head, n, k, gs, config, x2.dtype) >= head
+    if one and wgmma_path(m, n, k, gs, config, x2.dtype) == "ws-stream":
+        one = False  # stream-K over every row spreads the last tile's work already: nothing to split off
     r = remainder_rows(m, int(config), int(tail), n, _sm_count(x2.device) if one else 0, one)
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)

@@ -385,6 +385,7 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_cluster(False) is True
         assert int4_cuda.set_wgmma_wave_splits(False) is True
         assert int4_cuda.set_wgmma_wave_cost(0) == 4
+        assert int4_cuda.set_wgmma_stream_k_above_256(False) is True
         assert int4_cuda.set_wgmma_one_launch_k(0) == 0
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
@@ -751,6 +752,27 @@ def test_wgmma_ws_stream_k_rule_takes_the_single_role_stream_k_points(tmp_path):
     # any M fits the kernel (its locks are per owner CTA), automatic only at M = 129-256 so far
     assert _run_host_rule(tmp_path, ["sdq_wg_ws_sk_fits(1024, 28672, 8192, 8)", "sdq_wg_ws_sk_fits(4096, 8192, 28672, 8)",
                                      "sdq_wg_ws_sk_fits(1024, 28672, 8192, 4)", "SDQ_LOCKS_MIN"]) == [1, 1, 0, 1024]
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_stream_k_above_256_rows_rule(tmp_path):
+    """sdq_wg_ws_sk_big (w4a16.h): above 256 rows, stream-K over the warp-specialized pipeline in place of the one
+    launch where that launch runs without wave splits and its waves leave enough idle: 1.1 tiles S / slots + 4 stages
+    < w1 S. Cases from H100 int4_wgmma run 52 (132 slots): (m, n, k, wave splits of the one launch) -> stream-K."""
+    cases = [
+        ((384, 8192, 28672, 1), 1),    # 96 tiles of 224 stages in one part-empty wave: 278 against 359 us
+        ((640, 10240, 8192, 1), 1),    # 200 tiles, 2 waves 76% full: 166 against 206
+        ((2100, 6144, 4096, 1), 1),    # 408 tiles, 4 waves 77% full: 166 against 192
+        ((520, 4096, 4096, 1), 1),     # 80 tiles in one wave: 41 against 46
+        ((4096, 28672, 8192, 1), 0),   # 3584 tiles, 28 waves 97% full: stream-K 1.08x the time
+        ((1040, 28672, 4096, 1), 0),   # 1008 tiles, 8 waves 95% full: 1.11x
+        ((777, 4096, 4096, 1), 0),     # 112 tiles, one wave 85% full, 32 stages: 1.13x
+        ((1536, 4096, 4096, 2), 0),    # the one launch splits in two (sdq_wg_wave_splits): not taken
+        ((256, 28672, 8192, 1), 0),    # M <= 256: sdq_wg_ws_sk_auto's question
+    ]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_ws_sk_big({m}, {n}, {k}, 8, 132, {w})" for (m, n, k, w), _ in cases]
+                         + ["sdq_wg_ws_sk_big(520, 4096, 4096, 4, 132, 1)", "sdq_wg_ws_sk_big(520, 4096, 4160, 8, 132, 1)"])
+    assert got == [want for _, want in cases] + [0, 0]  # group 64, K not a multiple of 128: the kernel cannot
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")

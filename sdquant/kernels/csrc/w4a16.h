@@ -129,18 +129,34 @@ static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, 
 // 69.7, 3584x18944 78.0 / 80.0 / 84.3 -> 57.3 / 56.8 / 57.5; where the warp-specialized split-K or its cluster sum runs
 // it was 1% faster to 43% slower (4096x4096 M = 128 17.0 -> 24.3), so not there.
 // What that kernel takes at all (forced or automatic): groups a multiple of 128, K of 128, and fewer than 2^31 / 1025
-// (tile, stage) units; any M since its locks are counted per owner CTA (SDQ_LOCKS_MIN), automatically at M = 129-256.
+// (tile, stage) units; any M since its locks are counted per owner CTA (SDQ_LOCKS_MIN); automatically at M = 129-256
+// (sdq_wg_ws_sk_auto) and above 256 rows where sdq_wg_ws_sk_big says.
 static inline int sdq_wg_ws_sk_fits(int m, int n, int k, int group_k16) {
   return group_k16 % 8 == 0 && k % 128 == 0 &&
          (long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 < (1LL << 31);
 }
 static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_slots, int wg_slots, int sms,
                                     const int* max_clusters) {
-  if (m <= 128 || m > 256 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;  // (M > 256: forced only, so far)
+  if (m <= 128 || m > 256 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;  // (M > 256: sdq_wg_ws_sk_big)
   if (sdq_wg_ws_auto(m, n, k, group_k16, ws_slots, sms) ||
       sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters) >= 2)
     return 0;
   return !sdq_wg_split_fills(m, n, k, 128, wg_slots, sms, 9, 10);
+}
+
+// M > 256 where variant 63 runs every row in one launch without wave splits (wave_splits 1): stream-K over the
+// warp-specialized pipeline instead (w4a16_wgmma.cuh wg_ws_sk, a grid of the `slots`) where its time, the units spread
+// evenly plus its measured overhead (10% a unit and 4 stages: the cut tiles' partials, a 32-row epilogue a tile), is
+// below the one launch's waves of whole tiles: 1.1 tiles S / slots + 4 < w1 S (S = K / 128 stages a tile). H100
+// int4_wgmma run 52 (same process, fastest of 3 rounds, stream-K against the one launch): 0.77-0.95 at the one-launch
+// points with a part-empty last wave (28672x8192 M = 384 278 against 359 us, 8192x10240 M = 640 166 against 206,
+// 4096x6144 M = 2100 166 against 192, 14336x4096 M = 384 76 against 85) and 1.06-1.16 where the waves are full (every
+// shape at M = 4096, 4096x28672 M = 777 / 1040), where the rule keeps the one launch; 19 points take it, geometric
+// mean 0.90. Where the one launch splits in two (sdq_wg_wave_splits) stream-K was 0.81-1.08, not kept.
+static inline int sdq_wg_ws_sk_big(int m, int n, int k, int group_k16, int slots, int wave_splits) {
+  if (m <= 256 || wave_splits != 1 || slots <= 0 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;
+  const long long tiles = (long long)((m + 127) / 128) * (n / 256), s = k / 128, w1 = (tiles + slots - 1) / slots;
+  return 11 * tiles * s + 40LL * slots < 10 * w1 * s * slots;
 }
 
 // M > 256: variant 63's one launch granted at K <= k_max whatever sdq_wg_ws_auto's fill test says (k_max 4096 by
@@ -226,6 +242,10 @@ int sdq_w4a16_wg_wave_splits(void);
 // previous setting.
 int sdq_w4a16_set_wg_wave_cost(int stages);
 int sdq_w4a16_wg_wave_cost(void);
+// Whether variant 63 runs M > 256 as stream-K where sdq_wg_ws_sk_big says (1, the default) or never (0). Returns the
+// previous setting.
+int sdq_w4a16_set_wg_sk_big(int on);
+int sdq_w4a16_wg_sk_big(void);
 // The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
 // write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
 // sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).

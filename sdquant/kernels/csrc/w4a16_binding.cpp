@@ -249,6 +249,8 @@ int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(sta
 
 int64_t set_wg_wave_cost(int64_t stages) { return sdq_w4a16_set_wg_wave_cost(static_cast<int>(stages)); }
 
+int64_t set_wg_sk_big(int64_t on) { return sdq_w4a16_set_wg_sk_big(static_cast<int>(on)); }
+
 // the warp-specialized kernel's phase trace: a device buffer's address (0 = off) for a -DSDQ_WS_TRACE=1 build's launches
 // (bench/ws_trace.py); returns whether this build writes it
 int64_t set_ws_trace(int64_t ptr) {
@@ -285,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
   mod.def("set_wg_wave_cost", &set_wg_wave_cost,
           "the wave splits' cluster-sum cost in 128-K stages (0: the fill rule alone); returns the old");
+  mod.def("set_wg_sk_big", &set_wg_sk_big,
+          "M > 256 runs stream-K where the one launch's waves leave enough idle (1) or never (0); returns the old");
   mod.def("set_ws_trace", &set_ws_trace,
           "trace buffer address for the warp-specialized kernel (0 off); returns 1 in a -DSDQ_WS_TRACE=1 build");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");

@@ -225,6 +225,7 @@ int g_wg_one_k = SDQ_WG_ONE_LAUNCH_K_DEFAULT;
 int g_wg_cluster = 1;
 int g_wg_wave = 1;
 int g_wg_wave_cost = SDQ_WG_WAVE_COST_DEFAULT;
+int g_wg_sk_big = 1;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
@@ -251,6 +252,10 @@ extern "C" int sdq_w4a16_set_wg_wave_cost(int stages) {
   return std::exchange(g_wg_wave_cost, stages > 0 ? stages : 0);
 }
 extern "C" int sdq_w4a16_wg_wave_cost(void) { return g_wg_wave_cost; }
+extern "C" int sdq_w4a16_set_wg_sk_big(int on) {
+  return std::exchange(g_wg_sk_big, on ? 1 : 0);
+}
+extern "C" int sdq_w4a16_wg_sk_big(void) { return g_wg_sk_big; }
 extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
   return std::exchange(g_ws_trace, trace);
 }

@@ -1543,6 +1543,15 @@ bool wg_ws_sk(const SdqW4A16Params& p) {
     if (mode != 0) return mode == 4;
     if (p.m <= NTOK) return false;  // (before the queries)
     const int sms = sm_count_now();
+    if (p.m > 256) {  // where the one launch runs without wave splits and its waves leave enough idle (w4a16.h)
+      if (!sdq_w4a16_wg_sk_big() || !wg_ws<T, NTOK, SEP>(p)) return false;
+      const int slots = sms * TmaKern<T, NTOK, WS_KS128>::per_sm();
+      const int ws = sdq_w4a16_wg_wave_splits()  // (as the split query in w4a16_sm90.cu asks it)
+                         ? sdq_wg_wave_splits(p.m, p.n, p.k, p.group_k16, slots,
+                                              TmaKern<T, 128, WS_KS128, true>::max_clusters(2), sdq_w4a16_wg_wave_cost())
+                         : 1;
+      return sdq_wg_ws_sk_big(p.m, p.n, p.k, p.group_k16, sms * TmaSkKern<T, WS_KS128>::per_sm(), ws) != 0;
+    }
     int cap[9] = {};
     if (sdq_w4a16_wg_cluster())
       for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, WS_KS128, true>::max_clusters(sp);
