@@ -1154,17 +1154,9 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 // protocol): twice the partial traffic, 4-50% slower than the automatic schedule on the H100 except 8192x10240 at
 // M = 256 (int4_wgmma run 42).
 // The launch's partition (w4a16_ranges.h, CPU-tested): (token tiles x feature tiles) tiles of p.k / 16 KS stages
-// (the hybrid form, sdq_sk_range_dp: data-parallel rounds of whole tiles first where the tiles make two or more waves)
 __device__ __forceinline__ SdqSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
-  return sdq_sk_range_dp((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
+  return sdq_sk_range((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
 }
-// The stream-K kernel's register split: its producer computes each stage's tile from the ring entry (two divisions a
-// stage, data-parallel rounds then the stream-K range), which needs more than the split-K producer's 24 registers
-struct WsSkRegs {
-  using R = WsRegs<128>;
-  static constexpr int PROD = 32, CONS = ((R::WGS + 1) * R::CAP - PROD) / R::WGS / 8 * 8;
-  static_assert(PROD + R::WGS * CONS <= (R::WGS + 1) * R::CAP, "the consumers' registers come from the producer's");
-};
 template <typename T, int KS>
 __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0);
 template <typename T, int KS>
@@ -1182,26 +1174,29 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
   __syncthreads();
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);
   if (role == WGS) {  // the producer: the range's stages in order, whatever tile each belongs to
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsSkRegs::PROD));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
     if (tid == 128 * WGS) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-      // ring entry r's tile t and stage s, computed from r: entry r < ndp is stage r % nst of round r / nst's tile
-      // (r / nst) G + g; after them unit usk + r - ndp of the launch (token tiles fastest: token rows (t % tt) NTOK,
-      // feature blocks (t / tt) 4); p.k / (16 KS), p.m and the grid are re-read from the parameters
-      int ndp, usk, nu;
+      int u0, nu;
       {
         const SdqSkRange rg = ws_sk_range(p, KS);
-        const int u0 = rg.start(blockIdx.x);
-        ndp = rg.dp * rg.nst;                 // the data-parallel rounds' stages come first,
-        usk = rg.dp * rg.grid * rg.nst + u0;  // then the stream-K range, from this unit of the launch
-        nu = ndp + rg.start(blockIdx.x + 1) - u0;
+        u0 = rg.start(blockIdx.x);
+        nu = rg.start(blockIdx.x + 1) - u0;
       }
+      // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time; nothing else kept
+      // (the producer has 24 registers: p.k / (16 KS) and p.m are re-read from the parameters)
+      const int tt = (p.m + NTOK - 1) / NTOK, t0 = u0 / (p.k / (16 * KS));
+      int s = u0 - t0 * (p.k / (16 * KS)), m0 = (t0 % tt) * NTOK, nb0 = (t0 / tt) * WG_BLOCKS;
       const auto issue = [&](int r, bool with_w, bool with_x) {  // ring entry r
-        const int nst = p.k / (16 * KS), tt = (p.m + NTOK - 1) / NTOK;
-        const int u = r < ndp ? r : usk + r - ndp;
-        const int t = r < ndp ? u / nst * p.splits + static_cast<int>(blockIdx.x) : u / nst;
-        tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), (u % nst) * KS,
-                                  (t / tt) * WG_BLOCKS, (t % tt) * NTOK, true, with_w, with_x);
+        tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), s * KS, nb0, m0,
+                                  true, with_w, with_x);
+        if (with_x && ++s == p.k / (16 * KS)) {  // the next tile (token tiles fastest)
+          s = 0;
+          if ((m0 += NTOK) >= p.m) {
+            m0 = 0;
+            nb0 += WG_BLOCKS;
+          }
+        }
       };
       const int pre = nu < STAGES ? nu : STAGES;
       for (int r = 0; r < pre; ++r) {  // (the prologue stage by stage, as the split-K kernel's)
@@ -1216,7 +1211,7 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsSkRegs::CONS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::CONS));
     ws_sk_consumer<T, KS>(p, sbase, full0, empty0);
   }
 }
@@ -1256,7 +1251,10 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     }
   };
   int r = 0;  // ring entry of the next stage
-  const auto stages = [&](int sa, int sb) {  // stages [sa, sb) of a tile into fresh accumulators
+  for (int u = rg.start(g); u < u_end;) {
+    int t, sa, sb;
+    rg.segment(g, u, t, sa, sb);
+    const int t0 = t * rg.nst, m0 = (t % tt) * NTOK, nb0 = (t / tt) * WG_BLOCKS;
 #pragma unroll
     for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -1275,18 +1273,6 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     wg_wait<0>();
 #pragma unroll
     for (int j = 0; j < NU; ++j) wg_fence_acc(acc[j]);
-  };
-  for (int i = 0; i < rg.dp; ++i) {  // the data-parallel rounds: whole tile i G + g, then its y
-    const int t = i * rg.grid + g;
-    stages(0, rg.nst);
-    store_y((t % tt) * NTOK, (t / tt) * WG_BLOCKS);
-  }
-  const int base = rg.dp * rg.grid;  // the stream-K range's tile t is the launch's tile base + t
-  for (int u = rg.start(g); u < u_end;) {
-    int t, sa, sb;
-    rg.segment(g, u, t, sa, sb);
-    const int t0 = t * rg.nst, m0 = ((base + t) % tt) * NTOK, nb0 = ((base + t) / tt) * WG_BLOCKS;
-    stages(sa, sb);
     u = t0 + rg.nst;
     if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's wait still waits for this grid's end)
     if (sa == 0 && sb == rg.nst) {  // the whole tile
