@@ -1657,9 +1657,9 @@ int wgmma_run_t(int op, const SdqW4A16Params& p, cudaStream_t stream) {
 }
 
 // Rows a launch takes (op 8): every row of p.m > 256 where variant 63's warp-specialized kernel runs that M (wg_ws, with
-// its split-K rule for the whole M, or its stream-K, wg_ws_sk, where forced), so the launch has one ramp and one tail
-// instead of M / 256 launches of two token tiles each (1.7 waves each on 8192x28672, split or streamed); else 256.
-// sdq_w4a16_set_wg_rows(256) restores the 256-row launches.
+// its split-K rule for the whole M, or its stream-K, wg_ws_sk: sdq_wg_ws_sk_big or forced), so the launch has one ramp
+// and one tail instead of M / 256 launches of two token tiles each (1.7 waves each on 8192x28672, split or streamed);
+// else 256. sdq_w4a16_set_wg_rows(256) restores the 256-row launches.
 template <typename T>
 int wgmma_rows(int v, const SdqW4A16Params& p) {
   return p.m > 256 && v == 63 && sdq_w4a16_wg_rows() != 256 && (wg_ws<T, 128, true>(p) || wg_ws_sk<T, 128, true>(p))
