@@ -83,6 +83,20 @@ static int check(int tiles, int nst, int grid) {
   }
   return 0;
 }
+// the hybrid partition: dp rounds of whole tiles (round i: tile i G + g covers tiles 0 .. dp G - 1 once), then the
+// stream-K range over the rest, which holds between one and two waves' worth of tiles where dp > 0
+static int check_dp(int tiles, int nst, int grid) {
+  const SdqSkRange rg = sdq_sk_range_dp(tiles, nst, grid);
+  const int want = tiles / grid >= 2 ? tiles / grid - 1 : 0;
+  if (rg.dp != want) return fail("dp rounds", tiles, nst, grid, rg.dp, want);
+  const int rest = tiles - rg.dp * grid;
+  if (rg.units != rest * nst || rg.grid != grid || rg.nst != nst) return fail("dp rest", tiles, nst, grid, rg.units, rest);
+  if (rg.dp > 0 && (rest < grid || rest >= 2 * grid)) return fail("dp rest size", tiles, nst, grid, rest, rg.dp);
+  const SdqSkRange sk = sdq_sk_range(rest, nst, grid);
+  for (int g = 0; g <= grid; ++g)
+    if (sk.start(g) != rg.start(g)) return fail("dp start", tiles, nst, grid, g, rg.start(g));
+  return 2 * grid <= rest * nst ? check(rest, nst, grid) : 0;  // (launches keep >= 4 units a CTA)
+}
 int main() {
   // the Llama shapes at the 128-token tile (M = 128 / 256, 128-K and 64-K stages) on 132 and 114 SMs, then a sweep
   // and above 256 rows (every row in one launch): 8192x28672 at M = 1024, 28672x8192 at 4096 and 384, 4096x4096 at 2100
@@ -96,6 +110,12 @@ int main() {
     for (int nst = 2; nst <= 24; nst += 3)
       for (int grid = 1; 2 * grid <= tiles * nst; grid += 1 + grid / 8)
         if (check(tiles, nst, grid)) return 1;
+  for (const auto& s : shapes)
+    for (int grid : {132, 114})
+      if (check_dp(s[0], s[1], grid)) return 1;
+  for (int tiles = 1; tiles <= 300; tiles += 7)
+    for (int grid : {5, 16, 33})
+      if (check_dp(tiles, 3, grid)) return 1;
   std::puts("ok");
   return 0;
 }

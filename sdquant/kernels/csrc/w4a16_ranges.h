@@ -21,7 +21,8 @@
 struct SdqSkRange {
   int nst;    // stages a tile
   int grid;   // G
-  int units;  // U = tiles x nst
+  int units;  // U = tiles x nst (of the stream-K part)
+  int dp;     // whole tiles a CTA runs first, data-parallel: tile i G + g in round i (sdq_sk_range_dp; 0: none)
   int q, rem;  // U = q G + rem
   SDQ_HD int start(int g) const { return q * g + rem * g / grid; }  // floor(U g / G), g <= G
   // the CTA whose range holds unit u (the last g with start(g) <= u): floor((u + 1) G / U) is that or one above it
@@ -46,8 +47,19 @@ SDQ_HD SdqSkRange sdq_sk_range(int tiles, int nst, int grid) {
   SdqSkRange r;
   r.nst = nst;
   r.grid = grid;
+  r.dp = 0;
   r.units = tiles * nst;
   r.q = r.units / grid;
   r.rem = r.units - r.q * grid;
+  return r;
+}
+// The hybrid partition: where the tiles make two or more waves of the grid, every CTA first runs dp = tiles / G - 1
+// rounds of whole tiles data-parallel (round i: tile i G + g, so the CTAs of a round share weight and activation tiles
+// in L2 as one launch's neighbouring CTAs do), then the stream-K range over the last tiles - dp G tiles (between one and
+// two waves' worth), whose tile t (as owner / peers / segment number it) is tile dp G + t of the launch.
+SDQ_HD SdqSkRange sdq_sk_range_dp(int tiles, int nst, int grid) {
+  const int dp = tiles / grid >= 2 ? tiles / grid - 1 : 0;
+  SdqSkRange r = sdq_sk_range(tiles - dp * grid, nst, grid);
+  r.dp = dp;
   return r;
 }

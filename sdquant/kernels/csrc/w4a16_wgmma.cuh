@@ -1154,8 +1154,9 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 // protocol): twice the partial traffic, 4-50% slower than the automatic schedule on the H100 except 8192x10240 at
 // M = 256 (int4_wgmma run 42).
 // The launch's partition (w4a16_ranges.h, CPU-tested): (token tiles x feature tiles) tiles of p.k / 16 KS stages
+// (the hybrid form, sdq_sk_range_dp: data-parallel rounds of whole tiles first where the tiles make two or more waves)
 __device__ __forceinline__ SdqSkRange ws_sk_range(const SdqW4A16Params& p, int ks) {
-  return sdq_sk_range((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
+  return sdq_sk_range_dp((p.m + 127) / 128 * (p.n / 256), p.k / (16 * ks), p.splits);
 }
 template <typename T, int KS>
 __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t sbase, uint32_t full0, uint32_t empty0);
@@ -1177,35 +1178,64 @@ __global__ void __launch_bounds__(WsRegs<128>::THREADS, 1) w4a16_wgmma_tma_sk_ke
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NTOK>::PROD));
     if (tid == 128 * WGS) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-      int u0, nu;
+      // The entries in order: the data-parallel rounds' whole tiles (round i: tile i G + g), then the stream-K range
+      // from unit usk of the launch (tiles in order, token tiles fastest: token rows m0, feature blocks nb0). The
+      // producer has 24 registers and divides nowhere in its loop: the next entry's stage s, m0 and nb0 advance one
+      // stage at a time. What a tile's end needs stays in 32 bytes of shared memory after the consumers' staging
+      // buffer: {ndp, entries, dm, dnb} (the rounds' stages, the range's entries, the G-tile step as token rows and
+      // feature blocks) and {s, m0, nb0} of the stream-K range's first unit. p.k / (16 KS), p.m are re-read.
+      const uint32_t keep = full0 + 16 * STAGES + 32 * WS_OUT_ROWB;
+      int s, m0, nb0;
       {
         const SdqSkRange rg = ws_sk_range(p, KS);
-        u0 = rg.start(blockIdx.x);
-        nu = rg.start(blockIdx.x + 1) - u0;
+        const int g = blockIdx.x, u0 = rg.start(g), ndp = rg.dp * rg.nst, tt = (p.m + NTOK - 1) / NTOK;
+        const int usk = rg.dp * rg.grid * rg.nst + u0, tsk = usk / rg.nst;
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(keep), "r"(ndp),
+                     "r"(ndp + rg.start(g + 1) - u0), "r"((rg.grid % tt) * NTOK), "r"((rg.grid / tt) * WG_BLOCKS)
+                     : "memory");
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(keep + 16), "r"(usk % rg.nst),
+                     "r"((tsk % tt) * NTOK), "r"((tsk / tt) * WG_BLOCKS) : "memory");
+        s = ndp > 0 ? 0 : usk % rg.nst;
+        m0 = ndp > 0 ? (g % tt) * NTOK : (tsk % tt) * NTOK;
+        nb0 = ndp > 0 ? (g / tt) * WG_BLOCKS : (tsk / tt) * WG_BLOCKS;
       }
-      // the next unit's stage s, token rows m0 and feature blocks nb0, advanced one stage at a time; nothing else kept
-      // (the producer has 24 registers: p.k / (16 KS) and p.m are re-read from the parameters)
-      const int tt = (p.m + NTOK - 1) / NTOK, t0 = u0 / (p.k / (16 * KS));
-      int s = u0 - t0 * (p.k / (16 * KS)), m0 = (t0 % tt) * NTOK, nb0 = (t0 / tt) * WG_BLOCKS;
+      const auto kept = [&](int i) {  // word i of the kept values
+        int v;
+        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(keep + 4 * i) : "memory");
+        return v;
+      };
+      const auto entries = [&] { return kept(1); };
       const auto issue = [&](int r, bool with_w, bool with_x) {  // ring entry r
         tma_issue_stage<NTOK, KS>(p, &tx, sbase + (r % STAGES) * L::STAGE, full0 + 8 * (r % STAGES), s * KS, nb0, m0,
                                   true, with_w, with_x);
-        if (with_x && ++s == p.k / (16 * KS)) {  // the next tile (token tiles fastest)
+        if (with_x && ++s == p.k / (16 * KS)) {  // entry r ends its tile: the next entry's tile
           s = 0;
-          if ((m0 += NTOK) >= p.m) {
+          const int ndp = kept(0);
+          if (r + 1 < ndp) {  // the next data-parallel round's tile: G tiles on
+            m0 += kept(2);
+            nb0 += kept(3);
+            if (m0 >= p.m) {
+              m0 -= (p.m + NTOK - 1) / NTOK * NTOK;
+              nb0 += WG_BLOCKS;
+            }
+          } else if (r + 1 == ndp) {  // the stream-K range's first unit
+            s = kept(4);
+            m0 = kept(5);
+            nb0 = kept(6);
+          } else if ((m0 += NTOK) >= p.m) {  // the next tile in order
             m0 = 0;
             nb0 += WG_BLOCKS;
           }
         }
       };
-      const int pre = nu < STAGES ? nu : STAGES;
+      const int pre = entries() < STAGES ? entries() : STAGES;
       for (int r = 0; r < pre; ++r) {  // (the prologue stage by stage, as the split-K kernel's)
         issue(r, true, false);
         if (r == 0 && p.pdl) griddep_wait();
         issue(r, false, true);
       }
       if (pre == 0 && p.pdl) griddep_wait();
-      for (int r = STAGES; r < nu; ++r) {
+      for (int r = STAGES; r < entries(); ++r) {
         ring_wait(empty0 + 8 * (r % STAGES), ((r / STAGES) - 1) & 1);
         issue(r, true, true);
       }
@@ -1251,10 +1281,7 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     }
   };
   int r = 0;  // ring entry of the next stage
-  for (int u = rg.start(g); u < u_end;) {
-    int t, sa, sb;
-    rg.segment(g, u, t, sa, sb);
-    const int t0 = t * rg.nst, m0 = (t % tt) * NTOK, nb0 = (t / tt) * WG_BLOCKS;
+  const auto stages = [&](int sa, int sb) {  // stages [sa, sb) of a tile into fresh accumulators
 #pragma unroll
     for (int j = 0; j < NU; ++j)
 #pragma unroll
@@ -1273,6 +1300,18 @@ __device__ __forceinline__ void ws_sk_consumer(const SdqW4A16Params& p, uint32_t
     wg_wait<0>();
 #pragma unroll
     for (int j = 0; j < NU; ++j) wg_fence_acc(acc[j]);
+  };
+  for (int i = 0; i < rg.dp; ++i) {  // the data-parallel rounds: whole tile i G + g, then its y
+    const int t = i * rg.grid + g;
+    stages(0, rg.nst);
+    store_y((t % tt) * NTOK, (t / tt) * WG_BLOCKS);
+  }
+  const int base = rg.dp * rg.grid;  // the stream-K range's tile t is the launch's tile base + t
+  for (int u = rg.start(g); u < u_end;) {
+    int t, sa, sb;
+    rg.segment(g, u, t, sa, sb);
+    const int t0 = t * rg.nst, m0 = ((base + t) % tt) * NTOK, nb0 = ((base + t) / tt) * WG_BLOCKS;
+    stages(sa, sb);
     u = t0 + rg.nst;
     if (u >= u_end && p.pdl) griddep_launch_dependents();  // (the next kernel's wait still waits for this grid's end)
     if (sa == 0 && sb == rg.nst) {  // the whole tile
@@ -1433,7 +1472,8 @@ struct TmaKern : WgHost<TmaKern<T, NTOK, KS, CL>> {
 template <typename T, int KS>
 struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   static constexpr int THREADS = WsRegs<128>::THREADS;
-  static constexpr int SMEM = TmaSmem<128, KS>::TOTAL + 32 * WS_OUT_ROWB;  // + the 32-row staging buffer
+  // + the 32-row staging buffer, and 32 bytes the producer keeps its range in
+  static constexpr int SMEM = TmaSmem<128, KS>::TOTAL + 32 * WS_OUT_ROWB + 32;
   static_assert(SMEM <= 227 * 1024, "the ring, its barriers and the staging buffer fit one CTA's shared memory");
   static constexpr auto kernel = w4a16_wgmma_tma_sk_kernel<T, KS>;
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
