@@ -154,7 +154,7 @@ static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_s
 // shape at M = 4096, 4096x28672 M = 777 / 1040), where the rule keeps the one launch; 19 points take it, geometric
 // mean 0.90. Where the one launch splits in two (sdq_wg_wave_splits) stream-K was 0.81-1.08, not kept. Fitted on
 // stream-K over every tile; the kernel now runs data-parallel rounds first (w4a16_wgmma.cuh), which brought the full
-// waves to 0.97-1.05 and kept the rule's points at 0.76-0.96 (int4_wgmma run 58).
+// waves to 0.97-1.05 and kept the rule's points at 0.76-0.96 (int4_wgmma run 59).
 static inline int sdq_wg_ws_sk_big(int m, int n, int k, int group_k16, int slots, int wave_splits) {
   if (m <= 256 || wave_splits != 1 || slots <= 0 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;
   const long long tiles = (long long)((m + 127) / 128) * (n / 256), s = k / 128, w1 = (tiles + slots - 1) / slots;

@@ -1154,8 +1154,8 @@ __device__ __forceinline__ void ws_consumer(const SdqW4A16Params& p, uint32_t sb
 // i G + g, and only the last one to two waves' worth is cut into ranges (sdq_sk_range_dp). Ranges over every tile
 // leave each CTA walking its own run of ~tiles / G tiles, so at any moment the grid touches every feature tile's
 // weights and every token tile's activations: ncu on 8192x28672 at M = 4096 read 7.3 GB from DRAM at an L2 hit rate of
-// 37%, against the one launch's 2.0 GB and 72%, 13% slower (int4_wgmma run 57). With the rounds: 0.97-1.05 of the one
-// launch at M = 4096 (run 58).
+// 37%, against the one launch's 2.0 GB and 72%, 13% slower (int4_wgmma run 58). With the rounds: 0.97-1.05 of the one
+// launch at M = 4096 (run 59).
 // A first form had every part of a cut tile leave a partial and the last CTA to arrive re-read them all (wgmma_body's
 // protocol): twice the partial traffic, 4-50% slower than the automatic schedule on the H100 except 8192x10240 at
 // M = 256 (int4_wgmma run 42).
