@@ -146,7 +146,7 @@ static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_s
 
 // M > 256 where variant 63 runs every row in one launch without wave splits (wave_splits 1): stream-K over the
 // warp-specialized pipeline instead (w4a16_wgmma.cuh wg_ws_sk, a grid of the `slots`) where its time, the units spread
-// evenly plus its measured overhead (10% a unit and 4 stages: the cut tiles' partials, a 32-row epilogue a tile), is
+// evenly plus its measured overhead (10% a unit and 4 stages, as stream-K over every tile cost: run 52), is
 // below the one launch's waves of whole tiles: 1.1 tiles S / slots + 4 < w1 S (S = K / 128 stages a tile). H100
 // int4_wgmma run 52 (same process, fastest of 3 rounds, stream-K against the one launch): 0.77-0.95 at the one-launch
 // points with a part-empty last wave (28672x8192 M = 384 278 against 359 us, 8192x10240 M = 640 166 against 206,
