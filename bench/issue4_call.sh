@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 4's measurements in one device call of at most ~9.5 minutes, whichever Hopper GPU comes:
 #   H200: `sdquant tune-kernels` (the crossover table as the op is now; Pending 31), then bench/gemm.py's whole issue
-#         table with its dispatched-layer columns planned from that table, then the M > 256 one-launch A/B
-#         (int4_wgmma --schedule auto,k4096,ws on the K = 4096 shapes: the automatic choice against the off-by-default
-#         K <= 4096 one-launch toggle and one launch forced; Pending 42) in the time left.
+#         table with its dispatched-layer columns planned from that table, then the M > 256 schedule A/B in the time
+#         left: int4_wgmma --schedule auto,nosk+k0+wc0 (the schedule of 2026-12-07 09:47 UTC against the one before
+#         that day's changes: one launch at K <= 4096, the wave splits' cost rule, stream-K where the last wave is
+#         part-empty; all measured on H100s only, int4_wgmma runs 50-60), 3 rounds.
 #   H100: gemm.py at the table's buckets, planned from the shipped H100 table (measured 2026-12-07, so the layers'
-#         plans are this tree's, e.g. the one-layout choice on 4096x4096), then the one-launch A/B.
+#         plans are this tree's, e.g. the one-layout choice on 4096x4096), then the same A/B.
 #   gemm.py times each point's kernels round robin (--rounds: 2 on the H200's whole table, 3 on the H100's buckets):
 #   the H100's SM clock fell to 1455-1650 MHz under its power cap at M >= 1024 in gemm run 21.
 # Here:   bash bench/issue4_call.sh <full commit hash of the tree sent>   (ISSUE4_LIMIT_S=<s>: a shorter call;
@@ -22,15 +23,16 @@ mkdir -p "$OUT/gemm"
 T0=$SECONDS
 left() { echo $((LIMIT - SECONDS + T0)); }
 
-wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. M > 256 on the K = 4096 shapes: the automatic
-  # one-launch / 256-row choice against the K <= 4096 one-launch toggle (k4096, Pending 42) and one launch forced (ws)
+wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. M > 256 on every shape: the automatic
+  # schedule against the one before 2026-12-07's changes (k0: no one-launch grant at K <= 4096, wc0: the wave splits'
+  # fill rule alone, nosk: no stream-K above 256 rows), the fastest round and the median of 3 kept
   local t=$1
   shift
   [ "$t" -gt 90 ] || { echo "wave: skipped (${t}s left)"; return; }
-  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,k4096,ws --ms 384,520,640,777,1040,1536,2100 \
-    --shapes 4096x4096,4096x6144,4096x28672 --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
+  timeout "$t" python bench/int4_wgmma.py --configs 63 --schedule auto,nosk+k0+wc0 --ms 384,520,640,777,1040,1536,2100 \
+    --skip triton,dequant --rounds 3 --budget-s $((t - 60)) --out "$OUT" "$@" > "$OUT/wave.log" 2>&1
   echo "wave rc=$? t=$((SECONDS - T0))"
-  tail -24 "$OUT/wave.log" | cut -c1-300
+  tail -52 "$OUT/wave.log" | cut -c1-300
 }
 
 tune() {  # $1: seconds it may take
