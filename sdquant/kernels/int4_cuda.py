@@ -622,6 +622,17 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
+def _split_rows(m: int, n: int, k: int, group_size: int, config: int, tail: int, dtype, device) -> int:
+    """The rows ``w4a16_cuda`` runs as a launch of their own (``remainder_rows``), with the launch facts that rule
+    needs: above 256 rows, whether the full tiles run in one launch, and not where the whole M runs stream-K (its
+    ranges spread the last tile's work already)."""
+    head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch? (only the wave rule asks)
+    one = m > 256 and head < m and _REM[0] < 0 and launch_rows(head, n, k, group_size, config, dtype) >= head
+    if one and wgmma_path(m, n, k, group_size, config, dtype) == "ws-stream":
+        one = False
+    return remainder_rows(m, config, tail, n, _sm_count(device) if one else 0, one)
+
+
 @torch.library.custom_op("sdquant::w4a16_cuda", mutates_args=())
 def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: Optional[torch.Tensor], locks: torch.Tensor, bias: Optional[torch.Tensor],
@@ -650,12 +661,7 @@ def w4a16_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                          _XS[0], out)
 
     m = x2.shape[0]
-    head = m - m % 128  # the rows before a part-filled last tile: do they run in one launch? (only the wave rule asks)
-    gs = k // scales.shape[0]
-    one = m > 256 and head < m and _REM[0] < 0 and launch_rows(head, n, k, gs, config, x2.dtype) >= head
-    if one and wgmma_path(m, n, k, gs, config, x2.dtype) == "ws-stream":
-        one = False  # stream-K over every row spreads the last tile's work already: nothing to split off
-    r = remainder_rows(m, int(config), int(tail), n, _sm_count(x2.device) if one else 0, one)
+    r = _split_rows(m, n, k, k // scales.shape[0], int(config), int(tail), x2.dtype, x2.device)
     if r:  # the full 128-token tiles, then the last r rows with their own config, each into its rows of y (row
         # slices of x and y stay 16-byte aligned: K and N are multiples of 64)
         y = x2.new_empty((m, n))

@@ -260,6 +260,26 @@ def test_wgmma_one_launch_short_k_toggle(tmp_path):
     assert got == [want for _, want in cases] + [4096]
 
 
+def test_split_rows_leaves_a_stream_k_launch_whole(monkeypatch):
+    """int4_cuda._split_rows: above 256 rows the last part-filled tile runs apart where ``remainder_rows`` says (the
+    full tiles in one launch, the tile adding a wave to at most two), but not where the whole M runs stream-K over the
+    warp-specialized pipeline (path "ws-stream"). 4096x4096 at M = 1040 on 132 SMs: 128 full tiles make one wave, the
+    last tile's 16 a second."""
+    asked = []
+    monkeypatch.setattr(int4_cuda, "launch_rows", lambda m, n, k, gs, c, dt=None: m)
+    monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
+    for path, want in (("ws", 16), ("ws-cluster", 16), ("ws-stream", 0)):
+        def fake_path(m, n, k, gs, c=63, dt=None, splits=0, path=path):
+            asked.append(m)
+            return path
+        monkeypatch.setattr(int4_cuda, "wgmma_path", fake_path)
+        assert int4_cuda._split_rows(1040, 4096, 4096, 128, 63, 0, torch.bfloat16, torch.device("cpu")) == want
+    assert asked == [1040, 1040, 1040]  # the whole M's path is what decides
+    # one launch refused for the full tiles: no split at all, whatever the path
+    monkeypatch.setattr(int4_cuda, "launch_rows", lambda m, n, k, gs, c, dt=None: 256)
+    assert int4_cuda._split_rows(1040, 4096, 4096, 128, 63, 0, torch.bfloat16, torch.device("cpu")) == 0
+
+
 def test_wgmma_remainder_rows_rule():
     """set_wgmma_remainder / remainder_rows: off by default; when set, only the last part-filled 128-token tile of a
     wgmma launch (M > 128, 1..rows rows) is split off; other kernels' configs and whole tiles never are."""
