@@ -364,6 +364,13 @@ def set_wgmma_schedule(mode: str) -> str:
     return {v: k for k, v in WGMMA_SCHEDULES.items()}[old]
 
 
+def _ext_set(setter: str, value, without):
+    """Call the extension's process setting ``setter`` with int(value) and return what it held before, or ``without``
+    where the extension is not built (the setting's default)."""
+    ext = extension()
+    return without if ext is None else getattr(ext, setter)(int(value))
+
+
 def set_wgmma_rows(rows: int) -> int:
     """Rows a launch of the wgmma kernel (variants 62-63) takes from now on in this process: 0 (the default: every row
     in one launch where variant 63's warp-specialized kernel runs that M, else 256 rows a launch) or 256 (always
@@ -371,10 +378,7 @@ def set_wgmma_rows(rows: int) -> int:
     before a CUDA graph is captured. Returns the previous setting (0 where the extension is not built)."""
     if rows not in (0, 256):
         raise ValueError(f"rows: {rows!r} must be 0 (automatic) or 256")
-    ext = extension()
-    if ext is None:
-        return 0
-    return int(ext.set_wg_rows(int(rows)))
+    return int(_ext_set("set_wg_rows", rows, 0))
 
 
 def set_wgmma_one_launch_k(k_max: int) -> int:
@@ -384,10 +388,7 @@ def set_wgmma_one_launch_k(k_max: int) -> int:
     is captured. Returns the previous setting (0 where the extension is not built)."""
     if int(k_max) < 0:
         raise ValueError(f"k_max: {k_max!r} must be >= 0 (0: off)")
-    ext = extension()
-    if ext is None:
-        return 0
-    return int(ext.set_wg_one_launch_k(int(k_max)))
+    return int(_ext_set("set_wg_one_launch_k", k_max, 0))
 
 
 def m_bucket(m: int) -> int:
@@ -502,10 +503,7 @@ def set_wgmma_cluster(on: bool) -> bool:
     second kernel, the same bits) or through [splits, m, n] partials and ``wg_reduce_kernel`` (False), from now on in
     this process. For A/B runs (bench/int4_wgmma.py --schedule nocl). Returns the previous setting (True where the
     extension is not built)."""
-    ext = extension()
-    if ext is None:
-        return True
-    return bool(ext.set_wg_cluster(1 if on else 0))
+    return bool(_ext_set("set_wg_cluster", bool(on), True))
 
 
 WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster", 4: "ws-stream"}
@@ -528,10 +526,7 @@ def set_wgmma_wave_splits(on: bool) -> bool:
     alone leave the last wave part-empty (csrc/w4a16.h ``sdq_wg_wave_splits``; on by default, measured in
     docs/BENCHMARKS.md "Two splits for the one-launch path's last wave"), from now on in this process. For A/B runs
     (bench/int4_wgmma.py --schedule nowave). Returns the previous setting (True where the extension is not built)."""
-    ext = extension()
-    if ext is None:
-        return True
-    return bool(ext.set_wg_wave_splits(1 if on else 0))
+    return bool(_ext_set("set_wg_wave_splits", bool(on), True))
 
 
 def set_wgmma_wave_cost(stages: int) -> int:
@@ -542,10 +537,7 @@ def set_wgmma_wave_cost(stages: int) -> int:
     where the extension is not built)."""
     if int(stages) < 0:
         raise ValueError(f"stages: {stages!r} must be >= 0 (0: the fill rule alone)")
-    ext = extension()
-    if ext is None:
-        return 4
-    return int(ext.set_wg_wave_cost(int(stages)))
+    return int(_ext_set("set_wg_wave_cost", stages, 4))
 
 
 def set_wgmma_stream_k_above_256(on: bool) -> bool:
@@ -553,10 +545,7 @@ def set_wgmma_stream_k_above_256(on: bool) -> bool:
     the last wave part-empty (csrc/w4a16.h ``sdq_wg_ws_sk_big``; on by default, measured in docs/BENCHMARKS.md
     "Stream-K above 256 rows"), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule nosk).
     Returns the previous setting (True where the extension is not built)."""
-    ext = extension()
-    if ext is None:
-        return True
-    return bool(ext.set_wg_sk_big(1 if on else 0))
+    return bool(_ext_set("set_wg_sk_big", bool(on), True))
 
 
 def wgmma_max_clusters(size: int, dtype=torch.bfloat16) -> int:
