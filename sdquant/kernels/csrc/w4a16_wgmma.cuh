@@ -585,9 +585,9 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 }
 // The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
 // its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
-template <typename T, int NTOK, int STAGES, bool SEPARATE, bool SK>
+template <typename T, int NTOK, int STAGES, bool SEPARATE>
 __global__ void __launch_bounds__(128, 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, SK, true>(p);
+  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, false, true>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -1504,7 +1504,7 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = [] {
-    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE && !SK, SK>;
+    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE>;
     else return w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   }();
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -1529,7 +1529,7 @@ constexpr int WG_STAGES = 4;  // 6 or 7-8 stages measured within 3% (bench/int4_
 template <typename T, int NTOK, bool SEP>
 bool wg_stream_k(const SdqW4A16Params& p) {
   if constexpr (NTOK != 128) {
-    return sdq_w4a16_wg_schedule() == 2;  // 16-64 tokens: forced only
+    return false;
   } else {
     const int mode = sdq_w4a16_wg_schedule();
     if (mode != 0) return mode == 2;
@@ -1648,7 +1648,7 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // 128. bench/ab_build.py run 11 (same process, M = 16): 7-8% faster on the N = 28672 shapes and 28672x8192
   // (8192x28672 v62 52.9 -> 49.2 us), 5-6% on 8192x10240, 0-3% on the N = 4096 / 6144 ones; at 32 tokens (255
   // registers) 2-5% slower, so not there.
-  if constexpr (SDQ_WG_RAW && NTOK == 16)
+  if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
       return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
@@ -1671,8 +1671,8 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   const bool ws = WS && wg_ws<T, NTOK, SEP>(p);
   if constexpr (WS)
     if (op == 1 && ws) return TmaKern<T, NTOK, WKS>::per_sm();
+  if (op == 1) return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   const bool sk = !ws && wg_stream_k<T, NTOK, SEP>(p);
-  if (op == 1) return sk ? wgmma_run_k<T, NTOK, SEP, true>(op, p, stream) : wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
   if (op == 6) return sk ? 1 : 0;
   if (op == 9) {  // the path a launch of p (its splits set) takes: 0 split-K, 1 stream-K, 2 warp-specialized, 3 its cluster
                  // sum (4: stream-K over the warp-specialized pipeline, above)
@@ -1688,7 +1688,8 @@ int wgmma_run_n(int op, const SdqW4A16Params& p, cudaStream_t stream) {
         if (wg_cluster_ok<TmaKern<T, NTOK, WKS, true>>(p, NTOK)) return TmaKern<T, NTOK, WKS, true>::launch(p, stream);
       return TmaKern<T, NTOK, WKS>::launch(p, stream);
     }
-  if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
+  if constexpr (NTOK == 128)
+    if (sk) return wgmma_run_k<T, NTOK, SEP, true>(op, p, stream);
   return wgmma_run_k<T, NTOK, SEP, false>(op, p, stream);
 }
 template <typename T, bool SEP>
