@@ -63,3 +63,20 @@ SDQ_HD SdqSkRange sdq_sk_range_dp(int tiles, int nst, int grid) {
   r.dp = dp;
   return r;
 }
+
+// The groups of a tile's stages in load order (w4a16_wgmma.cuh, wg_load_stage's first and last group of a stage): one
+// division a tile instead of two a stage. A stage is ks = 4 or 8 K steps from a multiple of ks, a group gk K steps with
+// gk even and, for ks = 8, a multiple of 4 (the kernels' launch conditions), so a stage touches at most two groups
+// and moving on a stage crosses at most two group ends. tests/kernels/test_ranges.py checks it against the divisions.
+struct SdqStageGroups {
+  int g, rem;  // the next stage's first group, and its first K step's offset in that group
+  int ks, gk;
+  SDQ_HD SdqStageGroups(int ks0, int ks_, int gk_) : g(ks0 / gk_), rem(ks0 - (ks0 / gk_) * gk_), ks(ks_), gk(gk_) {}
+  SDQ_HD int first() const { return g; }
+  SDQ_HD int last() const { return g + (rem + ks - 1 >= gk ? 1 : 0); }
+  SDQ_HD void next() {
+    rem += ks;
+    if (rem >= gk) rem -= gk, ++g;
+    if (rem >= gk) rem -= gk, ++g;
+  }
+};

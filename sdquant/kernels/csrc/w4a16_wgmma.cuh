@@ -134,40 +134,41 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
 }
 
 // One stage's copies by the CTA's NT threads: weights (4 blocks x KS K steps), scales/zeros of the stage's first and
-// last group (WITH_X = false) or the activation tile (WITH_X = true).
+// last group, ga and gb (WITH_X = false), or the activation tile (WITH_X = true). Each source is a per-stage base plus
+// an offset that does not change from stage to stage (ptxas keeps or rebuilds it cheaply), and the caller tracks the
+// groups (WgGroups): rebuilding 64-bit addresses and dividing by the group size a stage cost about a fifth of the
+// 32-token tile's main-loop instructions (SASS, 2026-12-07).
 template <int NTOK, int NT, bool WITH_X, int KS>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
-                                              int tid) {
+                                              int tid, int ga = 0, int gb = 0) {
   using L = WgSmem<NTOK, 2, KS>;
-  const int kb = p.k / 16;
+  const uint32_t kb = static_cast<uint32_t>(p.k) / 16;
   if constexpr (!WITH_X) {
-    const char* b = static_cast<const char*>(p.b);
+    // block nb0's K step ks0; block nb0 + w is w * kb * 512 bytes on (the layout keeps K * N / 2 < 2^31 bytes)
+    const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * kb + static_cast<uint32_t>(ks0)) * 512;
     constexpr int CPB = KS * 32;  // 16-byte chunks of a block's stage (contiguous in the layout)
     if constexpr (KS == WG_KS) {  // the 64-K form as it was: the generic one changed ptxas's register allocation
-      const int off = (tid & 127) * 16;
+      const uint32_t off = (tid & 127) * 16;
 #pragma unroll
       for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
         const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
-        cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+        cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (w * kb * 512 + off));
       }
     } else {
 #pragma unroll
       for (int i = 0; i < WG_BLOCKS * CPB / NT; ++i) {  // chunk ci: block w, offset (ci % CPB) * 16
         const int ci = i * NT + tid, w = ci / CPB, off = (ci % CPB) * 16;
-        cp_async16_s(st + L::X_BYTES + w * (CPB * 16) + off,
-                     b + (static_cast<size_t>(nb0 + w) * kb + ks0) * 512 + off);
+        cp_async16_s(st + L::X_BYTES + w * (CPB * 16) + off, b + (w * kb * 512 + off));
       }
     }
     if (NT > 128 && tid >= 128) return;
-    const int gk = p.group_k16;
-    const int ga = ks0 / gk, gb = (ks0 + KS - 1) / gk;
     const int gsel = tid >> 6, which = (tid >> 5) & 1, w = (tid >> 3) & 3, g8 = tid & 7;
     const int grp = gsel ? gb : ga;
     const char* src = static_cast<const char*>(which ? p.zs : p.s) +
                       ((static_cast<size_t>(grp) * (p.n / 64) + nb0 + w) * 8 + g8) * 16;
     cp_async16_s(st + L::X_BYTES + L::W_BYTES + tid * 16, src);
   } else {
-    const char* a = static_cast<const char*>(p.a);
+    const char* a = static_cast<const char*>(p.a) + static_cast<size_t>(ks0) * 32;  // K step ks0 of row 0
     constexpr int CPR = 2 * KS;  // 16-byte chunks of a row (8 a 64-K sub-tile)
     static_assert(NTOK * CPR % NT == 0 || NT > NTOK * CPR, "whole rounds of 16-byte chunks");
 #pragma unroll
@@ -177,17 +178,18 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
       if constexpr (KS == WG_KS) {  // (as above)
         const int row = m0 + r;
         const bool valid = row < p.m;
-        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + c * 8) * 2;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + c * 8) * 2;
         cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
       } else {  // chunk ci: 64-K sub-tile ci / (8 NTOK), row (ci / 8) % NTOK, chunk ci % 8 of it
         const int sub = ci / (8 * NTOK), rr = r % NTOK, row = m0 + rr;
         const bool valid = row < p.m;
-        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + ks0 * 16 + sub * 64 + c * 8) * 2;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + sub * 64 + c * 8) * 2;
         cp_async16_zfill(st + sub * (NTOK * 128) + rr * 128 + ((c ^ (rr & 7)) << 4), src, valid);
       }
     }
   }
 }
+
 
 // The scales of group slot gsel (0: the stage's first group, 1: its last) of the stage at st as activation-dtype pairs,
 // and the zero pairs of the magic-number conversion; warpgroup wg owns row tiles NU * wg .. NU * wg + NU - 1
@@ -400,12 +402,17 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   // wgmma retired on return.
   const auto mainloop = [&](int m0, int nb0, int st0, int st1) {
     const int nst = st1 - st0;
+    SdqStageGroups grp(st0 * KS, KS, p.group_k16);
+    const auto load_w = [&](uint32_t st, int ks0) {  // the next stage's weights, scales and zeros
+      wg_load_stage<NTOK, NT, false, KS>(p, st, ks0, nb0, m0, tid, grp.first(), grp.last());
+      grp.next();
+    };
     // prologue: the first PF stages' weights before the PDL wait (they do not depend on the previous kernel),
     // then their activations; group s holds stage s (group 0 also the later stages' weights: waits stay
     // conservative)
 #pragma unroll
     for (int s = 0; s < PF; ++s)
-      if (s < nst) wg_load_stage<NTOK, NT, false, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
+      if (s < nst) load_w(sbase + s * L::STAGE, (st0 + s) * KS);
     if (p.pdl) griddep_wait();
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
@@ -419,7 +426,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
         const int sn = s + PF;
         if (sn < nst) {
           const uint32_t st = sbase + (sn % STAGES) * L::STAGE;
-          wg_load_stage<NTOK, NT, false, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
+          load_w(st, (st0 + sn) * KS);
           wg_load_stage<NTOK, NT, true, KS>(p, st, (st0 + sn) * KS, nb0, m0, tid);
         }
         cp_async_commit();
