@@ -289,9 +289,6 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
-#ifndef SDQ_WG_RAW32  // 1: the 32-token tile takes the raw codes too (an A/B build)
-#define SDQ_WG_RAW32 0
-#endif
 // RAW: the stage's group as fp32 row scales sf and nz = -s * (magic + z), rows (u, h) as wg_load_group's
 template <typename T, int NU, typename L>
 __device__ __forceinline__ void wg_load_group_raw(uint32_t st, int wg, int warp, int g8, float (&sf)[NU][2],
@@ -1657,8 +1654,9 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // The raw codes at the 16-token tile (RAW: 128-K stages, each one group), where groups are a multiple of 128 and K of
   // 128. bench/ab_build.py run 11 (same process, M = 16): 7-8% faster on the N = 28672 shapes and 28672x8192
   // (8192x28672 v62 52.9 -> 49.2 us), 5-6% on 8192x10240, 0-3% on the N = 4096 / 6144 ones; at 32 tokens (255
-  // registers) 2-5% slower, so not there.
-  if constexpr (SDQ_WG_RAW && (NTOK == 16 || (SDQ_WG_RAW32 && NTOK == 32)) && !SK)
+  // registers) 2-5% slower, so not there; again after the per-stage load bases, 4 bytes of spills and 1-9% slower at
+  // M = 24-32 on 27 of 28 points (ab_build run 25, H100).
+  if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
       return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
