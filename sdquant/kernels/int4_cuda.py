@@ -445,8 +445,8 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 WGMMA_DEFAULT = {64: 63, 128: 63, 256: 63}
 WGMMA_SHAPE_CONFIGS: dict = {
     (8192, 28672, 32): 62, (4096, 28672, 32): 62,
-    # 63 since its 32-token kernel fits 3 CTAs a SM (168 registers, 2026-12-07): ab_build runs 24-25 (H100, same
-    # process, us, 62 / 63 at M = 32) 28672x8192 60.4 / 58.9 and 60.2 / 58.2, 8192x10240 27.9 / 26.8 and 27.8 / 27.0
+    # 63 since the cheaper stage copies (2026-12-07): ab_build runs 24-25 (H100, same process, us, 62 / 63 at
+    # M = 32) 28672x8192 60.4 / 58.9 and 60.2 / 58.2, 8192x10240 27.9 / 26.8 and 27.8 / 27.0
     (28672, 8192, 32): 63, (8192, 10240, 32): 63,
     (14336, 4096, 32): 63, (4096, 4096, 32): 63, (4096, 6144, 32): 63,
     (4096, 28672, 16): 62, (28672, 8192, 16): 62, (8192, 28672, 16): 62, (8192, 10240, 16): 63, (4096, 6144, 16): 63,
