@@ -136,7 +136,7 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
 // One stage's copies by the CTA's NT threads: weights (4 blocks x KS K steps), scales/zeros of the stage's first and
 // last group, ga and gb (WITH_X = false), or the activation tile (WITH_X = true). Each source is a per-stage base plus
 // an offset that does not change from stage to stage (ptxas keeps or rebuilds it cheaply), and the caller tracks the
-// groups (WgGroups): rebuilding 64-bit addresses and dividing by the group size a stage cost about a fifth of the
+// groups (SdqStageGroups, w4a16_ranges.h): rebuilding 64-bit addresses and dividing by the group size a stage cost about a fifth of the
 // 32-token tile's main-loop instructions (SASS, 2026-12-07).
 template <int NTOK, int NT, bool WITH_X, int KS>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
@@ -144,7 +144,7 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
   using L = WgSmem<NTOK, 2, KS>;
   const uint32_t kb = static_cast<uint32_t>(p.k) / 16;
   if constexpr (!WITH_X) {
-    // block nb0's K step ks0; block nb0 + w is w * kb * 512 bytes on (the layout keeps K * N / 2 < 2^31 bytes)
+    // block nb0's K step ks0; block nb0 + w is w * kb * 512 bytes on (32-bit: w < 4, kb * 512 = K * 32 bytes)
     const char* b = static_cast<const char*>(p.b) + (static_cast<size_t>(nb0) * kb + static_cast<uint32_t>(ks0)) * 512;
     constexpr int CPB = KS * 32;  // 16-byte chunks of a block's stage (contiguous in the layout)
     if constexpr (KS == WG_KS) {  // the 64-K form as it was: the generic one changed ptxas's register allocation
@@ -203,7 +203,6 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
     }
   }
 }
-
 
 // The scales of group slot gsel (0: the stage's first group, 1: its last) of the stage at st as activation-dtype pairs,
 // and the zero pairs of the magic-number conversion; warpgroup wg owns row tiles NU * wg .. NU * wg + NU - 1
