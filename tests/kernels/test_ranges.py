@@ -122,16 +122,24 @@ int main() {
 """
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
-def test_stream_k_partition_and_slots(tmp_path):
-    src = tmp_path / "ranges.cpp"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "ranges"
+def _run_program(tmp_path, name: str, program: str) -> str:
+    """Build `program` against csrc/ with the host C++ compiler (warnings are errors) and run it; its stdout, after
+    asserting that both steps succeeded."""
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(program)
+    exe = tmp_path / name
     build = subprocess.run(["c++", "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(src), "-o", str(exe)],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:]
+    assert run.returncode == 0, run.stdout[-2000:]
+    return run.stdout
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
+def test_stream_k_partition_and_slots(tmp_path):
+    out = _run_program(tmp_path, "ranges", PROGRAM)
+    assert out.strip() == "ok", out[-2000:]
 
 
 # The wgmma kernel's group cursor (csrc/w4a16_ranges.h, SdqStageGroups) against the divisions it replaces: every stage
@@ -169,12 +177,6 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
 def test_stage_group_cursor(tmp_path):
-    src = tmp_path / "groups.cpp"
-    src.write_text(GROUPS_PROGRAM)
-    exe = tmp_path / "groups"
-    build = subprocess.run(["c++", "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(src), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:]
-    assert int(run.stdout.split()[1]) > 100_000  # the loops ran
+    out = _run_program(tmp_path, "groups", GROUPS_PROGRAM)
+    assert out.startswith("ok "), out[-2000:]
+    assert int(out.split()[1]) > 100_000  # the loops ran
