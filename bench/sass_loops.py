@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,19 +32,6 @@ _BRA = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
 _ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 _USED = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def cuobjdump() -> str | None:
-    """cuobjdump from PATH, or the one Triton ships (None: neither)."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-    except ImportError:
-        return None
-    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(p) if p.exists() else None
 
 
 def parse_sass(text: str) -> dict:
@@ -120,7 +106,7 @@ def short_name(mangled: str) -> str:
 def compile_tu(csrc: Path, tu: str, defines: list, keep: Path | None = None) -> dict:
     """{kernel: {"registers", "spill_*", "loops"}} of csrc's w4a16_part_<tu>.cu compiled for sm_90a with `defines`."""
     from sdquant.kernels import int4_cuda
-    nvcc, dump = int4_cuda.nvcc_path(), cuobjdump()
+    nvcc, dump = int4_cuda.nvcc_path(), int4_cuda.cuobjdump_path()
     if nvcc is None or dump is None:
         raise SystemExit(f"sass_loops: {'nvcc' if nvcc is None else 'cuobjdump'} not found")
     src = csrc / f"w4a16_part_{tu}.cu"

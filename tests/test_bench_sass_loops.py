@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sass_loops = pytest.importorskip("sass_loops")
 
+from sdquant.kernels import int4_cuda  # noqa: E402
+
 SASS = """
 	code for sm_90a
 		Function : _ZN9sdq_w4a1657_GLOBAL__N__hash_24_w4a16_part_x_cu_abc18w4a16_wgmma_kernelI13__nv_bfloat16Li32ELi4EEEv14P
@@ -62,11 +64,9 @@ def test_parse_ptxas():
     assert sass_loops.describe(k) == "168 regs, 20 B spilled; main loop -"
 
 
-@pytest.mark.skipif(sass_loops.cuobjdump() is None, reason="no cuobjdump")
+@pytest.mark.skipif(int4_cuda.cuobjdump_path() is None or int4_cuda.nvcc_path() is None,
+                    reason="no cuobjdump or no nvcc")
 def test_compiles_the_wgmma_unit():
-    from sdquant.kernels import int4_cuda
-    if int4_cuda.nvcc_path() is None:
-        pytest.skip("nvcc not installed")
     res = sass_loops.compile_tu(int4_cuda.CSRC, "wgmma_bf16", [])
     raw = [k for n, k in res.items() if "wgmma_raw_kernel" in n]
     assert len(raw) == 2  # variants 62 and 63

@@ -97,6 +97,19 @@ def nvcc_path() -> Optional[str]:
     return shutil.which("nvcc")
 
 
+def cuobjdump_path() -> Optional[str]:
+    """cuobjdump from PATH, or the copy Triton ships (None: neither); offline SASS for tests and bench/sass_loops.py."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else None
+
+
 def nvcc_compile(out_dir: str, extra_flags: tuple = ()) -> subprocess.CompletedProcess:
     """Compile the kernel translation units alone for sm_90a (object files + ptxas resource report), in parallel.
     Returns one CompletedProcess: returncode = the first non-zero one, stdout/stderr concatenated."""

@@ -51,13 +51,12 @@ def _sm90(fn, types, consts, pdl=True):
 def _sass(compiled):
     """The build's SASS instruction lines, or None where cuobjdump is not at hand."""
     import re
-    import shutil
     import subprocess
     import tempfile
     from pathlib import Path
-    import triton
-    dump = shutil.which("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    if not Path(dump).exists():
+    from sdquant.kernels.int4_cuda import cuobjdump_path
+    dump = cuobjdump_path()
+    if dump is None:
         return None
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.cubin").write_bytes(compiled.asm["cubin"])

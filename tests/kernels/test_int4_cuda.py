@@ -68,20 +68,6 @@ EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1",)  # bench/ws_trace.py's build
 
 
-def _cuobjdump():
-    """cuobjdump from PATH, or the one Triton ships (None: neither)."""
-    import shutil
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-    except ImportError:
-        return None
-    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(p) if p.exists() else None
-
-
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
     """define -> CompletedProcess of a unit (by default the bf16 one-token-tile one) compiled with it: every experiment
     build of that unit at once, as many in parallel as there are cores (each takes ~35-50 s of one core; the tests
@@ -100,7 +86,7 @@ def _unit_builds(part: str, defines: tuple) -> dict:
             r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
                                 *([define] if define else []), "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
                                capture_output=True, text=True, timeout=900)
-            dump = _cuobjdump()
+            dump = int4_cuda.cuobjdump_path()
             r.sass = (subprocess.run([dump, "-sass", f"{d}/part.o"], capture_output=True, text=True).stdout
                       if r.returncode == 0 and dump else None)
             return r
@@ -150,7 +136,8 @@ def _tight_funcs_wait_vs_load(sass: str) -> list:
     return out
 
 
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None or _cuobjdump() is None, reason="nvcc or cuobjdump not installed")
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
+                    reason="nvcc or cuobjdump not installed")
 def test_tight_prologue_loads_weights_before_the_wait():
     """In the shipped build's SASS, every tight variant's ring weight loads (LDG.E.NA.128) come before
     griddepcontrol.wait (ACQBULK), so under PDL the weights stream while the previous kernel finishes. Without the L2
