@@ -65,7 +65,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1",)  # bench/ws_trace.py's build
+# bench/ws_trace.py's build; Pending 43's compile-time copy indices (docs/BENCHMARKS.md)
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_CT_COPIES=1")
 
 
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
@@ -123,6 +124,16 @@ def test_wgmma_experiment_builds_compile(define):
     with both warp-specialized 128-token kernels (the plain and the cluster-sum form) and no spills, so a device call
     never finds them broken."""
     _experiment_compiles_without_spills(define, "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_compile_time_copies_build_compiles():
+    """Pending 43's A/B build (-DSDQ_WG_CT_COPIES=1: the 128-K-stage copies' indices known at compile time) compiles
+    both raw 16-token kernels and both 128-token single-role kernels at 128-K stages without spills."""
+    _experiment_compiles_without_spills("-DSDQ_WG_CT_COPIES=1", "w4a16_wgmma_raw_kernel", 2, "wgmma_bf16.cu",
+                                        WGMMA_EXPERIMENT_DEFINES)
+    _experiment_compiles_without_spills("-DSDQ_WG_CT_COPIES=1", "w4a16_wgmma_kernelI13__nv_bfloat16Li128ELi4ELi8E", 2,
+                                        "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:

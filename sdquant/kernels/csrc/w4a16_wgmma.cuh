@@ -133,6 +133,9 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+#ifndef SDQ_WG_CT_COPIES  // 1: at 128-K stages, the copies' block, sub-tile and row known at compile time (an A/B
+#define SDQ_WG_CT_COPIES 0  // build, docs/BENCHMARKS.md Pending 43: 6-15% fewer loop instructions offline, unmeasured)
+#endif
 // One stage's copies by the CTA's NT threads: weights (4 blocks x KS K steps), scales/zeros of the stage's first and
 // last group, ga and gb (WITH_X = false), or the activation tile (WITH_X = true). Each source is a per-stage base plus
 // an offset that does not change from stage to stage (ptxas keeps or rebuilds it cheaply), and the caller tracks the
@@ -153,6 +156,13 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
       for (int i = 0; i < WG_BLOCKS * 128 / NT; ++i) {  // block w: thread tid's 16 bytes at offset tid % 128
         const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
         cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (w * kb * 512 + off));
+      }
+    } else if constexpr (SDQ_WG_CT_COPIES && CPB % NT == 0) {  // block w = i / R, offset (i % R) NT + tid: the block
+      constexpr int R = CPB / NT;  // and a constant part of the offset known at compile time (tid < NT)
+#pragma unroll
+      for (int i = 0; i < WG_BLOCKS * R; ++i) {
+        const int w = i / R, off = (i % R) * NT * 16;
+        cp_async16_s(st + L::X_BYTES + tid * 16 + (w * (CPB * 16) + off), b + (w * kb * 512 + tid * 16 + off));
       }
     } else {
 #pragma unroll
@@ -180,6 +190,13 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
         const bool valid = row < p.m;
         const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + c * 8) * 2;
         cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+      } else if constexpr (SDQ_WG_CT_COPIES && 8 * NTOK % NT == 0) {  // as below with tid < NT: sub-tile i / Q, row
+        constexpr int Q = 8 * NTOK / NT;  // (i % Q) NT / 8 + tid / 8 (its swizzle tid / 8 % 8, NT / 8 a multiple of 8)
+        const int sub = i / Q, rr = (i % Q) * (NT / 8) + (tid >> 3), row = m0 + rr, cc = tid & 7;
+        const bool valid = row < p.m;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + sub * 64 + cc * 8) * 2;
+        cp_async16_zfill(st + (sub * (NTOK * 128) + (i % Q) * (NT / 8) * 128) + (tid >> 3) * 128 +
+                             ((cc ^ ((tid >> 3) & 7)) << 4), src, valid);
       } else {  // chunk ci: 64-K sub-tile ci / (8 NTOK), row (ci / 8) % NTOK, chunk ci % 8 of it
         const int sub = ci / (8 * NTOK), rr = r % NTOK, row = m0 + rr;
         const bool valid = row < p.m;
