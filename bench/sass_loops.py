@@ -128,10 +128,14 @@ def compile_tu(csrc: Path, tu: str, defines: list, keep: Path | None = None) -> 
     return res
 
 
+def main_loop(loops_: list) -> dict | None:
+    """The main loop of loops(): the most tensor-core instructions, then the shortest (an outer loop holds the inner
+    one's); None where there is no loop."""
+    return max(loops_, key=lambda r: (r["HGMMA"] + r["HMMA"], -r["length"])) if loops_ else None
+
+
 def describe(k: dict) -> str:
-    loops_ = k.get("loops") or []
-    # the main loop: the most tensor-core instructions, then the shortest (an outer loop holds the inner one's)
-    main = max(loops_, key=lambda r: (r["HGMMA"] + r["HMMA"], -r["length"])) if loops_ else None
+    main = main_loop(k.get("loops") or [])
     spill = k.get("spill_stores", 0) + k.get("spill_loads", 0)
     loop = (f"{main['length']} insns ({', '.join(f'{v} {op}' for op, v in main.items() if op in COUNTED and v)})"
             if main else "-")

@@ -52,6 +52,7 @@ def test_parse_sass_and_loops():
     assert [(r["start"], r["end"], r["length"]) for r in found] == [(0x20, 0x50, 4), (0x10, 0x80, 8)]
     assert found[0]["HGMMA"] == 2 and found[0]["LDS"] == 1 and found[0]["LDGSTS"] == 0
     assert found[1]["HGMMA"] == 2 and found[1]["LDGSTS"] == 1 and found[1]["LDG"] == 1
+    assert sass_loops.main_loop(found) is found[0] and sass_loops.main_loop([]) is None
     desc = sass_loops.describe({"registers": 168, "loops": found})
     assert desc == "168 regs; main loop 4 insns (2 HGMMA, 1 LDS)"  # the innermost of the two with the wgmmas
     assert sass_loops.short_name(name) == "w4a16_wgmma_kernel ILi32ELi4E"
@@ -71,6 +72,6 @@ def test_compiles_the_wgmma_unit():
     raw = [k for n, k in res.items() if "wgmma_raw_kernel" in n]
     assert len(raw) == 2  # variants 62 and 63
     for k in raw:  # 8 K steps of 4 row tiles and the activation sums' fifth wgmma
-        main = max(k["loops"], key=lambda r: (r["HGMMA"], -r["length"]))
+        main = sass_loops.main_loop(k["loops"])
         assert main["HGMMA"] == 40 and main["LDGSTS"] > 0
         assert k["spill_stores"] == 0 and 0 < k["registers"] <= 255
