@@ -608,8 +608,11 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 }
 // The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
 // its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
+#ifndef SDQ_WG_RAW_OCC  // 3: the raw 16-token kernel with 3 stages and launch bounds of 3 CTAs a SM (<= 168 registers),
+#define SDQ_WG_RAW_OCC 1  // an A/B build (docs/BENCHMARKS.md Pending 44); 1: 4 stages, 2 CTAs a SM (as measured)
+#endif
 template <typename T, int NTOK, int STAGES, bool SEPARATE>
-__global__ void __launch_bounds__(128, 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(128, SDQ_WG_RAW_OCC) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, false, true>(p);
 }
 
@@ -1674,7 +1677,7 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // M = 24-32 on 27 of 28 points (ab_build run 25, H100).
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return wg_run_kern<WgKern<T, NTOK, WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAW_OCC >= 3 ? 3 : WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
