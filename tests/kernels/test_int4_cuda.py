@@ -65,8 +65,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
-# bench/ws_trace.py's build; Pending 43's compile-time copy indices (docs/BENCHMARKS.md)
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_CT_COPIES=1")
+# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/BENCHMARKS.md)
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3")
 
 
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
@@ -127,13 +127,16 @@ def test_wgmma_experiment_builds_compile(define):
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-def test_wgmma_compile_time_copies_build_compiles():
-    """Pending 43's A/B build (-DSDQ_WG_CT_COPIES=1: the 128-K-stage copies' indices known at compile time) compiles
-    both raw 16-token kernels and both 128-token single-role kernels at 128-K stages without spills."""
-    _experiment_compiles_without_spills("-DSDQ_WG_CT_COPIES=1", "w4a16_wgmma_raw_kernel", 2, "wgmma_bf16.cu",
+def test_wgmma_raw_three_ctas_build_compiles():
+    """Pending 44's A/B build (-DSDQ_WG_RAW_OCC=3: the raw 16-token kernel at 3 stages, launch bounds of 3 CTAs a
+    SM) fits both raw kernels in 168 registers without spills, which is what lets 3 CTAs share a SM."""
+    _experiment_compiles_without_spills("-DSDQ_WG_RAW_OCC=3", "w4a16_wgmma_raw_kernel", 2, "wgmma_bf16.cu",
                                         WGMMA_EXPERIMENT_DEFINES)
-    _experiment_compiles_without_spills("-DSDQ_WG_CT_COPIES=1", "w4a16_wgmma_kernelI13__nv_bfloat16Li128ELi4ELi8E", 2,
-                                        "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
+    r = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WG_RAW_OCC=3"]
+    lines = r.stderr.splitlines()
+    for i in [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and "w4a16_wgmma_raw_kernel" in ln]:
+        used = next(ln for ln in lines[i:i + 6] if "Used" in ln and "registers" in ln)
+        assert int(used.split("Used")[1].split("registers")[0]) <= 168
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:

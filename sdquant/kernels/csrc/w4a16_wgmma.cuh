@@ -133,14 +133,14 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-#ifndef SDQ_WG_CT_COPIES  // 1: at 128-K stages, the copies' block, sub-tile and row known at compile time (an A/B
-#define SDQ_WG_CT_COPIES 0  // build, docs/BENCHMARKS.md Pending 43: 6-15% fewer loop instructions offline, unmeasured)
-#endif
 // One stage's copies by the CTA's NT threads: weights (4 blocks x KS K steps), scales/zeros of the stage's first and
 // last group, ga and gb (WITH_X = false), or the activation tile (WITH_X = true). Each source is a per-stage base plus
 // an offset that does not change from stage to stage (ptxas keeps or rebuilds it cheaply), and the caller tracks the
 // groups (SdqStageGroups, w4a16_ranges.h). Rebuilding the 64-bit addresses and dividing by the group size twice a
-// stage had cost 4-11% of the main loops' instructions (SASS, 2026-12-07; ab_build run 24).
+// stage had cost 4-11% of the main loops' instructions (SASS, 2026-12-07; ab_build run 24). At 128-K stages each
+// copy's block, sub-tile and row are compile-time constants plus tid (tid < NT, which ptxas cannot know from a
+// division by NT): 6-15% fewer loop instructions, 192 against 221 registers in the raw 16-token kernel, bit-identical
+// outputs and 0.984-1.000x the time at M = 16 (ab_build run 26, H100; docs/BENCHMARKS.md Pending 43).
 template <int NTOK, int NT, bool WITH_X, int KS>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
                                               int tid, int ga = 0, int gb = 0) {
@@ -157,18 +157,13 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
         const int w = NT == 128 ? i : i * (NT / 128) + (tid >> 7);
         cp_async16_s(st + L::X_BYTES + w * 2048 + off, b + (w * kb * 512 + off));
       }
-    } else if constexpr (SDQ_WG_CT_COPIES && CPB % NT == 0) {  // block w = i / R, offset (i % R) NT + tid: the block
-      constexpr int R = CPB / NT;  // and a constant part of the offset known at compile time (tid < NT)
+    } else {  // block w = i / R, offset (i % R) NT + tid: the block and a constant part of the offset
+      static_assert(CPB % NT == 0, "whole rounds of a block's chunks");
+      constexpr int R = CPB / NT;
 #pragma unroll
       for (int i = 0; i < WG_BLOCKS * R; ++i) {
         const int w = i / R, off = (i % R) * NT * 16;
         cp_async16_s(st + L::X_BYTES + tid * 16 + (w * (CPB * 16) + off), b + (w * kb * 512 + tid * 16 + off));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < WG_BLOCKS * CPB / NT; ++i) {  // chunk ci: block w, offset (ci % CPB) * 16
-        const int ci = i * NT + tid, w = ci / CPB, off = (ci % CPB) * 16;
-        cp_async16_s(st + L::X_BYTES + w * (CPB * 16) + off, b + (w * kb * 512 + off));
       }
     }
     if (NT > 128 && tid >= 128) return;
@@ -190,18 +185,15 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
         const bool valid = row < p.m;
         const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + c * 8) * 2;
         cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
-      } else if constexpr (SDQ_WG_CT_COPIES && 8 * NTOK % NT == 0) {  // as below with tid < NT: sub-tile i / Q, row
-        constexpr int Q = 8 * NTOK / NT;  // (i % Q) NT / 8 + tid / 8 (its swizzle tid / 8 % 8, NT / 8 a multiple of 8)
+      } else {  // chunk ci = i NT + tid: 64-K sub-tile i / Q, row (i % Q) NT / 8 + tid / 8 (its swizzle tid / 8 % 8,
+                // NT / 8 being a multiple of 8), chunk tid % 8 of it
+        static_assert(8 * NTOK % NT == 0 && NT % 64 == 0, "whole rounds of a sub-tile's chunks");
+        constexpr int Q = 8 * NTOK / NT;
         const int sub = i / Q, rr = (i % Q) * (NT / 8) + (tid >> 3), row = m0 + rr, cc = tid & 7;
         const bool valid = row < p.m;
         const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + sub * 64 + cc * 8) * 2;
         cp_async16_zfill(st + (sub * (NTOK * 128) + (i % Q) * (NT / 8) * 128) + (tid >> 3) * 128 +
                              ((cc ^ ((tid >> 3) & 7)) << 4), src, valid);
-      } else {  // chunk ci: 64-K sub-tile ci / (8 NTOK), row (ci / 8) % NTOK, chunk ci % 8 of it
-        const int sub = ci / (8 * NTOK), rr = r % NTOK, row = m0 + rr;
-        const bool valid = row < p.m;
-        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + sub * 64 + c * 8) * 2;
-        cp_async16_zfill(st + sub * (NTOK * 128) + rr * 128 + ((c ^ (rr & 7)) << 4), src, valid);
       }
     }
   }
@@ -608,8 +600,11 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 }
 // The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
 // its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
-#ifndef SDQ_WG_RAW_OCC  // 3: the raw 16-token kernel with 3 stages and launch bounds of 3 CTAs a SM (<= 168 registers),
-#define SDQ_WG_RAW_OCC 1  // an A/B build (docs/BENCHMARKS.md Pending 44); 1: 4 stages, 2 CTAs a SM (as measured)
+// SDQ_WG_RAW_OCC=3 (an A/B build, docs/BENCHMARKS.md Pending 44): 3 stages and launch bounds of 3 CTAs a SM (168
+// registers, no spills). On the H100 it was 1.016x the time at M = 16 (0.944-1.086; ab_build run 26), where this
+// kernel reads DRAM at ~75% of peak; on the H200, where the same kernel is bound per SM, it is still to be timed.
+#ifndef SDQ_WG_RAW_OCC
+#define SDQ_WG_RAW_OCC 1  // 4 stages, 2 CTAs a SM
 #endif
 template <typename T, int NTOK, int STAGES, bool SEPARATE>
 __global__ void __launch_bounds__(128, SDQ_WG_RAW_OCC) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
