@@ -1,5 +1,5 @@
 """What a batch-1 decode layer's four INT4 GEMMs cost as a chain, with and without the fused decode-block ends, on the
-H200 (docs/BENCHMARKS.md, "Where a batch-1 layer's GEMM time goes").
+H200 (docs/benchmarks/decode.md, "Where a batch-1 layer's GEMM time goes").
 
     python bench/chain.py --out DIR          # one device call, about a minute
     python bench/chain.py --dry --out DIR    # CPU, tiny layers, no timing: the chains' plumbing (CI)

@@ -9,7 +9,7 @@ prefill latency of one prompt, GPU memory of the weights (canonical tensors; wha
 by its layers' own accounting, ``QuantLinear.device_bytes``; and torch.cuda.memory_allocated after the build)
 and the peak.
 
-    python bench/e2e.py --out results.json                      # the H200 run (see docs/BENCHMARKS.md)
+    python bench/e2e.py --out results.json                      # the H200 run (see docs/benchmarks/decode.md)
     python bench/e2e.py --tiny                                  # seconds on a CPU: checks the harness
 
 Decode attends over the full static cache (``--max-seq`` slots, masked) as gpt-fast does, so the KV read per
@@ -88,7 +88,7 @@ VARIANTS = {
                                               pdl="all", no_attention=True),
     "bf16-compiled-noattn": dict(linears="bf16", compiled=True, graph=True, no_attention=True),
     # the default's decode attention path without the qkv GEMM's RoPE / cache epilogue (Transformer.set_kv_write:
-    # inductor's RoPE + index_copy_ kernels), and with it but without the attention's preload (docs/BENCHMARKS.md,
+    # inductor's RoPE + index_copy_ kernels), and with it but without the attention's preload (docs/benchmarks/decode.md,
     # e2e runs 60-62)
     "int4all-compiled-pdl-early-kvindex": dict(linears="int4", lm_head="int4", embed="int4", compiled=True, graph=True,
                                                pdl="all", kv_write="index_copy"),

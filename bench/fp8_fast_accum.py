@@ -4,7 +4,7 @@
 
 Issue 4 asks the fp8 layer at M >= 1024 to be within 5% of ``torch._scaled_mm`` tensorwise. The layer runs rowwise
 ``_scaled_mm`` (per-token activation scales, per-channel weight scales) after sdquant's quantize kernel; rowwise is
-1-7% slower than tensorwise with cuBLASLt's default split accumulation (docs/BENCHMARKS.md, FP8 section).
+1-7% slower than tensorwise with cuBLASLt's default split accumulation (docs/benchmarks/fp8.md, FP8 section).
 ``use_fast_accum=True`` lets the FP8 tensor-core accumulator run without the periodic promotion to fp32, which is
 faster and less accurate. This script measures both sides in the same process:
 

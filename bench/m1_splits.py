@@ -1,7 +1,7 @@
 """The M = 1 direct kernel at forced split-K factors (H200, one device call): does a grid finer than one wave balance
 the SMs better than the automatic choice?
 
-ncu (docs/BENCHMARKS.md, "M = 1: what bounds the direct kernel") found v10 issue-bound rather than DRAM-bound and its
+ncu (docs/benchmarks/int4-cuda.md, "M = 1: what bounds the direct kernel") found v10 issue-bound rather than DRAM-bound and its
 grid of 224 CTAs on 264 slots (2 a SM) uneven: 92 SMs run two CTAs, 40 run one. More, shorter CTAs let the block
 scheduler even that out, at the price of more fp32 partials and more prologues.
 

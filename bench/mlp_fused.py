@@ -3,7 +3,7 @@
 
     python bench/mlp_fused.py --out DIR        # one device call: builds the experiment, checks it, times both
 
-Not part of the sdquant extension (docs/BENCHMARKS.md, Pending 22: fewer kernel boundaries at batch 1). Baseline, same
+Not part of the sdquant extension (docs/benchmarks/pending.md, Pending 22: fewer kernel boundaries at batch 1). Baseline, same
 process, same weights: ``sdquant::w4a16_cuda_fused`` gate/up with its SiLU epilogue (one split at M = 1) then the plain
 ``sdquant::w4a16_cuda`` down. Checks: h of the two paths is the same arithmetic (the tight loop's, one split), so the
 experiment's output is compared with the baseline's and both with an fp64 evaluation of down(h) on the baseline's h.
@@ -11,7 +11,7 @@ Times: bench/gemm.py's time_rotating (weights rotated past 3x the L2, CUDA graph
 baseline without and with programmatic dependent launch (the e2e default), the experiment's two sum forms and PDL.
 ``--compile-only``: nvcc the kernel for sm_90a here (CI), no GPU.
 
-Verdict (runs 1-3, docs/BENCHMARKS.md "Experiment: the batch-1 MLP in one kernel"): with programmatic dependent launch,
+Verdict (runs 1-3, docs/benchmarks/decode.md "Experiment: the batch-1 MLP in one kernel"): with programmatic dependent launch,
 as the decode pipeline runs, the pair of shipped kernels is faster (34.1 against 34.6 us at M = 1); the 224-way sum of
 down's partials costs what the saved boundary gave. Kept as that evidence, not wired into the runtime.
 """

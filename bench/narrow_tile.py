@@ -3,7 +3,7 @@ the shipped CUDA op, on the H200.
 
     python bench/narrow_tile.py --out DIR        # one device call: builds the experiment, checks it, times it
 
-Why (docs/BENCHMARKS.md, "What a small M = 1 GEMM costs besides its bytes"): the shipped tight kernel's 64-feature
+Why (docs/benchmarks/int4-cuda.md, "What a small M = 1 GEMM costs besides its bytes"): the shipped tight kernel's 64-feature
 blocks leave N = 4096 only 64 of them, so o (4096x4096), down (14336x4096) and qkv (4096x6144) run 8-16 splits and pay
 the split-K tail (~1.4 us of ~4.7 us fixed cost a GEMM). 16-feature tiles give 4x the tiles, so a CTA owns a tile's
 whole K and its K-warps sum in shared memory. The layout is a permutation of the shipped one (``narrow_from_cuda``);

@@ -11,7 +11,7 @@ file-backed RSS (shared page cache the kernel can drop), not as anonymous memory
 "Warm" loads read from the page cache; "cold" loads first drop the file's cached pages with
 posix_fadvise(DONTNEED) (no root needed; the files were fsynced).
 
-    python bench/package.py --layers 8            # head-to-head (what docs/BENCHMARKS.md records)
+    python bench/package.py --layers 8            # head-to-head (what docs/benchmarks/export.md records)
     python bench/package.py --layers 32 --skip-bf16   # full-depth package only
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Which read order lets a decode GEMM stream its weights at the copy bandwidth? (issue 4, H200)
 
-Run 5's probes (docs/BENCHMARKS.md, "What limits us") showed the CUDA kernels' load pattern alone -- every warp
-its own contiguous stream of one 64-feature block's fragments, ~2,000 streams at once -- reading 8192x28672's
-117 MB at 3.2 TB/s, against 4.3 TB/s for a grid-stride linear sweep of the same bytes. This script varies one
-property of the per-warp pattern at a time, over the same bytes and in the same process as the linear sweep:
+Run 5's probes (docs/benchmarks/int4-cuda.md, "INT4 CUDA kernel tuning (run 5 ...)", its "What limits us") showed the
+CUDA kernels' load pattern alone -- every warp its own contiguous stream of one 64-feature block's fragments, ~2,000
+streams at once -- reading 8192x28672's 117 MB at 3.2 TB/s, against 4.3 TB/s for a grid-stride linear sweep of the
+same bytes. This script varies one property of the per-warp pattern at a time, over the same bytes and in the same
+process as the linear sweep:
 
 * ``streams``: how many contiguous per-warp streams the buffer is cut into (one warp each, all resident);
 * ``U``: 16-byte loads per lane issued together (a warp's burst = 512 * U contiguous bytes, all in flight);

@@ -6,7 +6,7 @@ instructions and how many HGMMA / HMMA / LDGSTS / LDG / LDS it holds. Each loop 
 counts are static (instructions in the loop body, each taken path counted once).
 
 Used to judge a code change by what it does to the instruction stream before spending device time on it
-(docs/BENCHMARKS.md "The 16-64-token tiles": the stage copies cost 4-11% of the loops).
+(docs/benchmarks/int4-wgmma.md "The 16-64-token tiles": the stage copies cost 4-11% of the loops).
 
     python bench/sass_loops.py --tu wgmma_bf16                       # this tree
     python bench/sass_loops.py --tu wgmma_bf16 --old ab_old          # against <ab_old>/sdquant/kernels/csrc

@@ -1,5 +1,5 @@
 """A prototype (not shipped): the Triton W4A16 swap-AB GEMM over a byte layout whose wgmma A operand stays in
-registers, timed beside the shipped Triton op at M = 1-64 (H200, one device call). docs/BENCHMARKS.md, pending 12.
+registers, timed beside the shipped Triton op at M = 1-64 (H200, one device call). docs/benchmarks/pending.md, pending 12.
 
     SDQUANT_COMMIT=<hash> python bench/triton_bytes.py --out $OUT
     python bench/triton_bytes.py --dry          # CPU: Triton's interpreter, tiny shapes, checks only

@@ -1,6 +1,6 @@
 """A prototype (not shipped): Triton W4A16 swap-AB GEMM over a "fragment" layout whose words unpack straight into
 the wgmma A operand (registers), timed beside the shipped Triton op, the sdquant CUDA op and cuBLAS bf16 at M = 1-64
-(H200, one device call). docs/BENCHMARKS.md, pending 12.
+(H200, one device call). docs/benchmarks/pending.md, pending 12.
 
     SDQUANT_COMMIT=<hash> python bench/triton_frag.py --out $OUT
     python bench/triton_frag.py --dry          # CPU: Triton's interpreter, tiny shapes, checks only

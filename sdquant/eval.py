@@ -1,7 +1,7 @@
 """Evaluation: perplexity of causal LMs, embedding fidelity of encoders, and error metrics on tensors.
 
 These are the measurements the quality benchmark, ``sdquant eval`` and the tests share, so a number in
-docs/BENCHMARKS.md and a number printed by the CLI come from the same code.
+docs/benchmarks/calibration.md and a number printed by the CLI come from the same code.
 
 Perplexity protocol (the GPTQ/AWQ papers'): tokenize the whole evaluation text once (wikitext-2 test
 split joined with "\\n\\n"), cut it into non-overlapping windows of ``seq_len`` tokens from the start

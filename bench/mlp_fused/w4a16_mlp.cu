@@ -1,7 +1,7 @@
 // Experiment (bench/mlp_fused.py, not part of the sdquant extension): a batch-1 decode MLP -- gate/up, SiLU * up and
 // down -- in one kernel plus a small fixed-order sum, against the two tight kernels it would replace.
 //
-// Why: at M = 1 every CUDA GEMM pays ~4.7 us besides its bytes (docs/BENCHMARKS.md, "What a small M = 1 GEMM costs
+// Why: at M = 1 every CUDA GEMM pays ~4.7 us besides its bytes (docs/benchmarks/int4-cuda.md, "What a small M = 1 GEMM costs
 // besides its bytes"): a launch, a fresh ramp of its weight stream, the split-K tail. The gate/up kernel at M = 1 runs
 // one split (224 CTAs of 128 weight columns on 264 slots), so each CTA ends holding 64 finished SiLU * up features: the
 // matching 64 rows of the down weight (a 64-K slice of every 64-column block, 128 KB) can be multiplied at once.
@@ -16,7 +16,7 @@
 //    fp32 partial per block into partial[cta][m][n2].
 // mlp_sum_kernel then adds the partials of every CTA in CTA order (deterministic) and rounds to the output dtype.
 // Run 2 measured two more builds, both slower and removed after it (tree fd3cb40): down chunks staged in shared memory
-// from the start, and the sum folded into the kernel by the last CTAs to finish (docs/BENCHMARKS.md).
+// from the start, and the sum folded into the kernel by the last CTAs to finish (docs/benchmarks/decode.md).
 // pdl: both launches with programmatic dependent launch -- the MLP kernel issues its first weight loads, then waits
 // (griddepcontrol.wait) before it reads x or writes a partial and lets the sum kernel launch; the sum kernel waits
 // first. sum_v: 0 the first sum (8 partials a warp in flight), 1 every partial of a warp in flight at once.

@@ -2,7 +2,7 @@
 // with no split-K.
 //
 // Why: at M = 1 a shipped tight-kernel GEMM pays ~4.7 us besides its bytes, ~1.4 us of it the split-K tail (the
-// count-in, the last CTA's L2 reads of the partials; docs/BENCHMARKS.md, "What a small M = 1 GEMM costs besides its
+// count-in, the last CTA's L2 reads of the partials; docs/benchmarks/int4-cuda.md, "What a small M = 1 GEMM costs besides its
 // bytes"). Its 64-feature blocks give N = 4096 only 64 blocks, so o (4096x4096) and down (14336x4096) run 8 splits to
 // fill the SMs. Tiles of 16 features (one m16n8k16 row tile) give 256 of them: every CTA can own a tile's whole K,
 // its K-warps summing through shared memory, and no CTA waits on another.

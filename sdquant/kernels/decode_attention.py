@@ -28,7 +28,7 @@ without live slots returns at once and writes nothing: the merge then reads only
 run a PyTorch reference of the same maths (or the kernels under ``TRITON_INTERPRET=1``, which is how CI tests them).
 ``set_pdl`` launches both with programmatic dependent launch (``Transformer.compile_decode`` does on Hopper).
 
-Measurement switches (read at launch time; docs/BENCHMARKS.md): SDQUANT_ATTN_CHUNK / _BT / _WARPS / _STAGES (tiles),
+Measurement switches (read at launch time; docs/benchmarks/decode.md): SDQUANT_ATTN_CHUNK / _BT / _WARPS / _STAGES (tiles),
 SDQUANT_ATTN_TRIGGER (where the early PDL trigger goes), SDQUANT_ATTN_LIVE=0 (dead programs wait and write empty
 partials), SDQUANT_ATTN_NEWROW=tile (with the preload, slot pos scored as part of the tile, not as one row beside it).
 """

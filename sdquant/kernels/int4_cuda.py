@@ -211,7 +211,7 @@ FEED_VARIANTS = (60, 61)  # csrc/w4a16_feed.cuh: M <= 8 (else the M <= 8 default
 # 62 sums the splits in the last CTA of a tile, 63 in a second kernel over the whole GPU
 WGMMA_VARIANTS = (62, 63)
 
-# Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/BENCHMARKS.md "INT4 CUDA kernel
+# Measured defaults (bench/int4_tune.py, H200 runs 4 and 5, bf16, group 128; docs/benchmarks/int4-cuda.md "INT4 CUDA kernel
 # tuning (run 4)" / "(run 5)"): config per M bucket = best geometric mean over the 7 Llama shapes, and per (K, N,
 # M bucket) the shapes whose own winner beat that default by > 3% in the same run. A config is variant + 64 * target
 # (see the module docstring); 0 = the run-3 kernel. M <= 8: variant 10 (direct loads, 2 blocks x 4 K-warps) was
@@ -220,7 +220,7 @@ WGMMA_VARIANTS = (62, 63)
 # Run 5 (stream-K variants 13-27) changed three points, each faster than run 4's config in both of its passes:
 # 8192x28672 M=1 -> 17 (stream-K, 8 blocks a CTA, per-weight scale: 48.5 / 49.6 us vs v5 49.7 / 50.4),
 # 4096x6144 M=1 -> 11 (10.1 / 10.2 vs v1 10.2 / 10.6), 8192x10240 M=9-16 -> 0 (34.4 / 34.2 vs v1 34.6 / 34.5).
-# Run 6 (docs/BENCHMARKS.md "INT4 CUDA kernel tuning (run 6 ...)", first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
+# Run 6 (docs/benchmarks/int4-cuda.md "INT4 CUDA kernel tuning (run 6 ...)", first sweep at 16db4d8 with its confirm pass) changed two points, the lm_head
 # shape 4096x128256 at M = 1 and 2 -> 17 (stream-K): 99.0 / 99.1 and 100.3 / 100.4 us vs v10 103.9 / 114.0 and
 # 104.0 / 114.2 in the two passes (v17's code is unchanged since: identical SASS).
 # Run 6b (second sweep at 688daaf, variants 37-49 against these defaults, bench/results/int4_tune_h200_run6b.*)
@@ -396,7 +396,7 @@ def set_wgmma_rows(rows: int) -> int:
 
 def set_wgmma_one_launch_k(k_max: int) -> int:
     """From now on in this process, variant 63 runs every row of M > 256 in one launch wherever K <= ``k_max``, whatever
-    its fill test says (csrc/w4a16.h ``sdq_wg_one_launch_short_k``); 4096 by default (measured: docs/BENCHMARKS.md
+    its fill test says (csrc/w4a16.h ``sdq_wg_one_launch_short_k``); 4096 by default (measured: docs/benchmarks/pending.md
     Pending 42), 0 turns it off (bench/int4_wgmma.py --schedule k0). Read at launch time, so set it before a CUDA graph
     is captured. Returns the previous setting (0 where the extension is not built)."""
     if int(k_max) < 0:
@@ -448,7 +448,7 @@ def use_configs(defaults: dict, shapes: dict) -> tuple:
 
 
 # The wgmma kernel (variants 62-63, csrc/w4a16_wgmma.cuh) over the configs above, where it was measured faster
-# (bench/int4_wgmma.py, H200 runs 2-11, docs/BENCHMARKS.md "INT4 wgmma kernel"; raw bench/results/int4_wgmma_h200_run*):
+# (bench/int4_wgmma.py, H200 runs 2-11, docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel"; raw bench/results/int4_wgmma_h200_run*):
 # every M > 32 (the older kernels re-read the weights once per 32 rows there), and at M = 9-32 on the shapes listed.
 # Needs N % 256 == 0. 63 (split-K summed by a second kernel) is the default above M = 32 and wins on the narrow shapes
 # (run 11, M = 32: 4096x4096 12.5 us vs the previous config's 17.3, 4096x6144 14.2 vs 20.1, 14336x4096 22.0 vs 37.3);
@@ -540,7 +540,7 @@ def wgmma_path(m: int, n: int, k: int, group_size: int, config: int = 63, dtype=
 def set_wgmma_wave_splits(on: bool) -> bool:
     """Whether the wgmma kernel's one-launch path at M > 256 runs two splits summed in clusters of 2 where its tiles
     alone leave the last wave part-empty (csrc/w4a16.h ``sdq_wg_wave_splits``; on by default, measured in
-    docs/BENCHMARKS.md "Two splits for the one-launch path's last wave"), from now on in this process. For A/B runs
+    docs/benchmarks/int4-wgmma.md "Two splits for the one-launch path's last wave"), from now on in this process. For A/B runs
     (bench/int4_wgmma.py --schedule nowave). Returns the previous setting (True where the extension is not built)."""
     return bool(_ext_set("set_wg_wave_splits", bool(on), True))
 
@@ -548,7 +548,7 @@ def set_wgmma_wave_splits(on: bool) -> bool:
 def set_wgmma_wave_cost(stages: int) -> int:
     """From now on in this process, what ``set_wgmma_wave_splits``' rule charges the two splits' cluster sum, in
     128-K stages (csrc/w4a16.h ``sdq_wg_wave_splits``): it splits only where the waves of half the work plus this cost
-    take less time than the waves of whole tiles. 4 by default (measured: docs/BENCHMARKS.md Pending 42); 0 leaves the
+    take less time than the waves of whole tiles. 4 by default (measured: docs/benchmarks/pending.md Pending 42); 0 leaves the
     fill rule alone, the rule before 2026-12-07 (bench/int4_wgmma.py --schedule wc0). Returns the previous setting (4
     where the extension is not built)."""
     if int(stages) < 0:
@@ -558,7 +558,7 @@ def set_wgmma_wave_cost(stages: int) -> int:
 
 def set_wgmma_stream_k_above_256(on: bool) -> bool:
     """Whether variant 63 runs M > 256 as stream-K over the warp-specialized pipeline where its one launch would leave
-    the last wave part-empty (csrc/w4a16.h ``sdq_wg_ws_sk_big``; on by default, measured in docs/BENCHMARKS.md
+    the last wave part-empty (csrc/w4a16.h ``sdq_wg_ws_sk_big``; on by default, measured in docs/benchmarks/int4-wgmma.md
     "Stream-K above 256 rows"), from now on in this process. For A/B runs (bench/int4_wgmma.py --schedule nosk).
     Returns the previous setting (True where the extension is not built)."""
     return bool(_ext_set("set_wg_sk_big", bool(on), True))
@@ -827,7 +827,7 @@ def _(x, qweight, scales, zeros, locks, rms_ss, rms_eps, silu, resid, gamma, con
 # The consumer with a decode step's RoPE and KV-cache write in its epilogue (the qkv projection of a layer whose heads
 # have 128 features): y = [rope(q), rope(k), v] of the consumer's output, and rope(k), v also stored at slot input_pos
 # of the layer's cache kv [2, B, nkv, T, 128]. So no kernel runs between the qkv GEMM and the attention, which reads
-# the rotated q from y (docs/BENCHMARKS.md, Pending 26).
+# the rotated q from y (docs/benchmarks/pending.md, Pending 26).
 ROPE_HEAD_DIM = 128
 
 

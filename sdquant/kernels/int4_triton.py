@@ -11,12 +11,12 @@
         y       x.dtype [..., N] = x @ W.T + bias,   W = dequant(layout) in the original channel order
 
 Kernels (a swap-AB variant over an [N, K/8] layout was measured on the H200 and was slower at every
-shape: 192 vs 129 us at 8192x28672, M=1; see docs/BENCHMARKS.md):
+shape: 192 vs 129 us at 8192x28672, M=1; see docs/benchmarks/int4-triton.md):
 * M = 1 (and M <= 16 where no mid-M plan applies, e.g. M = 2 on the shapes ``MID_SHAPE_PLAN`` sends back): the
   small-M kernels of ``int4_triton_gemv`` -- a
   tensor-core split-K kernel that unpacks codes with magic numbers (no int->float conversion) and applies
   scales once per group, and a ``tl.dot``-free GEMV for M <= 4 -- chosen per M bucket by ``SMALL_M_PLAN``
-  (``SHAPE_PLAN`` overrides per K x N), set from ``bench/triton_small_m.py`` on the H200 (docs/BENCHMARKS.md,
+  (``SHAPE_PLAN`` overrides per K x N), set from ``bench/triton_small_m.py`` on the H200 (docs/benchmarks/int4-triton.md,
   "Triton small-M kernels"). A bucket whose plan is None runs ``_splitk_kernel``.
 * M = 2 ... 1024 (per M bucket, ``MID_M_PLAN``; ``MID_SHAPE_PLAN`` overrides per K x N): the swap-AB tensor-core
   GEMM of ``int4_triton_midm`` (weights on the MMA's wide side, tokens on the narrow one, the int4 tile dequantized

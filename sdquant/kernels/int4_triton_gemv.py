@@ -29,7 +29,7 @@ start, so both give the same bits:
   ``w >> 12``) and one FADD that removes the constant 2**(23-P); then one FFMA per code and row against the
   activation, fp32 throughout. The zero point enters once a tile and row, ``acc += s * sum(code * x) + zs *
   sum(x)``: 5-11% faster on the H200 than removing ``zero = -zs/s`` from every code, which cost a division per
-  column and tile (docs/BENCHMARKS.md, "Triton small-M: the folded zero point"). The magic number comes in as a
+  column and tile (docs/benchmarks/int4-triton.md, "Triton small-M: the folded zero point"). The magic number comes in as a
   kernel argument so that it stays in a register.
 
 Both kernels read ``x[:, perm]`` through the act-order permutation in the load, take fp16/bf16 activations,
@@ -438,7 +438,7 @@ def use_fold(locks: Optional[torch.Tensor], split: int, tiles: int, device: torc
     given (int32 on the launch's device; a wrong one is an error) and enough of them (else the second pass), and
     the config's ``"fold"`` (else ``default``) true. ``run`` folds the GEMV at M = 1 by default: on the H200 that
     was 0.3-1.9 us faster than the second pass on every Llama shape, while at M = 2 (and in the tensor-core and
-    mid-M kernels, M = 2-256) the kernels with the fold took 0.98-1.75x the time (docs/BENCHMARKS.md, "Triton
+    mid-M kernels, M = 2-256) the kernels with the fold took 0.98-1.75x the time (docs/benchmarks/int4-triton.md, "Triton
     split-K summed in the kernel")."""
     if split <= 1 or locks is None or not cfg.get("fold", default):
         return False

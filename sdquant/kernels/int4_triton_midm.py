@@ -1,7 +1,7 @@
 """Mid-M Triton W4A16 GEMM over the layout of ``int4_layout.repack_triton`` (int32 [K/8, N]).
 
 ``int4_triton.w4a16_triton_impl`` dispatches here per M bucket (``int4_triton.MID_M_PLAN``: M = 2 ... 1024 on the
-H200, where it was the fastest Triton path; docs/BENCHMARKS.md "Triton mid-M INT4 GEMM"); nothing in this module registers an op.
+H200, where it was the fastest Triton path; docs/benchmarks/int4-triton.md "Triton mid-M INT4 GEMM"); nothing in this module registers an op.
 
 Why a new kernel: the old ``_gemm_kernel`` puts the tokens on the MMA's wide (M) side and the dequantized weights
 on the B side; at M = 32-256 most of its 64/128-row tiles are padding and Triton reads the B tile with scalar
@@ -199,7 +199,7 @@ def run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch
         perm: Optional[torch.Tensor], gs: int, cfg: Optional[dict] = None) -> torch.Tensor:
     """y [M, N] (x2's dtype) = x2 @ W.T for row-contiguous x2 [M, K] (any M >= 1), no bias. (Its split-K always
     takes the second pass: the GEMV's in-kernel sum, tried here and in the tensor-core kernel, took 0.98-1.75x the
-    time at M = 2-256 on the H200, docs/BENCHMARKS.md "Triton split-K summed in the kernel".)"""
+    time at M = 2-256 on the H200, docs/benchmarks/int4-triton.md "Triton split-K summed in the kernel".)"""
     m, k = x2.shape
     n = qweight.shape[1]
     c = resolve({**default_config(m), **(cfg or {})}, m, n, k, gs, small_m.num_sms(x2.device))

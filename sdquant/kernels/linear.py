@@ -459,7 +459,7 @@ class Fp8Linear(_Prepared):
     kind = "fp8"
     fuse_act_quant = True
     # cuBLASLt ``use_fast_accum`` on the ``_scaled_mm`` path (large M): see bench/fp8_fast_accum.py and
-    # docs/BENCHMARKS.md for what it costs in accuracy and gains in time. Class default; settable per layer.
+    # docs/benchmarks/fp8.md for what it costs in accuracy and gains in time. Class default; settable per layer.
     fast_accum = False
 
     def __init__(self, fw: Fp8Weight, bias: Optional[torch.Tensor] = None, smooth: Optional[torch.Tensor] = None):

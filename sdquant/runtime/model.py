@@ -87,7 +87,7 @@ def own_linear(mod: nn.Module) -> nn.Module:
     state, so that preparing it (device moves, dtype casts, kernel layouts) changes neither the caller's model nor
     another runtime built from that model. Before this, the unfused linears (o, down, a quantized head) were the
     caller's modules themselves: a second runtime's prepare re-attached their layouts, and a CUDA graph captured on
-    the first kept reading the freed ones (Pending 30 in docs/BENCHMARKS.md), and an nn.Linear was cast in place."""
+    the first kept reading the freed ones (Pending 30 in docs/benchmarks/pending.md), and an nn.Linear was cast in place."""
     from sdquant.kernels.linear import Fp8Linear, QuantLinear
     if type(mod) is nn.Linear:
         lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         # k and writes the cache (rope_why_not says where it cannot), and the attention, launched before that epilogue,
         # loads its older slots ahead of its PDL wait (attn_preload); elsewhere, and with "index_copy", KVCache.update
         # writes the cache (inductor compiles the key's RoPE and the write into two kernels a layer).
-        # Transformer.set_kv_write; docs/BENCHMARKS.md, e2e runs 60-62
+        # Transformer.set_kv_write; docs/benchmarks/decode.md, e2e runs 60-62
         self.kv_write = "gemm"
         self.attn_preload = True
         if impl == "triton":
@@ -696,7 +696,7 @@ class Transformer(nn.Module):
             finishes and wait on the device for its results, so launch latency and the GEMM's first weight loads
             overlap the kernel before. None (default): on where it can run (inductor, a CUDA device of compute
             capability >= 9, a torch whose inductor has the option); True where it cannot is a ConfigError.
-            Measured on the H200 (docs/BENCHMARKS.md, e2e runs 12-19), INT4 Llama-3-8B shapes at batch 1:
+            Measured on the H200 (docs/benchmarks/decode.md, e2e runs 12-19), INT4 Llama-3-8B shapes at batch 1:
             399-403 tokens/s with it (and PDL_DECODE_OPTIONS), 365-370 without.
         options: extra inductor options (torch.compile's ``options``), merged with ``mode``'s. With PDL the decode
             step also gets ``PDL_DECODE_OPTIONS`` (given options win); with scope="block", prompts (S > 1) then run
@@ -738,7 +738,7 @@ class Transformer(nn.Module):
             self._block_fn = torch.compile(_block_call, **compile_kwargs(decode_opts))
             self._fused_block_fn = torch.compile(_fused_block_call, **compile_kwargs(decode_opts))
             # the step's glue before the first block and after the last (decode only: forward routes prompts to the
-            # plain functions): ~25 eager kernels a step become a few inductor kernels (H200, docs/BENCHMARKS.md)
+            # plain functions): ~25 eager kernels a step become a few inductor kernels (H200, docs/benchmarks/decode.md)
             self._embed_fn = torch.compile(_embed_call, **compile_kwargs(decode_opts))
             self._head_fn = torch.compile(_head_call, **compile_kwargs(decode_opts))
             # prompts (S > 1) in a block of their own, without the decode-only options and with torch.compile's

@@ -65,7 +65,7 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
-# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/BENCHMARKS.md)
+# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/benchmarks/pending.md)
 WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3")
 
 
@@ -112,7 +112,7 @@ def _experiment_compiles_without_spills(define: str, kernel: str, count: int, pa
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_tight_without_l2_prefetch_build_compiles():
     """The tight kernel's earlier prologue (no L2 prefetch of the ring before griddep_wait), kept for A/B timing
-    (docs/BENCHMARKS.md, Pending 24), still compiles for sm_90a without spills in all six tight variants, so that a
+    (docs/benchmarks/pending.md, Pending 24), still compiles for sm_90a without spills in all six tight variants, so that a
     build with SDQUANT_NVCC_FLAGS=-DSDQ_TIGHT_L2PF=0 can time it against the shipped one."""
     _experiment_compiles_without_spills("-DSDQ_TIGHT_L2PF=0", "w4a16_tight_kernel", 6)
 
@@ -156,7 +156,7 @@ def test_tight_prologue_loads_weights_before_the_wait():
     """In the shipped build's SASS, every tight variant's ring weight loads (LDG.E.NA.128) come before
     griddepcontrol.wait (ACQBULK), so under PDL the weights stream while the previous kernel finishes. Without the L2
     prefetch (SDQ_TIGHT_L2PF=0) ptxas puts the wait first in variants 38 / 39, which is what the prefetch is for
-    (docs/BENCHMARKS.md, Pending 24); the second half checks that this test tells the two builds apart."""
+    (docs/benchmarks/pending.md, Pending 24); the second half checks that this test tells the two builds apart."""
     r = _experiment_builds()[""]
     assert r.returncode == 0 and r.sass, r.stderr[-2000:]
     shipped = _tight_funcs_wait_vs_load(r.sass)
@@ -476,7 +476,7 @@ def _nt1_ptx_by_kind() -> dict:
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_split_k_count_in_is_one_acq_rel_atomic_a_cta():
-    """The mma.sync kernels' split-K count-in (csrc split_count_in, SDQ_SPLIT_TAIL=1, docs/BENCHMARKS.md "The split-K
+    """The mma.sync kernels' split-K count-in (csrc split_count_in, SDQ_SPLIT_TAIL=1, docs/benchmarks/int4-cuda.md "The split-K
     count-in"): thread 0's acq_rel atomic after the CTA barrier, no fence.sc / membar in every thread (form 0, 0.3-0.5
     us slower a launch at M = 1-8)."""
     by_kind = _nt1_ptx_by_kind()

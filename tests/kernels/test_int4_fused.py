@@ -5,7 +5,7 @@ On a CPU the op evaluates its reference (``int4_cuda.fused_reference``) over the
 reference against the unfused composition it replaces (rms_norm, the canonical-weight linear, SiLU * up, residual add),
 its schema (opcheck), its refusals, and that a model decoding through ``Block.forward_fused`` matches the unfused
 blocks. The CUDA kernel itself is checked against the same reference on the H200 (bench/fused_ops.py: every tight
-variant, both split paths, every mode; docs/BENCHMARKS.md)."""
+variant, both split paths, every mode; docs/benchmarks/decode.md)."""
 import pytest
 import torch
 

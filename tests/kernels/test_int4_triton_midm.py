@@ -140,7 +140,7 @@ def test_shapes_that_do_not_divide(interpret):
 
 
 def test_bytes_prototype_dry_run():
-    """bench/triton_bytes.py --dry: the byte-layout swap-AB prototype (pending 12 of docs/BENCHMARKS.md) matches
+    """bench/triton_bytes.py --dry: the byte-layout swap-AB prototype (pending 12 of docs/benchmarks/pending.md) matches
     x @ W.T under Triton's interpreter (fp16; symmetric / asymmetric, group 128 / 64 / per-channel, M = 1 / 3 / 17,
     every config), so that its device run times a correct kernel."""
     import json
@@ -158,7 +158,7 @@ def test_bytes_prototype_dry_run():
 
 
 def test_frag_prototype_dry_run_and_layout():
-    """bench/triton_frag.py (pending 12 of docs/BENCHMARKS.md): its repack puts code (n, k) where the docstring says
+    """bench/triton_frag.py (pending 12 of docs/benchmarks/pending.md): its repack puts code (n, k) where the docstring says
     (decoded here independently of the kernel), it rejects groups smaller than 128, and --dry matches x @ W.T under
     Triton's interpreter for every config (fp16; symmetric / asymmetric, group 128 / 256 / per-channel, M = 1 / 3 /
     17), so that its device runs time a correct kernel."""

@@ -1,4 +1,4 @@
-"""bench/mlp_fused (the batch-1 MLP-in-one-kernel experiment, docs/BENCHMARKS.md Pending 22): its CUDA source compiles
+"""bench/mlp_fused (the batch-1 MLP-in-one-kernel experiment, docs/benchmarks/pending.md Pending 22): its CUDA source compiles
 for sm_90a with the flags of the sdquant extension, the bf16 MLP kernel within 24 bytes of register spills (ptxas 13.0
 spills 20 bytes at 128 registers). It runs only on the H200 (bench/mlp_fused.py), where it checks itself."""
 import sys

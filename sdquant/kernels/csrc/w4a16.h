@@ -179,7 +179,7 @@ static inline int sdq_wg_one_launch_short_k(int m, int k, int group_k16, int k_m
 // pack the device (pair_clusters: clusters of 2 resident at once, x 2 >= 90% of the slots) and each split keeps >= 8
 // stages of 128 K. Returns 2 or 1.
 // * The fill rule: H100 int4_wgmma runs 38-39 (4096x6144 M = 1024 -14%, 8192x10240 M = 1024 -9..-15%, 8192x28672
-//   M = 512 -5..-8%; docs/BENCHMARKS.md "Two splits for the one-launch path's last wave").
+//   M = 512 -5..-8%; docs/benchmarks/int4-wgmma.md "Two splits for the one-launch path's last wave").
 // * The cost rule: at K = 4096 (S = 32) the fill rule's splits were slower where they add many half waves: H100 runs
 //   48-50, one launch without the splits against with them (us): 4096x28672 M = 520 / 640 (5 -> 9 waves) 233 / 246
 //   against 268 / 277, 4096x6144 M = 1536 / 2100 (3 -> 5, 4 -> 7) 146 / 193 against 156 / 222, 4096x4096 M = 2100

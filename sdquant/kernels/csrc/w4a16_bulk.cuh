@@ -2,7 +2,7 @@
 // bulk-copy engine (cp.async.bulk, the 1-D form of TMA) instead of per-lane loads. Included by w4a16_kernel.cuh
 // inside its namespace, after w4a16_lean.cuh (uses Ops, reduce_k_warps, store_output, griddep_*).
 //
-// Why (docs/BENCHMARKS.md, runs 5-6 and the read-order probes): the weight stream of every earlier kernel is capped
+// Why (docs/benchmarks/int4-cuda.md, runs 5-6 and the read-order probes): the weight stream of every earlier kernel is capped
 // by the bytes each SM keeps in flight. Per-lane loads hold them in registers (the direct kernel: ~16 warps x 2 KB
 // per SM, 127 registers), per-lane cp.async costs one instruction and one LSU request per 16 bytes and lane, and
 // the load-only probes put both patterns at 36-38 us on 8192x28672 against a 27 us linear read. Here each warp owns a

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_direc
     if (j < iters) issue_x(j, xq[j]);
 
   // the main loop (issue_x chooses the activations' source, shared memory or L1, at every K step: one loop a source
-  // was 0-8% slower on the H200, docs/BENCHMARKS.md "M = 1: the compute-only probe ...")
+  // was 0-8% slower on the H200, docs/benchmarks/int4-cuda.md "M = 1: the compute-only probe ...")
   for (int base = 0; base < iters; base += D) {
 #pragma unroll
     for (int j = 0; j < D; ++j) {

@@ -3,7 +3,7 @@
 // direct kernel's arithmetic out of the ring. Included by w4a16_kernel.cuh inside its namespace, after w4a16_bulk.cuh
 // (mbarrier and bulk-copy helpers) and w4a16_streamk.cuh (sk_begin / sk_owner / sum_segment_partials).
 //
-// Why (docs/BENCHMARKS.md, "M = 1-8: the tight kernel" and the read-order probes): the tight kernel reads 8192x28672 at
+// Why (docs/benchmarks/int4-cuda.md, "M = 1-8: the tight kernel" and the read-order probes): the tight kernel reads 8192x28672 at
 // ~3.1 TB/s with 16 warps a SM each keeping <= 4 KB in flight in registers; ncu puts 42% of its stall cycles on memory.
 // Every earlier attempt at more bytes in flight kept one stream a warp (~2,000 streams of 1-4 KB copies or loads): the
 // per-warp bulk-copy rings' copies alone took 36.7-40 us (P7 / P8), and more warps cost registers. Here the streams
@@ -24,7 +24,7 @@
 // WS = 1: the group scale multiplies each dequantized weight pair in the activation dtype ((code - zero) * s rounded,
 // one multiply a pair, as the lean kernels' WSCALE) instead of fp32 group sums: one accumulator set, fewer registers,
 // so MINB CTAs of CW warps fit a SM (e.g. 3 x 8 warps at <= 80 registers).
-// Measured (H200, docs/BENCHMARKS.md "Tried: the feed kernel"): correct (48/48 GPU checks) but 1.36x (60) and 1.58x
+// Measured (H200, docs/benchmarks/int4-cuda.md "Tried: the feed kernel"): correct (48/48 GPU checks) but 1.36x (60) and 1.58x
 // (61) v38's time at M = 1 (8192x28672 49.9 / 61.8 against 38.8 us). The probes split it: the copies alone take 36.5 us
 // (3.2 TB/s; 34.1 at 3 CTAs x 8 warps), the arithmetic alone 35.7 (37.8 at 24 warps with WS), while v38 overlaps the
 // two in 38.4. Of the arithmetic's 35.7 us, 19.3 are the loop's skeleton (probe 5: a group end, a group start and a

@@ -100,7 +100,7 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 // barrier orders the CTA's stores before thread 0's acq_rel atomic (cumulativity: the pattern of CUTLASS's split-K
 // semaphores), whose acquire half orders the partial loads after the second barrier. Form 0 (SDQ_SPLIT_TAIL=0, inline
 // at the call sites) fenced (fence.sc) in every thread before the count and again after it when last. ab_build run 13
-// (docs/BENCHMARKS.md, "The split-K count-in"): outputs bit-identical, 0.3-0.5 us faster a launch at M = 1-8 (4096x4096
+// (docs/benchmarks/int4-cuda.md, "The split-K count-in"): outputs bit-identical, 0.3-0.5 us faster a launch at M = 1-8 (4096x4096
 // M = 1 v38 7.7 -> 7.3 us). Loading the last CTA's partials 8 at a time as well was level at M = 1 and up to 15%
 // slower at M = 4-8 (registers), so the loads stay one split at a time.
 __device__ __forceinline__ bool split_count_in(int* lock, int count, int& s_last) {

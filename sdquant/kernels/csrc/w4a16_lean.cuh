@@ -25,7 +25,7 @@
 // in fp32. The cancellation costs ~5 (bf16) / ~8 (fp16) of fp32's 24 bits.
 // FLAT = 1 (KW = 1, no clusters): w4a16_lean_flat_kernel, a persistent grid of the resident slots whose W warps each
 // take W-th of the flattened (block, K step) space (see there).
-// Measured (H200, run 6, docs/BENCHMARKS.md "INT4 CUDA kernel tuning (run 6 ...)"; variants 28-37 at commit 16db4d8, before the RAW codes and the
+// Measured (H200, run 6, docs/benchmarks/int4-cuda.md "INT4 CUDA kernel tuning (run 6 ...)"; variants 28-37 at commit 16db4d8, before the RAW codes and the
 // step-loop trim): no WSCALE variant beat the direct kernel v10 at any M = 1-8 point except 4096x6144 M = 2-8 (v37,
 // 10.4-10.6 vs 10.8-11.5 us); more warps per SM at the same bytes per SM did not help (v34: 32 warps x 1 KB, 52.2 us
 // vs v10's 16 x 2 KB, 51.7, on 8192x28672); the cluster reduction was a large loss (v30 vs the same kernel without

@@ -17,7 +17,7 @@
 // two token tiles), so M = 9-16 keeps 2-3 CTAs per SM.
 // PROBE = 1: the same loads in the same order, but only an xor of the loaded words (no dequantize, no MMA, no
 // output): the read-bandwidth ceiling of this access pattern (bench/int4_tune.py reports it; not a GEMM).
-// Measured (H200 run 5, docs/BENCHMARKS.md): only v17 on 8192x28672 M = 1 beat the earlier kernels (-2%); the
+// Measured (H200 run 5, docs/benchmarks/int4-cuda.md): only v17 on 8192x28672 M = 1 beat the earlier kernels (-2%); the
 // load-only probes of these patterns top out at ~3.2 TB/s (36.4 us on 8192x28672) against 4.3 TB/s for a linear
 // sweep of the same bytes (27.4 us), whatever the bytes in flight: the per-warp-stream read order is the first
 // limiter, the arithmetic (0.55-0.62 issued instructions per scheduler-cycle) the second.

@@ -4,7 +4,7 @@
 // add and the next norm's input: "the fused decode-block prologue / epilogue" below).
 //
 // Why: the direct kernel (v10) is issue-bound at M = 1. With every load removed it still takes 38.7 us on
-// 8192x28672 (docs/BENCHMARKS.md, "M = 1: the compute-only probe"), and its SASS spends ~84 instructions a K step of
+// 8192x28672 (docs/benchmarks/int4-cuda.md, "M = 1: the compute-only probe"), and its SASS spends ~84 instructions a K step of
 // which only 44 dequantize and 4 multiply: the rest are register copies out of the load ring (its ring slot is
 // refilled before the slot's words are used), a branch or two per K step for the group boundary and for the
 // activation source, and predicated-row branches around the activation loads. This loop removes them by making every
@@ -32,7 +32,7 @@
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
 #ifndef SDQ_TIGHT_L2PF  // 1 (default): under PDL the prologue issues an L2 prefetch of its ring before griddep_wait
 #define SDQ_TIGHT_L2PF 1  // (prefetch_l2_if); with it ptxas keeps the ring's loads ahead of the wait. 0: the earlier
-#endif                    // build, kept for A/B (docs/BENCHMARKS.md, Pending 24: -3.9 us a layer in chain, +3.5% e2e)
+#endif                    // build, kept for A/B (docs/benchmarks/pending.md, Pending 24: -3.9 us a layer in chain, +3.5% e2e)
 template <int WNN_, int KW_, int D_, int MINB_, int RAW_ = 0>
 struct TCfg {
   static constexpr int WNN = WNN_, KW = KW_, D = D_, MINB = MINB_;  // D: chunks of 4 K steps in flight a warp
@@ -75,7 +75,7 @@ constexpr int tight_smem() {
 // griddep_wait, because ptxas sinks the ring's register loads below the wait in most builds (variants 38 / 39 and
 // every fused build: the wait, ACQBULK, comes first in their SASS). A load placed after the wait then starts only
 // when the previous kernel has finished, and under programmatic dependent launch the weights were meant to be in
-// flight by then (docs/BENCHMARKS.md, "Where a batch-1 layer's GEMM time goes").
+// flight by then (docs/benchmarks/decode.md, "Where a batch-1 layer's GEMM time goes").
 __device__ __forceinline__ void prefetch_l2_if(const void* p, bool on) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q prefetch.global.L2 [%0];\n}\n" ::"l"(p), "r"(static_cast<int>(on)));

@@ -22,7 +22,7 @@
 //   all-ones A fragment sums the activations into accx. At the end of each 128-K stage (one group) the accumulators
 //   fold in fp32: acc += s * accg - s * (magic + z) * accx. ncu (int4_wgmma run 27) had the 16-64-token tiles
 //   waiting on their own ALU chains (fixed-latency and issue stalls, DRAM at 36-51%), not on memory. At 32 tokens the
-//   second accumulator set takes the kernel to 255 registers and it was slower (docs/BENCHMARKS.md, "The raw codes in
+//   second accumulator set takes the kernel to 255 registers and it was slower (docs/benchmarks/int4-wgmma.md, "The raw codes in
 //   the wgmma kernel").
 // * One pipeline for everything: STAGES shared-memory stages of 64 K (weights 8 KB, activations NTOK x 128 B,
 //   scales/zeros of the <= 2 groups a stage touches), filled by cp.async STAGES - 2 stages ahead, so a stage is
@@ -34,8 +34,8 @@
 //   and the wait that retires it (else it serializes every wgmma, warning C7513, which the CI compile test rejects):
 //   so the group's scales are loaded once a stage where a stage lies inside one group (ONE_GROUP: group a multiple
 //   of 64), and reloaded branch-free every K step otherwise (groups 32, 96, ...). The first version waited for every
-//   wgmma before the next dequantization (a data-dependent group branch sat in the loop): docs/BENCHMARKS.md.
-//   A shared-memory-A variant (SS wgmmas) was slower: docs/BENCHMARKS.md "INT4 wgmma kernel".
+//   wgmma before the next dequantization (a data-dependent group branch sat in the loop): docs/benchmarks/int4-wgmma.md.
+//   A shared-memory-A variant (SS wgmmas) was slower: docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel".
 // * Split-K over gridDim.z, deterministic (fixed split order). Variant 62: fp32 partials stored in register order;
 //   the last CTA of a (feature tile, token tile) -- counted on a lock it resets -- sums them, one launch. Variant 63:
 //   plain [splits, m, n] partials summed by wg_reduce_kernel over the whole GPU (better where tiles are few and
@@ -140,7 +140,7 @@ __device__ __forceinline__ uint32_t wg_scale_pair<__nv_bfloat16>(uint32_t h2, in
 // stage had cost 4-11% of the main loops' instructions (SASS, 2026-12-07; ab_build run 24). At 128-K stages each
 // copy's block, sub-tile and row are compile-time constants plus tid (tid < NT, which ptxas cannot know from a
 // division by NT): 6-15% fewer loop instructions, 192 against 221 registers in the raw 16-token kernel, bit-identical
-// outputs and 0.984-1.000x the time at M = 16 (ab_build run 26, H100; docs/BENCHMARKS.md Pending 43).
+// outputs and 0.984-1.000x the time at M = 16 (ab_build run 26, H100; docs/benchmarks/pending.md Pending 43).
 template <int NTOK, int NT, bool WITH_X, int KS>
 __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t st, int ks0, int nb0, int m0,
                                               int tid, int ga = 0, int gb = 0) {
@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 }
 // The raw-code form (one warpgroup, 128-K stages of one group each), declared as measured (bench/ab_build.py run 11):
 // its launch bounds name a minimum of one CTA a SM, which changes ptxas's register assignment (not the count)
-// SDQ_WG_RAW_OCC=3 (an A/B build, docs/BENCHMARKS.md Pending 44): 3 stages and launch bounds of 3 CTAs a SM (168
+// SDQ_WG_RAW_OCC=3 (an A/B build, docs/benchmarks/pending.md Pending 44): 3 stages and launch bounds of 3 CTAs a SM (168
 // registers, no spills). On the H100 it was 1.016x the time at M = 16 (0.944-1.086; ab_build run 26), where this
 // kernel reads DRAM at ~75% of peak; on the H200, where the same kernel is bound per SM, it is still to be timed.
 #ifndef SDQ_WG_RAW_OCC
@@ -641,7 +641,7 @@ __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) 
 
 // ------------------------------------------------------------------ the warp-specialized TMA pipeline (128 tokens)
 // Variant 63's split-K at the 128-token tile (128-K stages; groups a multiple of 128 K) runs this kernel instead of
-// wgmma_body where wg_ws says (docs/BENCHMARKS.md "INT4 wgmma kernel, warp-specialized": 8192x28672 M = 128 126 -> 98
+// wgmma_body where wg_ws says (docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, warp-specialized": 8192x28672 M = 128 126 -> 98
 // us). Why: wgmma_body's pipeline has a CTA-wide barrier a stage (its largest stall, ncu run 20) and every thread
 // issues ~9 cp.async a stage. Warp-specialized: one thread of a producer warpgroup issues a
 // stage with 9 copies -- the activation tile by a 2-D TMA copy (a CUtensorMap with the 128-byte swizzle wgmma's
@@ -1520,7 +1520,7 @@ template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARAT
 struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>> {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
-  // (docs/BENCHMARKS.md "INT4 wgmma kernel, runs 7-11", run 9)
+  // (docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11", run 9)
   static constexpr int WGS = NTOK > 64 ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
