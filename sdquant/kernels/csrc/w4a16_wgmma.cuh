@@ -1516,12 +1516,18 @@ struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   }
 };
 
+// A/B build (-DSDQ_WG_TWO_WG_SMALL=1, Pending 45): two warpgroups of 128 features at the 32- and 64-token tiles too.
+// ncu (int4_wgmma H100 run 66, 4096x4096 M = 64): the one-warpgroup CTA runs one warp a scheduler, 3.5 cycles an
+// issued instruction, mostly fixed-latency waits, 128 CTAs on 132 SMs; a second warpgroup halves each one's chain.
+#ifndef SDQ_WG_TWO_WG_SMALL
+#define SDQ_WG_TWO_WG_SMALL 0
+#endif
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false>
 struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>> {
   // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
   // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
   // (docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11", run 9)
-  static constexpr int WGS = NTOK > 64 ? 2 : 1;
+  static constexpr int WGS = NTOK > 64 || (SDQ_WG_TWO_WG_SMALL && NTOK >= 32 && !RAW) ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = [] {
