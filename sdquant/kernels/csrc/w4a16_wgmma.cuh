@@ -1745,7 +1745,7 @@ template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) return sdq_wg_ntok(p.m) > 64 ? 8 : 4;  // warps
+  if (op == 5) return sdq_wg_ntok(p.m) > 64 || (SDQ_WG_TWO_WG_SMALL && sdq_wg_ntok(p.m) >= 32) ? 8 : 4;  // warps
   if (op == 8) return wgmma_rows<T>(v, p);
   if (op == 10) return TmaKern<T, 128, WS_KS128, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
   if (op == 11) return v == 63 ? wg_cluster_fit_splits<T>(p) : 0;  // the cluster-fitting split count at M = 97-256
