@@ -45,8 +45,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert sum("w4a16_feed_kernel" in ln for ln in kernels) == 4
     assert sum("linear_read_probe_kernel" in ln for ln in kernels) == 1
     # 4 token tiles x ONE_GROUP x 62/63 x 2 dtypes, + stream-K at the 128-token tile (62 and 63 alike): 2 x 2,
-    # + 63's 128-K stages at the 128-token tile: 2 x 2
-    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4 + 4
+    # + 63's 128-K stages at the 128-token tile: 2 x 2, + two warpgroups at the 32- / 64-token tiles (sdq_wg_two_wg):
+    # 2 tiles x ONE_GROUP x 62/63 x 2 dtypes
+    assert sum("w4a16_wgmma_kernel" in ln for ln in kernels) == 32 + 4 + 4 + 16
     # the raw-code form at the 16-token tile (62 / 63): 2 dtypes x 2
     assert sum("w4a16_wgmma_raw_kernel" in ln for ln in kernels) == 4
     # 63's warp-specialized split-K at the 128-token tile (a producer warpgroup under setmaxnreg): 2 dtypes x the
@@ -407,6 +408,7 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_wave_splits(False) is True
         assert int4_cuda.set_wgmma_wave_cost(0) == 4
         assert int4_cuda.set_wgmma_stream_k_above_256(False) is True
+        assert int4_cuda.set_wgmma_two_warpgroups("never") == "auto"
         assert int4_cuda.set_wgmma_one_launch_k(0) == 0
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
@@ -794,6 +796,48 @@ def test_wgmma_stream_k_above_256_rows_rule(tmp_path):
     got = _run_host_rule(tmp_path, [f"sdq_wg_ws_sk_big({m}, {n}, {k}, 8, 132, {w})" for (m, n, k, w), _ in cases]
                          + ["sdq_wg_ws_sk_big(520, 4096, 4096, 4, 132, 1)", "sdq_wg_ws_sk_big(520, 4096, 4160, 8, 132, 1)"])
     assert got == [want for _, want in cases] + [0, 0]  # group 64, K not a multiple of 128: the kernel cannot
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
+def test_wgmma_two_warpgroups_rule(tmp_path):
+    """sdq_wg_two_wg (w4a16.h): the 32- / 64-token tiles run two warpgroups of 128 features where the one-warpgroup
+    split-K grid (its splits capped at 8 stages of 64 K) holds at most one CTA a SM. H100 ab_build run 27: 4096x4096
+    (the one such Llama shape) 5-9% faster at M = 24-64, the others level or slower. Cases on 132 SMs with the
+    one-warpgroup kernel's resident CTAs (2 a SM at 64 tokens, 3 at 32): (m, n, k, ntok, slots) -> two."""
+    cases = [
+        ((64, 4096, 4096, 64, 264), 1),     # 16 tiles x 8 splits = 128 CTAs: 14.6 -> 13.8 us
+        ((48, 4096, 4096, 64, 264), 1),     # 13.8 -> 12.6
+        ((32, 4096, 4096, 32, 396), 1),     # 16 x 8: 11.1 -> 10.7
+        ((64, 4096, 2048, 64, 264), 1),     # K = 2048: 4 splits, 64 CTAs
+        ((64, 6144, 4096, 64, 264), 0),     # 24 x 8 = 192 CTAs: level (18.8 -> 18.5)
+        ((64, 4096, 14336, 64, 264), 0),    # 16 x 16 = 256: level (28.8 -> 28.3)
+        ((64, 10240, 8192, 64, 264), 0),    # 40 x 6 = 240: level
+        ((64, 28672, 8192, 64, 264), 0),    # 112 x 2 = 224: 8192x28672 79.2 -> 86.5
+        ((32, 128256, 4096, 32, 396), 0),   # lm_head
+        ((16, 4096, 4096, 16, 264), 0),     # the 16-token tile keeps one (the raw kernel)
+        ((128, 4096, 4096, 128, 132), 0),   # the 128-token tile always has two
+    ]
+    got = _run_host_rule(tmp_path, [f"sdq_wg_two_wg({m}, {n}, {k}, {nt}, {s}, 132)" for (m, n, k, nt, s), _ in cases])
+    assert got == [want for _, want in cases]
+
+
+def test_wgmma_two_warpgroups_setting_is_checked_and_benched(monkeypatch):
+    """int4_cuda.set_wgmma_two_warpgroups takes "auto" / "never" / "always" and names the field otherwise;
+    bench/int4_wgmma.py's "1wg" / "2wg" schedules set "never" / "always" and restore the mode before."""
+    with pytest.raises(ValueError, match="mode: 'sometimes' is not one of"):
+        int4_cuda.set_wgmma_two_warpgroups("sometimes")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import int4_wgmma
+    state = {"mode": "auto"}
+
+    def setter(mode):
+        old, state["mode"] = state["mode"], mode
+        return old
+    monkeypatch.setattr(int4_cuda, "set_wgmma_two_warpgroups", setter)
+    for sched, want in (("1wg", "never"), ("2wg", "always")):
+        with int4_wgmma.schedule_set(sched):
+            assert state["mode"] == want
+        assert state["mode"] == "auto"
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")

@@ -72,6 +72,19 @@ static inline int sdq_wg_splits(int tiles, int ctas, int k, int two_per_sm) {
   if (splits > k / 64 / 8) splits = k / 64 / 8;
   return splits < 1 ? 1 : splits;
 }
+// Whether the 32- or 64-token tile runs two warpgroups of 128 features a CTA instead of one of 256 (slots1: the
+// one-warpgroup kernel's resident CTAs): where that kernel's automatic split-K grid holds at most one CTA a SM, so each
+// SM would run one warp a scheduler. The splits are capped at 8 stages of 64 K each, so this is where K is short and
+// the tiles few (4096x4096 at M <= 64 among the Llama shapes: 16 tiles x 8 splits = 128 CTAs). ncu (int4_wgmma run 66,
+// H100, 4096x4096 M = 64): one warp a scheduler, 3.5 cycles an issued instruction, mostly fixed-latency waits. ab_build
+// run 27 (H100, both forms everywhere at M = 24-64, 3 rounds, us): 4096x4096 v63 10.8 / 11.1 / 13.8 / 14.6 -> 10.3 /
+// 10.7 / 12.6 / 13.8, bit-identical; level (within 2%) on 4096x6144, 14336x4096 and 8192x10240, whose grids hold more
+// CTAs than SMs; 4-10% slower on the N = 28672 shapes and 28672x8192 (8192x28672 M = 64 79.2 -> 86.5).
+static inline int sdq_wg_two_wg(int m, int n, int k, int ntok, int slots1, int sms) {
+  if (ntok != 32 && ntok != 64) return 0;
+  const int tiles = (m + ntok - 1) / ntok * (n / 256);
+  return tiles * sdq_wg_splits(tiles, slots1, k, 2 * sms) <= sms;
+}
 // Whether that automatic split-K grid of the ntok-token tile fills at least num / den of `slots` resident CTAs over its
 // waves (sms: the SM count)
 static inline int sdq_wg_split_fills(int m, int n, int k, int ntok, int slots, int sms, int num, int den) {
@@ -248,6 +261,10 @@ int sdq_w4a16_wg_wave_cost(void);
 // previous setting.
 int sdq_w4a16_set_wg_sk_big(int on);
 int sdq_w4a16_wg_sk_big(void);
+// Two warpgroups at the 32- and 64-token tiles: 1 where sdq_wg_two_wg says (the default), 0 never, 2 always. Returns the
+// previous setting.
+int sdq_w4a16_set_wg_two(int mode);
+int sdq_w4a16_wg_two(void);
 // The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
 // write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
 // sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).

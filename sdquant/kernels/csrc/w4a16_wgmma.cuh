@@ -1516,18 +1516,14 @@ struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   }
 };
 
-// A/B build (-DSDQ_WG_TWO_WG_SMALL=1, Pending 45): two warpgroups of 128 features at the 32- and 64-token tiles too.
-// ncu (int4_wgmma H100 run 66, 4096x4096 M = 64): the one-warpgroup CTA runs one warp a scheduler, 3.5 cycles an
-// issued instruction, mostly fixed-latency waits, 128 CTAs on 132 SMs; a second warpgroup halves each one's chain.
-#ifndef SDQ_WG_TWO_WG_SMALL
-#define SDQ_WG_TWO_WG_SMALL 0
-#endif
-template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false>
-struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW>> {
-  // two warpgroups only at 128 tokens (128 accumulators a thread); at 64 tokens two warpgroups of 128 features
-  // measured 4-16% slower than one of 256 on the large shapes, at most 10% faster on N = 4096 / 6144
-  // (docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11", run 9)
-  static constexpr int WGS = NTOK > 64 || (SDQ_WG_TWO_WG_SMALL && NTOK >= 32 && !RAW) ? 2 : 1;
+// TWO: two warpgroups of 128 features at the 32- / 64-token tile (wg_two below); at 128 tokens always two (128
+// accumulators a thread). At 64 tokens two warpgroups measured 4-16% slower than one of 256 on the large shapes (run 9,
+// docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11"), so one is the default there.
+template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false,
+          bool TWO = false>
+struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW, TWO>> {
+  static_assert(!TWO || (NTOK == 32 || NTOK == 64) && !RAW && !SK, "TWO: the 32- / 64-token split-K kernel");
+  static constexpr int WGS = NTOK > 64 || TWO ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = [] {
@@ -1654,6 +1650,17 @@ int wg_run_kern(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
 
+// Whether the 32- / 64-token split-K kernel runs two warpgroups of 128 features (sdq_w4a16_set_wg_two: 1 as
+// sdq_wg_two_wg says over the one-warpgroup kernel's resident CTAs, 0 never, 2 always); never where the raw 16-token
+// kernel or stream-K runs.
+template <typename T, int NTOK, bool SEP>
+bool wg_two(const SdqW4A16Params& p) {
+  const int mode = sdq_w4a16_wg_two();
+  if (mode != 1) return mode == 2;
+  const int sms = sm_count_now();
+  return sdq_wg_two_wg(p.m, p.n, p.k, NTOK, sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms) != 0;
+}
+
 template <typename T, int NTOK, bool SEP, bool SK>
 int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 3) {  // fp32 scratch floats
@@ -1679,6 +1686,12 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
     if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
       return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAW_OCC >= 3 ? 3 : WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+  // Two warpgroups of 128 features at the 32- / 64-token tile where wg_two says (ab_build run 27)
+  if constexpr ((NTOK == 32 || NTOK == 64) && !SK)
+    if (wg_two<T, NTOK, SEP>(p))
+      return p.group_k16 % WG_KS == 0
+                 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK, false, true>>(op, p, stream)
+                 : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK, false, true>>(op, p, stream);
   // ONE_GROUP: every 64-K stage inside one group
   return p.group_k16 % WG_KS == 0 ? wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, SK>>(op, p, stream)
                                   : wg_run_kern<WgKern<T, NTOK, WG_STAGES, WG_KS, false, SEP, SK>>(op, p, stream);
@@ -1745,7 +1758,13 @@ template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) return sdq_wg_ntok(p.m) > 64 || (SDQ_WG_TWO_WG_SMALL && sdq_wg_ntok(p.m) >= 32) ? 8 : 4;  // warps
+  if (op == 5) {  // warps
+    const int ntok = sdq_wg_ntok(p.m);
+    if (ntok > 64) return 8;
+    if (ntok == 16) return 4;
+    return (ntok == 32 ? (v == 63 ? wg_two<T, 32, true>(p) : wg_two<T, 32, false>(p))
+                       : (v == 63 ? wg_two<T, 64, true>(p) : wg_two<T, 64, false>(p))) ? 8 : 4;
+  }
   if (op == 8) return wgmma_rows<T>(v, p);
   if (op == 10) return TmaKern<T, 128, WS_KS128, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
   if (op == 11) return v == 63 ? wg_cluster_fit_splits<T>(p) : 0;  // the cluster-fitting split count at M = 97-256
