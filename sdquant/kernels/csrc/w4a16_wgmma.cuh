@@ -1758,12 +1758,13 @@ template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) {  // warps
-    const int ntok = sdq_wg_ntok(p.m);
-    if (ntok > 64) return 8;
-    if (ntok == 16) return 4;
-    return (ntok == 32 ? (v == 63 ? wg_two<T, 32, true>(p) : wg_two<T, 32, false>(p))
-                       : (v == 63 ? wg_two<T, 64, true>(p) : wg_two<T, 64, false>(p))) ? 8 : 4;
+  if (op == 5) {  // warps: two warpgroups at 128 tokens, and at 32 / 64 where wg_two says
+    switch (sdq_wg_ntok(p.m)) {
+      case 16: return 4;
+      case 32: return (v == 63 ? wg_two<T, 32, true>(p) : wg_two<T, 32, false>(p)) ? 8 : 4;
+      case 64: return (v == 63 ? wg_two<T, 64, true>(p) : wg_two<T, 64, false>(p)) ? 8 : 4;
+      default: return 8;
+    }
   }
   if (op == 8) return wgmma_rows<T>(v, p);
   if (op == 10) return TmaKern<T, 128, WS_KS128, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
