@@ -76,3 +76,18 @@ def test_unknown_or_missing_topic_files_are_refused(tmp_path):
     (topic / "seedance.md").write_text("no title line\n")
     with pytest.raises(ValueError, match="first line"):
         docs_index.render(topic)
+
+
+def test_relative_links_in_the_docs_resolve():
+    """Every relative markdown link in README.md, docs/*.md and docs/benchmarks/*.md names a file or folder that
+    exists (the record moved one folder down on 2026-12-07)."""
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    pages = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("docs/benchmarks/*.md")]
+    seen = 0
+    for page in pages:
+        for target in link.findall(page.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            seen += 1
+    assert seen >= 20
