@@ -185,6 +185,13 @@ __device__ __forceinline__ void wg_load_stage(const SdqW4A16Params& p, uint32_t 
         const bool valid = row < p.m;
         const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + c * 8) * 2;
         cp_async16_zfill(st + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+      } else if constexpr (8 * NTOK < NT) {  // a round covers NT / (8 NTOK) sub-tiles (the raw 16-token kernel in two
+        // warpgroups): chunk ci is chunk ci % 8 of row ci / 8 % NTOK of 64-K sub-tile ci / (8 NTOK)
+        static_assert(NT % (8 * NTOK) == 0, "whole sub-tiles a round");
+        const int sub = ci / (8 * NTOK), rr = (ci >> 3) % NTOK, row = m0 + rr, cc = ci & 7;
+        const bool valid = row < p.m;
+        const char* src = a + (static_cast<size_t>(valid ? row : 0) * p.k + sub * 64 + cc * 8) * 2;
+        cp_async16_zfill(st + sub * (NTOK * 128) + rr * 128 + ((cc ^ (rr & 7)) << 4), src, valid);
       } else {  // chunk ci = i NT + tid: 64-K sub-tile i / Q, row (i % Q) NT / 8 + tid / 8 (its swizzle tid / 8 % 8,
                 // NT / 8 being a multiple of 8), chunk tid % 8 of it
         static_assert(8 * NTOK % NT == 0 && NT % 64 == 0, "whole rounds of a sub-tile's chunks");
@@ -442,7 +449,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
       const uint32_t st = sbase + (s % STAGES) * L::STAGE;
       const int ks0 = (st0 + s) * KS;
       if constexpr (RAW) {  // the stage is one whole group: raw sums, then acc += s * accg + nz * accx in fp32
-        static_assert(ONE_GROUP && KS == 8 && WGS == 1, "RAW: 128-K stages, one group each");
+        static_assert(ONE_GROUP && KS == 8, "RAW: 128-K stages, one group each");
         float sf[NU][2], nz[NU][2], accg[NU][ND], accx[ND];
 #pragma unroll
         for (int i = 0; i < ND; ++i) accx[i] = 0.f;
@@ -606,9 +613,12 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 #ifndef SDQ_WG_RAW_OCC
 #define SDQ_WG_RAW_OCC 1  // 4 stages, 2 CTAs a SM
 #endif
-template <typename T, int NTOK, int STAGES, bool SEPARATE>
-__global__ void __launch_bounds__(128, SDQ_WG_RAW_OCC) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
-  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, 1, false, true>(p);
+// WGS = 2 (wg_two): two warpgroups of 128 features, each with its own all-ones wgmma for the activation sums; launch
+// bounds of one CTA a SM, as the form measured in ab_build run 1 of "the raw codes at 16-64 tokens in two warpgroups"
+// (135 registers)
+template <typename T, int NTOK, int STAGES, bool SEPARATE, int WGS = 1>
+__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
+  wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, WGS, false, true>(p);
 }
 
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
@@ -1516,18 +1526,19 @@ struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
   }
 };
 
-// TWO: two warpgroups of 128 features at the 32- / 64-token tile (wg_two below); at 128 tokens always two (128
-// accumulators a thread). At 64 tokens two warpgroups measured 4-16% slower than one of 256 on the large shapes (run 9,
+// TWO: two warpgroups of 128 features at the 32- / 64-token tile or in the raw 16-token kernel (wg_two below); at 128
+// tokens always two (128 accumulators a thread). At 64 tokens two warpgroups measured 4-16% slower than one of 256 on the large shapes (run 9,
 // docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11"), so one is the default there.
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false,
           bool TWO = false>
 struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW, TWO>> {
-  static_assert(!TWO || (NTOK == 32 || NTOK == 64) && !RAW && !SK, "TWO: the 32- / 64-token split-K kernel");
+  static_assert(!TWO || ((NTOK == 32 || NTOK == 64) && !RAW || NTOK == 16 && RAW) && !SK,
+                "TWO: the 32- / 64-token split-K kernel or the raw 16-token one");
   static constexpr int WGS = NTOK > 64 || TWO ? 2 : 1;
   static constexpr int THREADS = 128 * WGS;
   static constexpr int SMEM = WgSmem<NTOK, STAGES, KS>::TOTAL;
   static constexpr auto kernel = [] {
-    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE>;
+    if constexpr (RAW) return w4a16_wgmma_raw_kernel<T, NTOK, STAGES, SEPARATE, WGS>;
     else return w4a16_wgmma_kernel<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE && !SK, WGS, SK>;
   }();
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
@@ -1650,15 +1661,22 @@ int wg_run_kern(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   return op == 1 ? K::per_sm() : K::launch(p, stream);
 }
 
-// Whether the 32- / 64-token split-K kernel runs two warpgroups of 128 features (sdq_w4a16_set_wg_two: 1 as
-// sdq_wg_two_wg says over the one-warpgroup kernel's resident CTAs, 0 never, 2 always); never where the raw 16-token
-// kernel or stream-K runs.
+// The raw 16-token kernel's stages (SDQ_WG_RAW_OCC=3: 3), and whether it takes p (groups a multiple of 128, K of 128)
+constexpr int WG_RAW_STAGES = SDQ_WG_RAW_OCC >= 3 ? 3 : 4;
+inline bool wg_raw_fits(const SdqW4A16Params& p) { return SDQ_WG_RAW && p.group_k16 % 8 == 0 && p.k % 128 == 0; }
+
+// Whether the 32- / 64-token split-K kernel or the raw 16-token kernel runs two warpgroups of 128 features
+// (sdq_w4a16_set_wg_two: 1 as sdq_wg_two_wg says over the one-warpgroup kernel's resident CTAs, 0 never, 2 always);
+// never where stream-K runs, nor at 16 tokens where the raw kernel does not (the plain 16-token kernel keeps one).
 template <typename T, int NTOK, bool SEP>
 bool wg_two(const SdqW4A16Params& p) {
+  if (NTOK == 16 && !wg_raw_fits(p)) return false;
   const int mode = sdq_w4a16_wg_two();
   if (mode != 1) return mode == 2;
   const int sms = sm_count_now();
-  return sdq_wg_two_wg(p.m, p.n, p.k, NTOK, sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms) != 0;
+  const int one = NTOK == 16 ? WgKern<T, 16, WG_RAW_STAGES, 8, true, SEP, false, true>::per_sm()
+                             : WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm();
+  return sdq_wg_two_wg(p.m, p.n, p.k, NTOK, sms * one, sms) != 0;
 }
 
 template <typename T, int NTOK, bool SEP, bool SK>
@@ -1683,9 +1701,11 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // (8192x28672 v62 52.9 -> 49.2 us), 5-6% on 8192x10240, 0-3% on the N = 4096 / 6144 ones; at 32 tokens (255
   // registers) 2-5% slower, so not there; again after the per-stage load bases, 4 bytes of spills and 1-9% slower at
   // M = 24-32 on 27 of 28 points (ab_build run 25, H100).
+  // In two warpgroups of 128 features where wg_two says.
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
-    if (p.group_k16 % 8 == 0 && p.k % 128 == 0)
-      return wg_run_kern<WgKern<T, NTOK, SDQ_WG_RAW_OCC >= 3 ? 3 : WG_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+    if (wg_raw_fits(p))
+      return wg_two<T, NTOK, SEP>(p) ? wg_run_kern<WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true, true>>(op, p, stream)
+                                     : wg_run_kern<WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
   // Two warpgroups of 128 features at the 32- / 64-token tile where wg_two says (ab_build run 27)
   if constexpr ((NTOK == 32 || NTOK == 64) && !SK)
     if (wg_two<T, NTOK, SEP>(p))
@@ -1758,9 +1778,9 @@ template <typename T>
 int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   if (op == 2) return WG_BLOCKS;
   if (op == 4) return 4;  // kind: the wgmma kernel (tiles of 256 features x NTOK tokens, split-K)
-  if (op == 5) {  // warps: two warpgroups at 128 tokens, and at 32 / 64 where wg_two says
+  if (op == 5) {  // warps: two warpgroups at 128 tokens, and at 16 (the raw kernel) / 32 / 64 where wg_two says
     switch (sdq_wg_ntok(p.m)) {
-      case 16: return 4;
+      case 16: return (v == 63 ? wg_two<T, 16, true>(p) : wg_two<T, 16, false>(p)) ? 8 : 4;
       case 32: return (v == 63 ? wg_two<T, 32, true>(p) : wg_two<T, 32, false>(p)) ? 8 : 4;
       case 64: return (v == 63 ? wg_two<T, 64, true>(p) : wg_two<T, 64, false>(p)) ? 8 : 4;
       default: return 8;
