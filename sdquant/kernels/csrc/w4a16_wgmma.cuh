@@ -411,26 +411,13 @@ __device__ __noinline__ void wg_fold_tile(const SdqW4A16Params& p, int m0, int n
   const float4* part = reinterpret_cast<const float4*>(p.partial);
   for (int i = i0 + tid; i < i1; i += NT) {
     const size_t at = (static_cast<size_t>(m0 + i / (WG_BLOCKS * 16)) * p.n + 64 * nb0) / 4 + i % (WG_BLOCKS * 16);
-    // the splits' loads 8 at a time before their adds (one L2 round trip for 8, not one each: 128 threads a CTA are
-    // too few to hide the latency of a load-add chain; the first form was 4-18% slower than the second kernel, run 71)
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q0 = 0; q0 < p.splits; q0 += 8) {
-      float4 v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (q0 + j < p.splits) v[j] = __ldcg(part + (q0 + j) * stride + at);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (q0 + j < p.splits) {
-          if (q0 + j == 0) {
-            a = v[0];  // (split 0's value first, as wg_reduce_kernel starts)
-          } else {
-            a.x += v[j].x;
-            a.y += v[j].y;
-            a.z += v[j].z;
-            a.w += v[j].w;
-          }
-        }
+    float4 a = __ldcg(part + at);
+    for (int q = 1; q < p.splits; ++q) {
+      const float4 b = __ldcg(part + q * stride + at);
+      a.x += b.x;
+      a.y += b.y;
+      a.z += b.z;
+      a.w += b.w;
     }
     const auto lo = Ops<T>::pack(a.x, a.y), hi = Ops<T>::pack(a.z, a.w);
     uint2 o;
