@@ -84,9 +84,7 @@ class schedule_set:
     (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above
     256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32-
     and 64-token tiles everywhere (int4_cuda.set_wgmma_two_warpgroups("never" / "always"); "auto" has two only where the
-    one-warpgroup grid holds at most one CTA a SM); "fold" / "nofold" variant 63's split-K of the single-role kernel summed
-    in the main kernel where its grid is resident at once / always by a second kernel
-    (int4_cuda.set_wgmma_split_fold); "rem32" / "rem64" the
+    one-warpgroup grid holds at most one CTA a SM); "rem32" / "rem64" the
     automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own wherever
     it occurs, "rem0" with no such launch even where the automatic rules split one off (int4_cuda.set_wgmma_remainder;
     "auto" keeps its rules, and the op here gets no plan's tail, so at M = 129-256 "auto" equals "rem0"). Modes join
@@ -118,9 +116,6 @@ class schedule_set:
         if mode in ("1wg", "2wg"):
             old = c.set_wgmma_two_warpgroups("never" if mode == "1wg" else "always")
             return lambda: c.set_wgmma_two_warpgroups(old)
-        if mode in ("fold", "nofold"):
-            old = c.set_wgmma_split_fold(mode == "fold")
-            return lambda: c.set_wgmma_split_fold(old)
         if mode == "nosk":
             old = c.set_wgmma_stream_k_above_256(False)
             return lambda: c.set_wgmma_stream_k_above_256(old)
@@ -370,9 +365,7 @@ def main(argv=None):
                                                         "in one launch wherever K <= 4096, "
                                                         "int4_cuda.set_wgmma_one_launch_k; 1wg / 2wg: one / two "
                                                         "warpgroups at the 16- (raw), 32- and 64-token tiles, "
-                                                        "int4_cuda.set_wgmma_two_warpgroups; fold / nofold: "
-                                                        "split-K summed in the main kernel or by a second one, "
-                                                        "int4_cuda.set_wgmma_split_fold)")
+                                                        "int4_cuda.set_wgmma_two_warpgroups)")
     ap.add_argument("--splits", default="0", help="split-K factors (stream-K grids) to time each config at; "
                                                   "0 = automatic")
     ap.add_argument("--rounds", type=int, default=1, help="time each point's kernels round robin this many times, each "

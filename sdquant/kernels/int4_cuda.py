@@ -522,16 +522,6 @@ def set_wgmma_cluster(on: bool) -> bool:
     return bool(_ext_set("set_wg_cluster", bool(on), True))
 
 
-def set_wgmma_split_fold(on: bool) -> bool:
-    """Whether variant 63's split-K at the 16-128-token tiles of the single-role kernel sums its [splits, m, n] fp32
-    partials inside the main kernel, each split CTA a slice of its tile after the tile's other splits have counted in
-    (True; only where the grid is resident at once, csrc/w4a16.h ``sdq_wg_fold_fits``), or by a second kernel,
-    ``wg_reduce_kernel`` (False), from now on in this process. The same bits either way. For A/B runs
-    (bench/int4_wgmma.py --schedule fold / nofold). Returns the previous setting (False where the extension is not
-    built)."""
-    return bool(_ext_set("set_wg_fold", bool(on), False))
-
-
 WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster", 4: "ws-stream"}
 
 

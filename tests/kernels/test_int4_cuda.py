@@ -841,44 +841,6 @@ def test_wgmma_two_warpgroups_setting_is_checked_and_benched(monkeypatch):
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
-def test_wgmma_split_fold_rule(tmp_path):
-    """sdq_wg_fold_fits (w4a16.h): variant 63's split-K is summed in the main kernel only where its CTAs wait on each
-    other safely: two or more splits, the grid (token tiles x feature tiles x splits) within the resident slots, and at
-    most 4 token tiles (the lock of a tile is y * 4 + x). (token tiles, feature tiles, splits, slots) -> fits."""
-    cases = [
-        ((1, 16, 8, 264), 1),    # 4096x4096 at M <= 64: 128 CTAs on 264 slots
-        ((1, 16, 8, 128), 1),    # exactly full
-        ((1, 16, 9, 128), 0),    # one CTA more than the slots: a CTA could wait on one never scheduled
-        ((1, 112, 1, 264), 0),   # one split: nothing to sum
-        ((2, 16, 4, 132), 1),    # M = 129-256 at the 128-token tile
-        ((5, 4, 2, 264), 0),     # a fifth token tile has no lock of its own
-    ]
-    got = _run_host_rule(tmp_path, [f"sdq_wg_fold_fits({x}, {y}, {s}, {sl})" for (x, y, s, sl), _ in cases])
-    assert got == [want for _, want in cases]
-
-
-def test_wgmma_split_fold_setting_is_benched(monkeypatch):
-    """int4_cuda.set_wgmma_split_fold returns the previous setting (False without the extension: nothing is built on
-    the CPU); bench/int4_wgmma.py's "fold" / "nofold" schedules set it and restore the one before."""
-    if int4_cuda.extension() is None:
-        assert int4_cuda.set_wgmma_split_fold(True) is False
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import int4_wgmma
-    state = {"on": False}
-
-    def setter(on):
-        old, state["on"] = state["on"], on
-        return old
-    monkeypatch.setattr(int4_cuda, "set_wgmma_split_fold", setter)
-    for sched, want in (("fold", True), ("nofold", False)):
-        with int4_wgmma.schedule_set(sched):
-            assert state["on"] is want
-        assert state["on"] is False
-    with int4_wgmma.schedule_set("fold+2wg"):
-        assert state["on"] is True
-
-
-@pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_wgmma_wave_split_rule(tmp_path):
     """sdq_wg_wave_splits (w4a16.h): at M > 256, two splits in clusters of 2 where twice the CTAs at half the work take
     at most 90% of the waves' time (the fill rule) and the waves of half the work plus the cluster sum's cost (4 stages

@@ -29,8 +29,6 @@ struct SdqW4A16Params {
                        // (griddepcontrol.wait) before it touches activations or the output. It
                        // lets the next kernel launch after its main loop (1), right after its wait (2), or
                        // (tight kernel; the others as 2) before its prologue (3, SDQUANT_GEMM_TRIGGER=first)
-  int wg_fold;         // set by the wgmma launcher (variant 63's split-K, sdq_w4a16_set_wg_fold): the splits of a tile
-                       // sum its partials in the main kernel, each a slice, instead of wg_reduce_kernel; 0 from callers
 };
 
 // The fused decode-block prologue / epilogue: the tight kernel (variants 38-41 and 43-44, group % 64 == 0, m <= 8) in a
@@ -86,15 +84,6 @@ static inline int sdq_wg_two_wg(int m, int n, int k, int ntok, int slots1, int s
   if (ntok != 32 && ntok != 64) return 0;
   const int tiles = (m + ntok - 1) / ntok * (n / 256);
   return tiles * sdq_wg_splits(tiles, slots1, k, 2 * sms) <= sms;
-}
-// Variant 63's split-K summed inside its main kernel (w4a16_wgmma.cuh wg_fold_tile) instead of by wg_reduce_kernel: every
-// CTA of a tile stores its fp32 partial, counts in on the tile's lock, waits for the tile's other splits and sums 1 / splits
-// of the tile in split order (wg_reduce_kernel's order: bit-identical). The waits need every CTA of the grid resident at
-// once, so only where the grid (token tiles x feature tiles x splits) fits the resident slots, and with at most 4 token
-// tiles (the lock of a tile is y * 4 + x, as variant 62's). Off by default until measured (sdq_w4a16_set_wg_fold).
-#define SDQ_WG_FOLD_DEFAULT 0
-static inline int sdq_wg_fold_fits(int token_tiles, int feature_tiles, int splits, int slots) {
-  return splits >= 2 && token_tiles <= 4 && (long long)token_tiles * feature_tiles * splits <= slots;
 }
 // Whether that automatic split-K grid of the ntok-token tile fills at least num / den of `slots` resident CTAs over its
 // waves (sms: the SM count)
@@ -276,11 +265,6 @@ int sdq_w4a16_wg_sk_big(void);
 // previous setting.
 int sdq_w4a16_set_wg_two(int mode);
 int sdq_w4a16_wg_two(void);
-// Whether variant 63's split-K at the 16-128-token tiles (wgmma_body) sums its [splits, m, n] partials inside the main
-// kernel where its grid is resident at once (1) or always by a second kernel, wg_reduce_kernel (0). Returns the previous
-// setting.
-int sdq_w4a16_set_wg_fold(int on);
-int sdq_w4a16_wg_fold(void);
 // The warp-specialized kernel's phase trace (bench/ws_trace.py): in a -DSDQ_WS_TRACE=1 build its launches from now on
 // write 16 u64 a CTA to trace (device memory, 16 x its CTAs; null = off). Returns the previous buffer.
 // sdq_w4a16_ws_trace_built() is 1 in such a build, else 0 (and the buffer is never written).

@@ -253,8 +253,6 @@ int64_t set_wg_sk_big(int64_t on) { return sdq_w4a16_set_wg_sk_big(static_cast<i
 
 int64_t set_wg_two(int64_t mode) { return sdq_w4a16_set_wg_two(static_cast<int>(mode)); }
 
-int64_t set_wg_fold(int64_t on) { return sdq_w4a16_set_wg_fold(static_cast<int>(on)); }
-
 // the warp-specialized kernel's phase trace: a device buffer's address (0 = off) for a -DSDQ_WS_TRACE=1 build's launches
 // (bench/ws_trace.py); returns whether this build writes it
 int64_t set_ws_trace(int64_t ptr) {
@@ -295,9 +293,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "M > 256 runs stream-K where the one launch's waves leave enough idle (1) or never (0); returns the old");
   mod.def("set_wg_two", &set_wg_two,
           "two warpgroups at the 32- and 64-token tiles: 1 where the rule says, 0 never, 2 always; returns the old");
-  mod.def("set_wg_fold", &set_wg_fold,
-          "variant 63's split-K sums its partials in the main kernel where its grid is resident at once (1) or by a "
-          "second kernel (0); returns the old");
   mod.def("set_ws_trace", &set_ws_trace,
           "trace buffer address for the warp-specialized kernel (0 off); returns 1 in a -DSDQ_WS_TRACE=1 build");
   mod.def("probe_evict_first", &probe_evict_first, "0 if cp.async with an L2 evict-first policy runs here");

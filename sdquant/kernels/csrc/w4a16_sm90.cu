@@ -227,7 +227,6 @@ int g_wg_wave = 1;
 int g_wg_wave_cost = SDQ_WG_WAVE_COST_DEFAULT;
 int g_wg_sk_big = 1;
 int g_wg_two = 1;
-int g_wg_fold = SDQ_WG_FOLD_DEFAULT;
 void* g_ws_trace = nullptr;  // the warp-specialized kernel's trace buffer (-DSDQ_WS_TRACE=1 builds)
 }
 extern "C" int sdq_w4a16_set_wg_schedule(int mode) {
@@ -262,10 +261,6 @@ extern "C" int sdq_w4a16_set_wg_two(int mode) {
   return std::exchange(g_wg_two, mode >= 0 && mode <= 2 ? mode : 1);
 }
 extern "C" int sdq_w4a16_wg_two(void) { return g_wg_two; }
-extern "C" int sdq_w4a16_set_wg_fold(int on) {
-  return std::exchange(g_wg_fold, on ? 1 : 0);
-}
-extern "C" int sdq_w4a16_wg_fold(void) { return g_wg_fold; }
 extern "C" void* sdq_w4a16_set_ws_trace(void* trace) {
   return std::exchange(g_ws_trace, trace);
 }

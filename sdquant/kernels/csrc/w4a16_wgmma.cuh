@@ -382,56 +382,6 @@ __device__ __forceinline__ void acc_add_partial(const float4* base, float (&acc)
   }
 }
 
-// Variant 63's split-K summed inside the main kernel (p.wg_fold, set by WgKern::launch where sdq_wg_fold_fits: the grid
-// is resident at once). This CTA's partial is stored; the tile's lock (y * 4 + x, as variant 62's) counts each split in
-// twice: first when its partial is out (release), then when it has read every split's. A CTA waits (acquire) until all
-// splits of its tile are in, sums its 1 / splits of the tile's float4s over the splits in split order from split 0's
-// value (wg_reduce_kernel's order and rounding: bit-identical outputs) and writes y; the last second count resets the
-// lock to zero. No CTA can pass its wait before every CTA of the tile has stored, and no count reaches 2 * splits before
-// every CTA has passed its wait, so the reset never races a wait.
-template <typename T, int NT, int NTOK>
-__device__ __noinline__ void wg_fold_tile(const SdqW4A16Params& p, int m0, int nb0, int split, int tid) {
-  int* lock = p.locks + blockIdx.y * WG_BLOCKS + blockIdx.x;
-  __shared__ int s_wait;  // (a use keeps the barrier pair below from being merged)
-  __syncthreads();        // every thread's partial stores before thread 0's release (split_count_in's pattern)
-  if (tid == 0) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(lock) : "memory");
-    int v, spins = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
-      ++spins;
-    } while (v < p.splits);
-    s_wait = spins;
-  }
-  __syncthreads();
-  const int rows = min(NTOK, p.m - m0);
-  const int items = rows * (WG_BLOCKS * 16);  // float4s of the tile: rows x 256 features
-  const int i0 = items * split / p.splits, i1 = items * (split + 1) / p.splits;
-  const size_t stride = static_cast<size_t>(p.m) * p.n / 4;
-  const float4* part = reinterpret_cast<const float4*>(p.partial);
-  for (int i = i0 + tid; i < i1; i += NT) {
-    const size_t at = (static_cast<size_t>(m0 + i / (WG_BLOCKS * 16)) * p.n + 64 * nb0) / 4 + i % (WG_BLOCKS * 16);
-    float4 a = __ldcg(part + at);
-    for (int q = 1; q < p.splits; ++q) {
-      const float4 b = __ldcg(part + q * stride + at);
-      a.x += b.x;
-      a.y += b.y;
-      a.z += b.z;
-      a.w += b.w;
-    }
-    const auto lo = Ops<T>::pack(a.x, a.y), hi = Ops<T>::pack(a.z, a.w);
-    uint2 o;
-    o.x = *reinterpret_cast<const uint32_t*>(&lo);
-    o.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(p.c)[at] = o;
-  }
-  if (tid == 0 && s_wait > 0) {
-    int old;
-    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(lock) : "memory");
-    if (old == 2 * p.splits - 1) asm volatile("st.relaxed.gpu.global.s32 [%0], 0;\n" ::"l"(lock) : "memory");
-  }
-}
-
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, int WGS, bool SK, bool RAW = false>
 __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
   using O = Ops<T>;
@@ -631,11 +581,10 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     store_y(m0, nb0);
     return;
   }
-  if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel or here
+  if constexpr (SEPARATE) {  // variant 63: plain [splits, m, n] fp32 partials, summed by wg_reduce_kernel
     each_valid(m0, [&](int u, int c, int h, int e, float v) {
       __stcg(p.partial + wg_pos(m0, nb0, split, u, c, h, e), v);
     });
-    if (p.wg_fold) wg_fold_tile<T, NT, NTOK>(p, m0, nb0, split, tid);
     return;
   }
   // Split-K: every CTA writes its accumulators to its partial slot; the last of the tile's splits (counted on the
@@ -1595,13 +1544,10 @@ struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW,
   static int launch(const SdqW4A16Params& p, cudaStream_t stream) {
     if (const int rc = WgKern::setup()) return rc;
     cudaLaunchAttribute attr[1];
-    const dim3 grid = SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits);
-    const cudaLaunchConfig_t cfg = WgKern::config(grid, p, stream, attr);
-    SdqW4A16Params q = p;  // variant 63's split-K summed in this kernel where its grid is resident at once (wg_fold_tile)
-    q.wg_fold = SEPARATE && !SK && p.locks && sdq_w4a16_wg_fold() &&
-                sdq_wg_fold_fits(grid.x, grid.y, p.splits, sm_count_now() * WgKern::per_sm());
-    cudaLaunchKernelEx(&cfg, kernel, q);
-    if (SEPARATE && !SK && p.splits > 1 && !q.wg_fold) return wg_launch_reduce<T>(cfg, p);
+    const cudaLaunchConfig_t cfg = WgKern::config(
+        SK ? dim3(p.splits) : dim3((p.m + NTOK - 1) / NTOK, p.n / 256, p.splits), p, stream, attr);
+    cudaLaunchKernelEx(&cfg, kernel, p);
+    if (SEPARATE && !SK && p.splits > 1) return wg_launch_reduce<T>(cfg, p);
     return static_cast<int>(cudaGetLastError());
   }
 };
