@@ -34,7 +34,7 @@ def test_every_part_runs_with_its_flags(tmp_path):
     stdout, calls, out = _call(tmp_path, 560)
     assert len(calls) == 3, stdout
     p45, p44, p42 = calls
-    assert p45.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,1wg,ws" in p45
+    assert p45.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,1wg,2wg,ws" in p45
     assert f"--out {out}/p45" in p45
     assert "bench/ab_build.py --old none --new-defines=-DSDQ_WG_RAW_OCC=3" in p44 and f"--out {out}/p44" in p44
     assert "--schedule auto,nosk+k0+wc0" in p42 and f"--out {out}/p42" in p42
@@ -47,7 +47,7 @@ def test_every_part_runs_with_its_flags(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_parts_the_limit_cannot_hold_are_skipped(tmp_path):
     # each part runs only if what is left holds its least useful time (p45 120 s, p44 150 s, p42 90 s)
-    for limit, ran, skipped in ((130, ("auto,1wg,ws", "auto,nosk+k0+wc0"), ("p44",)),
+    for limit, ran, skipped in ((130, ("auto,1wg,2wg,ws", "auto,nosk+k0+wc0"), ("p44",)),
                                 (100, ("auto,nosk+k0+wc0",), ("p45", "p44")),
                                 (60, (), ("p45", "p44", "p42"))):
         d = tmp_path / str(limit)

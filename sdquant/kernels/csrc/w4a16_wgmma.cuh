@@ -613,9 +613,10 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 #ifndef SDQ_WG_RAW_OCC
 #define SDQ_WG_RAW_OCC 1  // 4 stages, 2 CTAs a SM
 #endif
-// WGS = 2 (wg_two): two warpgroups of 128 features, each with its own all-ones wgmma for the activation sums; launch
-// bounds of one CTA a SM, as the form measured in ab_build run 1 of "the raw codes at 16-64 tokens in two warpgroups"
-// (135 registers)
+// WGS = 2 (wg_two): two warpgroups of 128 features, each with its own all-ones wgmma for the activation sums (118-121
+// registers, two CTAs a SM as the one-warpgroup form: the same split counts). H100 int4_wgmma run 70 (same process,
+// M = 12-16): 0.994x the one-warpgroup time (0.955-1.023; docs/benchmarks/int4-wgmma.md "The raw 16-token kernel in two
+// warpgroups"), so sdq_wg_two_wg leaves it off; it stays for the H200 A/B (docs/benchmarks/pending.md, Pending 46).
 template <typename T, int NTOK, int STAGES, bool SEPARATE, int WGS = 1>
 __global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, WGS, false, true>(p);
