@@ -71,7 +71,7 @@ def test_compiles_the_wgmma_unit():
     res = sass_loops.compile_tu(int4_cuda.CSRC, "wgmma_bf16", [])
     raw = {n: k for n, k in res.items() if "wgmma_raw_kernel" in n}
     assert len(raw) == 4  # variants 62 and 63, in one warpgroup or two (Pending 46)
-    for n, k in raw.items():  # 8 K steps of the warpgroup's 4 (one) or 2 (two) row tiles, and the activation sums' wgmma
+    for n, k in raw.items():  # 8 K steps of a warpgroup's 4 (one) or 2 (two) row tiles, and the activation sums' wgmma
         main = sass_loops.main_loop(k["loops"])
         assert main["HGMMA"] == (40 if "Li1EEE" in n else 24) and main["LDGSTS"] > 0, n
         assert k["spill_stores"] == 0 and 0 < k["registers"] <= 255

@@ -571,8 +571,9 @@ def set_wgmma_two_warpgroups(mode: str) -> str:
     """Whether the wgmma kernel's 32- and 64-token tiles, and its raw 16-token kernel (groups a multiple of 128, K of
     128), run two warpgroups of 128 features a CTA instead of one of 256, from now on in this process: "auto" (the
     default: where the one-warpgroup split-K grid would hold at most one CTA a SM, csrc/w4a16.h ``sdq_wg_two_wg``;
-    4096x4096 at M = 17-64 among the Llama shapes), "never" (the kernel before 2026-12-07 15:30 UTC) or "always". For A/B runs (bench/int4_wgmma.py --schedule 1wg / 2wg). Read at launch time, so
-    set it before a CUDA graph is captured. Returns the previous mode ("auto" where the extension is not built)."""
+    4096x4096 at M = 17-64 among the Llama shapes), "never" (the kernel before 2026-12-07 15:30 UTC) or "always". For
+    A/B runs (bench/int4_wgmma.py --schedule 1wg / 2wg). Read at launch time, so set it before a CUDA graph is
+    captured. Returns the previous mode ("auto" where the extension is not built)."""
     if mode not in WGMMA_TWO_MODES:
         raise ValueError(f"mode: {mode!r} is not one of {sorted(WGMMA_TWO_MODES)}")
     old = int(_ext_set("set_wg_two", WGMMA_TWO_MODES[mode], 1))

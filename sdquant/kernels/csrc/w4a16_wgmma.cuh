@@ -618,7 +618,8 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 // M = 12-16): 0.994x the one-warpgroup time (0.955-1.023; docs/benchmarks/int4-wgmma.md "The raw 16-token kernel in two
 // warpgroups"), so sdq_wg_two_wg leaves it off; it stays for the H200 A/B (docs/benchmarks/pending.md, Pending 46).
 template <typename T, int NTOK, int STAGES, bool SEPARATE, int WGS = 1>
-__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1) w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
+__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1)
+    w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
   wgmma_body<T, NTOK, STAGES, 8, true, SEPARATE, WGS, false, true>(p);
 }
 
@@ -1528,8 +1529,8 @@ struct TmaSkKern : WgHost<TmaSkKern<T, KS>> {
 };
 
 // TWO: two warpgroups of 128 features at the 32- / 64-token tile or in the raw 16-token kernel (wg_two below); at 128
-// tokens always two (128 accumulators a thread). At 64 tokens two warpgroups measured 4-16% slower than one of 256 on the large shapes (run 9,
-// docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11"), so one is the default there.
+// tokens always two (128 accumulators a thread). At 64 tokens two warpgroups measured 4-16% slower than one of 256 on
+// the large shapes (run 9, docs/benchmarks/int4-wgmma.md "INT4 wgmma kernel, runs 7-11"), so one is the default there.
 template <typename T, int NTOK, int STAGES, int KS, bool ONE_GROUP, bool SEPARATE, bool SK, bool RAW = false,
           bool TWO = false>
 struct WgKern : WgHost<WgKern<T, NTOK, STAGES, KS, ONE_GROUP, SEPARATE, SK, RAW, TWO>> {
@@ -1704,9 +1705,11 @@ int wgmma_run_k(int op, const SdqW4A16Params& p, cudaStream_t stream) {
   // M = 24-32 on 27 of 28 points (ab_build run 25, H100).
   // In two warpgroups of 128 features where wg_two says.
   if constexpr (SDQ_WG_RAW && NTOK == 16 && !SK)
-    if (wg_raw_fits(p))
-      return wg_two<T, NTOK, SEP>(p) ? wg_run_kern<WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true, true>>(op, p, stream)
-                                     : wg_run_kern<WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true>>(op, p, stream);
+    if (wg_raw_fits(p)) {
+      using One = WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true>;
+      using Two = WgKern<T, NTOK, WG_RAW_STAGES, 8, true, SEP, SK, true, true>;
+      return wg_two<T, NTOK, SEP>(p) ? wg_run_kern<Two>(op, p, stream) : wg_run_kern<One>(op, p, stream);
+    }
   // Two warpgroups of 128 features at the 32- / 64-token tile where wg_two says (ab_build run 27)
   if constexpr ((NTOK == 32 || NTOK == 64) && !SK)
     if (wg_two<T, NTOK, SEP>(p))
