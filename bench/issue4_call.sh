@@ -55,10 +55,10 @@ if echo "$G" | grep -q H200; then
   if [ "$LIMIT" -ge 480 ]; then tune 200; else echo "tune: skipped (ISSUE4_LIMIT_S=$LIMIT); the shipped table plans"; fi
   L=$(left)
   if [ "$LIMIT" -ge 480 ]; then gemm $((L < 330 ? L : 330)) --rounds 2; else  # short: the targets' columns only
-    gemm "$L" --kernels bf16,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_int4_layer,sdq_fp8_layer; fi
+    gemm "$L" --kernels bf16,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_int4_layer,sdq_fp8_layer,sdq_fp8_tensor_layer; fi
   wave "$(left)"
 else  # H100: the layers from the shipped H100 table, then the A/B
-  gemm $((LIMIT * 2 / 5)) --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer \
+  gemm $((LIMIT * 2 / 5)) --ms 1,16,64,128,256,1024,4096 --kernels bf16,fp8_tensorwise,sdq_cuda,sdq_int4_layer,sdq_fp8_layer,sdq_fp8_tensor_layer \
     --rounds 3
   wave "$(left)"
 fi

@@ -7,7 +7,9 @@ Every ratio compares numbers of the same run (same process, same GPU). The targe
 - INT4 at M = 32-64 >= 2x bf16 on the large shapes (N or K = 28672); at M = 128 >= 1.3x (the same shapes);
 - the dispatched INT4 layer (sdq_int4_layer) >= 1.0x bf16 at every M;
 - the Triton INT4 op >= 75% of the CUDA op's speed at M <= 16;
-- FP8 at M >= 1024: the dispatched layer (sdq_fp8_layer) within 5% of torch._scaled_mm tensorwise and >= 1.6x bf16;
+- FP8 at M >= 1024: the dispatched layer within 5% of torch._scaled_mm tensorwise and >= 1.6x bf16, read for the
+  default layer (sdq_fp8_layer: dynamic per-token activations) and for the per-tensor recipe (sdq_fp8_tensor_layer:
+  static activation scale), each as a target line of its own;
 - FP8 on 14336x4096 at M <= 64: the layer >= 1.3x faster than rowwise torch._scaled_mm.
 """
 from __future__ import annotations
@@ -52,6 +54,12 @@ def verdicts(rows) -> list:
             out.append(("FP8 layer within 5% of tensorwise", f"{k}x{n} M={m}", f"{f8 / tw:.3f}", f8 <= 1.05 * tw))
         if m >= 1024 and f8 and bf:
             out.append(("FP8 layer >= 1.6x bf16", f"{k}x{n} M={m}", f"{bf / f8:.2f}x", bf / f8 >= 1.6))
+        ft = c.get((k, n, m, "sdq_fp8_tensor_layer"))
+        if m >= 1024 and ft and tw:
+            out.append(("FP8 per-tensor layer within 5% of tensorwise", f"{k}x{n} M={m}", f"{ft / tw:.3f}",
+                        ft <= 1.05 * tw))
+        if m >= 1024 and ft and bf:
+            out.append(("FP8 per-tensor layer >= 1.6x bf16", f"{k}x{n} M={m}", f"{bf / ft:.2f}x", bf / ft >= 1.6))
         rw = c.get((k, n, m, "fp8_rowwise"))
         if (k, n) == (14336, 4096) and m <= 64 and f8 and rw:
             out.append(("FP8 14336x4096 M<=64 >= 1.3x rowwise", f"M={m}", f"{rw / f8:.2f}x", rw / f8 >= 1.3))
