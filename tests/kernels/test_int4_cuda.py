@@ -239,6 +239,12 @@ def test_wgmma_one_launch_k_setting_is_checked():
         int4_cuda.set_wgmma_one_launch_k(-1)
 
 
+def test_wgmma_cluster_rows_setting_is_checked():
+    for bad in (64, 258):
+        with pytest.raises(ValueError, match=f"min_rows: {bad} must be 65-257"):
+            int4_cuda.set_wgmma_cluster_rows(bad)
+
+
 def test_wgmma_wave_cost_setting_is_checked():
     with pytest.raises(ValueError, match="stages: -2 must be >= 0"):
         int4_cuda.set_wgmma_wave_cost(-2)
@@ -411,6 +417,7 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_stream_k_above_256(False) is True
         assert int4_cuda.set_wgmma_two_warpgroups("never") == "auto"
         assert int4_cuda.set_wgmma_one_launch_k(0) == 0
+        assert int4_cuda.set_wgmma_cluster_rows(65) == 97
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
         assert int4_cuda.wgmma_max_clusters(2) == 0
@@ -747,10 +754,17 @@ def test_wgmma_cluster_fit_split_rule(tmp_path):
         ((300, 4096, 4096, 8), 0),    # M > 256: one launch, the grid's own split count
         ((128, 4096, 4096, 4), 0),    # group 64
     ]
+    # min_rows (int4_cuda.set_wgmma_cluster_rows): 65 takes the 128-token tile's M = 65-96 with the same split count as
+    # its M = 128 (one token tile either way); never a 64-token tile (M <= 64), and 257 takes nothing
+    rows = [((96, 4096, 4096, 8, 65), 6), ((65, 6144, 4096, 8, 65), 4), ((64, 4096, 4096, 8, 65), 0),
+            ((96, 8192, 28672, 8, 65), 0), ((97, 4096, 4096, 8, 97), 6), ((256, 4096, 4096, 8, 257), 0),
+            ((128, 4096, 4096, 8, 129), 0)]
     cap = "{0, 0, 66, 39, 30, 22, 17, 15, 15}"
     got = _run_host_rule(tmp_path, [f"sdq_wg_cluster_fit_splits({m}, {n}, {k}, {g}, 132, 132, cap)"
-                                    for (m, n, k, g), _ in cases], prelude=f"static const int cap[9] = {cap};")
-    assert got == [want for _, want in cases]
+                                    for (m, n, k, g), _ in cases] +
+                         [f"sdq_wg_cluster_fit_splits({m}, {n}, {k}, {g}, 132, 132, cap, {r})"
+                          for (m, n, k, g, r), _ in rows], prelude=f"static const int cap[9] = {cap};")
+    assert got == [want for _, want in cases] + [want for _, want in rows]
 
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")

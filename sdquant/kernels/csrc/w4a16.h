@@ -121,9 +121,12 @@ static inline int sdq_wg_ws_auto(int m, int n, int k, int group_k16, int slots, 
 // 192 / 256 20.1 / 24.2 / 26.6 against 18.5 (5 splits) / 22.9 / 22.7; 4096x6144 M = 128 24.0 against 20.0 (run 36: 23.9
 // against 19.8). Not at M <= 96 (4096x4096 M = 96: 17.3 against 18.7), nor with longer splits (8192x10240 M = 128:
 // 2 splits in clusters 52.4 against 3 by a second kernel 47.7; 28672x8192 M = 128: 3 in clusters 111.5 against 4 99.3).
+// min_rows: the fewest rows it takes (SDQ_WG_CLUSTER_ROWS_DEFAULT; sdq_w4a16_set_wg_cluster_rows, for A/B runs: below
+// 97 the 128-token tile's M = 65-96 too).
+#define SDQ_WG_CLUSTER_ROWS_DEFAULT 97
 static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, int slots, int sms,
-                                            const int* max_clusters) {
-  if (m <= 96 || m > 256 || group_k16 % 8 || k % 128) return 0;
+                                            const int* max_clusters, int min_rows = SDQ_WG_CLUSTER_ROWS_DEFAULT) {
+  if (m < min_rows || m <= 64 || m > 256 || group_k16 % 8 || k % 128) return 0;
   const int tiles = (m + 127) / 128 * (n / 256);
   const int s0 = sdq_wg_splits(tiles, slots, k, 2 * sms);
   if (s0 < 2 || k / 128 > 16 * s0) return 0;
@@ -149,10 +152,10 @@ static inline int sdq_wg_ws_sk_fits(int m, int n, int k, int group_k16) {
          (long long)((m + 127) / 128) * (n / 256) * (k / 128) * 1025 < (1LL << 31);
 }
 static inline int sdq_wg_ws_sk_auto(int m, int n, int k, int group_k16, int ws_slots, int wg_slots, int sms,
-                                    const int* max_clusters) {
+                                    const int* max_clusters, int cluster_min_rows = SDQ_WG_CLUSTER_ROWS_DEFAULT) {
   if (m <= 128 || m > 256 || !sdq_wg_ws_sk_fits(m, n, k, group_k16)) return 0;  // (M > 256: sdq_wg_ws_sk_big)
   if (sdq_wg_ws_auto(m, n, k, group_k16, ws_slots, sms) ||
-      sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters) >= 2)
+      sdq_wg_cluster_fit_splits(m, n, k, group_k16, ws_slots, sms, max_clusters, cluster_min_rows) >= 2)
     return 0;
   return !sdq_wg_split_fills(m, n, k, 128, wg_slots, sms, 9, 10);
 }
@@ -250,6 +253,10 @@ int sdq_w4a16_wg_one_launch_k(void);
 // through [splits, m, n] fp32 partials and a second kernel (0). Returns the previous setting.
 int sdq_w4a16_set_wg_cluster(int on);
 int sdq_w4a16_wg_cluster(void);
+// The fewest rows variant 63's cluster sum takes at the 128-token tile (sdq_wg_cluster_fit_splits' min_rows; 97 by
+// default, values clamped to 65-257, 257: never). Returns the previous setting.
+int sdq_w4a16_set_wg_cluster_rows(int min_rows);
+int sdq_w4a16_wg_cluster_rows(void);
 // Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).
 int sdq_w4a16_set_wg_wave_splits(int on);
 int sdq_w4a16_wg_wave_splits(void);

@@ -245,6 +245,8 @@ int64_t set_wg_one_launch_k(int64_t k_max) { return sdq_w4a16_set_wg_one_launch_
 
 int64_t set_wg_cluster(int64_t on) { return sdq_w4a16_set_wg_cluster(static_cast<int>(on)); }
 
+int64_t set_wg_cluster_rows(int64_t rows) { return sdq_w4a16_set_wg_cluster_rows(static_cast<int>(rows)); }
+
 int64_t set_wg_wave_splits(int64_t on) { return sdq_w4a16_set_wg_wave_splits(static_cast<int>(on)); }
 
 int64_t set_wg_wave_cost(int64_t stages) { return sdq_w4a16_set_wg_wave_cost(static_cast<int>(stages)); }
@@ -285,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "K up to which M > 256 runs in one launch whatever the fill test says (4096 default, 0 off); returns the old");
   mod.def("set_wg_cluster", &set_wg_cluster,
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
+  mod.def("set_wg_cluster_rows", &set_wg_cluster_rows,
+          "the fewest rows the cluster sum takes at the 128-token tile (97 default, 65-257); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
   mod.def("set_wg_wave_cost", &set_wg_wave_cost,

@@ -223,6 +223,7 @@ int g_wg_schedule = 0;
 int g_wg_rows = 0;
 int g_wg_one_k = SDQ_WG_ONE_LAUNCH_K_DEFAULT;
 int g_wg_cluster = 1;
+int g_wg_cluster_rows = SDQ_WG_CLUSTER_ROWS_DEFAULT;
 int g_wg_wave = 1;
 int g_wg_wave_cost = SDQ_WG_WAVE_COST_DEFAULT;
 int g_wg_sk_big = 1;
@@ -245,6 +246,10 @@ extern "C" int sdq_w4a16_set_wg_cluster(int on) {
   return std::exchange(g_wg_cluster, on ? 1 : 0);
 }
 extern "C" int sdq_w4a16_wg_cluster(void) { return g_wg_cluster; }
+extern "C" int sdq_w4a16_set_wg_cluster_rows(int min_rows) {
+  return std::exchange(g_wg_cluster_rows, min_rows < 65 ? 65 : min_rows > 257 ? 257 : min_rows);
+}
+extern "C" int sdq_w4a16_wg_cluster_rows(void) { return g_wg_cluster_rows; }
 extern "C" int sdq_w4a16_set_wg_wave_splits(int on) {
   return std::exchange(g_wg_wave, on ? 1 : 0);
 }

@@ -1579,11 +1579,13 @@ bool wg_stream_k(const SdqW4A16Params& p) {
 // sdq_wg_cluster_fit_splits (w4a16.h) with this device's slots and cluster capacities; 0 where the cluster sum is off
 template <typename T>
 int wg_cluster_fit_splits(const SdqW4A16Params& p) {
-  if (p.m <= 96 || p.m > 256 || p.group_k16 % 8 || p.k % 128 || !sdq_w4a16_wg_cluster()) return 0;  // (before the queries)
+  const int min_rows = sdq_w4a16_wg_cluster_rows();
+  if (p.m < min_rows || p.m > 256 || p.group_k16 % 8 || p.k % 128 || !sdq_w4a16_wg_cluster()) return 0;  // (no query)
   const int sms = sm_count_now();
   int cap[9] = {};
   for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, WS_KS128, true>::max_clusters(sp);
-  return sdq_wg_cluster_fit_splits(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, 128, WS_KS128>::per_sm(), sms, cap);
+  return sdq_wg_cluster_fit_splits(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, 128, WS_KS128>::per_sm(), sms, cap,
+                                   min_rows);
 }
 
 // The warp-specialized split-K (TmaKern) for variant 63 at the 128-token tile where sdq_wg_ws_auto (w4a16.h) or
@@ -1638,7 +1640,8 @@ bool wg_ws_sk(const SdqW4A16Params& p) {
     if (sdq_w4a16_wg_cluster())
       for (int sp = 2; sp <= 8; ++sp) cap[sp] = TmaKern<T, 128, WS_KS128, true>::max_clusters(sp);
     return sdq_wg_ws_sk_auto(p.m, p.n, p.k, p.group_k16, sms * TmaKern<T, NTOK, WS_KS128>::per_sm(),
-                             sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms, cap) != 0;
+                             sms * WgKern<T, NTOK, WG_STAGES, WG_KS, true, SEP, false>::per_sm(), sms, cap,
+                             sdq_w4a16_wg_cluster_rows()) != 0;
   }
 }
 
@@ -1792,7 +1795,7 @@ int wgmma_run(int v, int op, const SdqW4A16Params& p, cudaStream_t stream) {
   }
   if (op == 8) return wgmma_rows<T>(v, p);
   if (op == 10) return TmaKern<T, 128, WS_KS128, true>::max_clusters(p.splits);  // clusters of p.splits CTAs resident at once
-  if (op == 11) return v == 63 ? wg_cluster_fit_splits<T>(p) : 0;  // the cluster-fitting split count at M = 97-256
+  if (op == 11) return v == 63 ? wg_cluster_fit_splits<T>(p) : 0;  // the cluster-fitting split count (M = 97-256)
   if (op == 0 && (p.n % 256 || p.k % 64 || p.group_k16 % 2 || (p.m > 256 && wgmma_rows<T>(v, p) < p.m))) return -1;
   return v == 63 ? wgmma_run_t<T, true>(op, p, stream) : wgmma_run_t<T, false>(op, p, stream);
 }
