@@ -13,15 +13,9 @@
 #         under 480 s the H200 skips the tuning and plans from the shipped table)
 # Output under $OUT: t.json and tune.log (H200), gemm/gemm.json, gemm.log, int4_wgmma.json, wave.log.
 set -u
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" SDQUANT_CACHE_DIR="${SDQUANT_CACHE_DIR:-/tmp/sdq_ext}"
-export SDQUANT_COMMIT="${1:?usage: bash bench/issue4_call.sh <commit>}" PYTHONUNBUFFERED=1
-OUT="${OUT:?OUT must name the output folder}"
-LIMIT="${ISSUE4_LIMIT_S:-560}"
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "GPU=$G commit=$SDQUANT_COMMIT"
+CALL_NAME=issue4_call.sh CALL_COMMIT="${1:-}" CALL_LIMIT="${ISSUE4_LIMIT_S:-560}"
+. "$(dirname "$0")/call_lib.sh"
 mkdir -p "$OUT/gemm"
-T0=$SECONDS
-left() { echo $((LIMIT - SECONDS + T0)); }
 
 wave() {  # $1: seconds it may take; the rest: int4_wgmma.py's arguments. M > 256 on every shape: the automatic
   # schedule against the one before 2026-12-07's changes (k0: no one-launch grant at K <= 4096, wc0: the wave splits'

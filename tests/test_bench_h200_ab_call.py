@@ -1,5 +1,6 @@
-"""bench/h200_ab_call.sh on the CPU, with stand-ins for nvidia-smi and python: each A/B part gets its own output folder
-and flags, and a part that the call's time limit cannot hold is skipped, not started."""
+"""bench/h200_ab_call.sh on the CPU, with stand-ins for nvidia-smi and python: each part gets its own output folder
+and flags, the tuning resumes the committed table on an H200 only, and a part that the call's time limit cannot hold is
+skipped, not started."""
 import os
 import shutil
 import subprocess
@@ -10,11 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _call(tmp_path, limit):
+def _call(tmp_path, limit, gpu="NVIDIA H200"):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.txt"
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{gpu}'\n")
     # the stand-in python records its arguments and what the call exported
     (bin_dir / "python").write_text(f'#!/bin/sh\necho "$SDQUANT_COMMIT $*" >> {log}\necho "| stub |"\n')
     for f in bin_dir.iterdir():
@@ -32,26 +33,37 @@ def _call(tmp_path, limit):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_every_part_runs_with_its_flags(tmp_path):
     stdout, calls, out = _call(tmp_path, 560)
-    assert len(calls) == 3, stdout
-    p45, p44, p42 = calls
-    assert p45.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,1wg,2wg,ws" in p45
-    assert f"--out {out}/p45" in p45
-    assert "bench/ab_build.py --old none --new-defines=-DSDQ_WG_RAW_OCC=3" in p44 and f"--out {out}/p44" in p44
-    assert "--schedule auto,nosk+k0+wc0" in p42 and f"--out {out}/p42" in p42
-    budget = int(p42.split("--budget-s ")[1].split()[0])
-    assert 560 - 60 - 5 <= budget <= 560 - 60  # what the first two parts left (here ~all: the stand-ins take no
-    # time), less the check child's minute
-    assert all((out / name).is_dir() for name in ("p45", "p44", "p42"))
+    assert len(calls) == 4, stdout
+    tune, cr, sw, g = calls
+    assert tune == f"abc123 -m sdquant.cli tune-kernels --output {out}/t.json --resume"
+    # the resumed table starts as the committed one (the stand-in tuner leaves it as it was copied)
+    assert (out / "t.json").read_bytes() == (ROOT / "bench/results/crossover_h200_tune_20261207.json").read_bytes()
+    assert cr.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,cr65" in cr and f"--out {out}/cr" in cr
+    assert "--splits 0,2,3,4,6,8" in sw and "--shapes 4096x4096,4096x6144" in sw and f"--out {out}/sw" in sw
+    assert g.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda,sdq_int4_layer" in g
+    assert all((out / name).is_dir() for name in ("cr", "sw", "g"))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_no_tuning_off_the_h200_and_no_call_without_a_commit(tmp_path):
+    stdout, calls, out = _call(tmp_path, 560, gpu="NVIDIA H100 80GB HBM3")
+    assert "tune: skipped" in stdout and not (out / "t.json").exists()
+    assert [c.split()[1] for c in calls] == ["bench/int4_wgmma.py", "bench/int4_wgmma.py", "bench/gemm.py"]
+    env = dict(os.environ, OUT=str(tmp_path))
+    r = subprocess.run(["bash", str(ROOT / "bench" / "h200_ab_call.sh")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "usage: bash bench/h200_ab_call.sh" in r.stderr
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_parts_the_limit_cannot_hold_are_skipped(tmp_path):
-    # each part runs only if what is left holds its least useful time (p45 120 s, p44 150 s, p42 90 s)
-    for limit, ran, skipped in ((130, ("auto,1wg,2wg,ws", "auto,nosk+k0+wc0"), ("p44",)),
-                                (100, ("auto,nosk+k0+wc0",), ("p45", "p44")),
-                                (60, (), ("p45", "p44", "p42"))):
+    # each part runs only if what is left holds its least useful time (cr 100 s, sw 100 s, g 60 s); the stand-ins take
+    # no time, so what is left is the limit
+    for limit, ran, skipped in ((230, ("cr", "sw", "g"), ()),
+                                (90, ("g",), ("cr", "sw")),
+                                (50, (), ("cr", "sw", "g"))):
         d = tmp_path / str(limit)
         d.mkdir()
-        stdout, calls, _ = _call(d, limit)
-        assert [c.split("--schedule ")[1].split()[0] for c in calls] == list(ran), (limit, calls)
+        stdout, calls, out = _call(d, limit, gpu="NVIDIA H100 80GB HBM3")
+        assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == list(ran), (limit, calls)
         assert all(f"{name}: skipped" in stdout for name in skipped), (limit, stdout)

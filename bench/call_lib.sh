@@ -1,0 +1,11 @@
+# Sourced by the one-call device scripts (bench/issue4_call.sh, bench/h200_ab_call.sh): the environment every part
+# runs with, the GPU's name, and the seconds left of the call's limit. Before sourcing, set CALL_NAME (the script's
+# name, for the usage line) and CALL_LIMIT (seconds the whole call may take); pass the commit as the script's $1.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" SDQUANT_CACHE_DIR="${SDQUANT_CACHE_DIR:-/tmp/sdq_ext}"
+export SDQUANT_COMMIT="${CALL_COMMIT:?usage: bash bench/$CALL_NAME <full commit hash of the tree sent>}" PYTHONUNBUFFERED=1
+OUT="${OUT:?OUT must name the output folder}"
+LIMIT="$CALL_LIMIT"
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "GPU=$G commit=$SDQUANT_COMMIT"
+T0=$SECONDS
+left() { echo $((LIMIT - SECONDS + T0)); }
