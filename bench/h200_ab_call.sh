@@ -3,8 +3,9 @@
 # has its own time limit and is skipped when too little is left, so the first ones always run:
 #   tune (H200 only, ~1 min): `sdquant tune-kernels --resume` over the table of 2026-12-07
 #      (bench/results/crossover_h200_tune_20261207.json), which measures its missing shape, 4096x6144
-#   cr (~3 min): variant 63's cluster sum from 65 rows against the shipped 97 at M = 65-128, every shape:
-#      int4_wgmma --schedule auto,cr65
+#   cr (~3 min): variant 63's cluster sum from 65 rows (shipped 2026-12-07 on H100 evidence) against the rule before
+#      (from 97 rows) at M = 65-128, every shape, on the H200:
+#      int4_wgmma --schedule auto,cr97
 #   sw (~3 min): the split counts at M = 48-256 on 4096x4096 and 4096x6144, where the layer is below bf16:
 #      int4_wgmma --splits 0,2,3,4,6,8
 #   g (the rest): the INT4 layer against the op it calls at M = 4096 (gemm run 29 had them 5-22% apart)
@@ -35,7 +36,7 @@ if echo "$G" | grep -q H200; then
 else
   echo "tune: skipped (not an H200)"
 fi
-part cr 200 100 python bench/int4_wgmma.py --configs 63 --schedule auto,cr65 --ms 65,80,96,128 \
+part cr 200 100 python bench/int4_wgmma.py --configs 63 --schedule auto,cr97 --ms 65,80,96,128 \
   --skip triton,tinygemm,dequant --rounds 3 --budget-s 140
 part sw 170 100 python bench/int4_wgmma.py --configs 63 --shapes 4096x4096,4096x6144 --ms 48,64,128,256 \
   --splits 0,2,3,4,6,8 --skip triton,tinygemm,dequant --rounds 3 --budget-s 110

@@ -79,7 +79,7 @@ class schedule_set:
     M > 256 in one launch wherever K <= <K> (int4_cuda.set_wgmma_one_launch_k; "k4096" the default since 2026-12-07,
     "k0" none: the fill test alone); "nocl" the automatic schedule with the warp-specialized split-K summed by a second
     kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False)); "cr<N>" that cluster sum from N rows of the
-    128-token tile up (int4_cuda.set_wgmma_cluster_rows; 97 the default, "cr65" M = 65-96 too); "nowave" the automatic schedule without two
+    128-token tile up (int4_cuda.set_wgmma_cluster_rows; 65 the default since 2026-12-07, "cr97" the rule before); "nowave" the automatic schedule without two
     splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
     forces them on, the default since int4_wgmma run 39); "wc<N>" those splits' rule charging the cluster sum N stages
     (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above
@@ -361,8 +361,9 @@ def main(argv=None):
     ap.add_argument("--schedule", default="auto", help="schedules of the 128-token tile to check and time, each config "
                                                         "in each (auto,split,stream,ws,wssk: int4_cuda.set_wgmma_schedule; r256: auto "
                                                         "with 256-row launches, int4_cuda.set_wgmma_rows; nocl: "
-                                                        "no cluster split-K sum, int4_cuda.set_wgmma_cluster; cr65: "
-                                                        "that sum from 65 rows up, int4_cuda.set_wgmma_cluster_rows; nowave "
+                                                        "no cluster split-K sum, int4_cuda.set_wgmma_cluster; cr97: "
+                                                        "that sum from 97 rows up (the rule before 2026-12-07), "
+                                                        "int4_cuda.set_wgmma_cluster_rows; nowave "
                                                         "/ wave: without / with two splits at M > 256 where "
                                                         "waves gain, int4_cuda.set_wgmma_wave_splits; rem32 / "
                                                         "rem64: a last tile of <= 32 / 64 rows as a launch of its "

@@ -38,7 +38,7 @@ def test_every_part_runs_with_its_flags(tmp_path):
     assert tune == f"abc123 -m sdquant.cli tune-kernels --output {out}/t.json --resume"
     # the resumed table starts as the committed one (the stand-in tuner leaves it as it was copied)
     assert (out / "t.json").read_bytes() == (ROOT / "bench/results/crossover_h200_tune_20261207.json").read_bytes()
-    assert cr.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,cr65" in cr and f"--out {out}/cr" in cr
+    assert cr.startswith("abc123 bench/int4_wgmma.py") and "--schedule auto,cr97" in cr and f"--out {out}/cr" in cr
     assert "--splits 0,2,3,4,6,8" in sw and "--shapes 4096x4096,4096x6144" in sw and f"--out {out}/sw" in sw
     assert g.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda,sdq_int4_layer" in g
     assert all((out / name).is_dir() for name in ("cr", "sw", "g"))

@@ -524,12 +524,13 @@ def set_wgmma_cluster(on: bool) -> bool:
 
 def set_wgmma_cluster_rows(min_rows: int) -> int:
     """From now on in this process, the fewest rows at which variant 63's 128-token tile sums its warp-specialized
-    split-K inside a cluster (csrc/w4a16.h ``sdq_wg_cluster_fit_splits``): 97 by default (M = 97-256), 65 takes
-    M = 65-96 too, 257 never (bench/int4_wgmma.py --schedule cr65). Values are clamped to 65-257. Read at launch time,
-    so set it before a CUDA graph is captured. Returns the previous setting (97 where the extension is not built)."""
+    split-K inside a cluster (csrc/w4a16.h ``sdq_wg_cluster_fit_splits``): 65 by default (M = 65-256; at 65-96 only
+    on shapes the warp-specialized split-K's own rule leaves alone, K * N < 2^25), 97 the rule before 2026-12-07
+    (bench/int4_wgmma.py --schedule cr97), 257 never. Read at launch time, so set it before a CUDA graph is captured.
+    Returns the previous setting (65 where the extension is not built)."""
     if not 65 <= int(min_rows) <= 257:
         raise ValueError(f"min_rows: {min_rows!r} must be 65-257 (the 128-token tile's rows; 257: never)")
-    return int(_ext_set("set_wg_cluster_rows", min_rows, 97))
+    return int(_ext_set("set_wg_cluster_rows", min_rows, 65))
 
 
 WGMMA_PATHS = {0: "split", 1: "stream", 2: "ws", 3: "ws-cluster", 4: "ws-stream"}

@@ -417,7 +417,7 @@ def test_wgmma_settings_and_queries_without_the_extension():
         assert int4_cuda.set_wgmma_stream_k_above_256(False) is True
         assert int4_cuda.set_wgmma_two_warpgroups("never") == "auto"
         assert int4_cuda.set_wgmma_one_launch_k(0) == 0
-        assert int4_cuda.set_wgmma_cluster_rows(65) == 97
+        assert int4_cuda.set_wgmma_cluster_rows(97) == 65
         assert int4_cuda.launch_rows(1024, 4096, 4096, 128, 63) == 0
         assert int4_cuda.wgmma_path(1024, 4096, 4096, 128) == ""
         assert int4_cuda.wgmma_max_clusters(2) == 0
@@ -737,7 +737,7 @@ def test_wgmma_warp_specialized_rule_picks_the_measured_winner(tmp_path):
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None, reason="nvcc not installed")
 def test_wgmma_cluster_fit_split_rule(tmp_path):
-    """sdq_wg_cluster_fit_splits (w4a16.h): at M = 97-256 with short splits, the largest split count <= the split-K
+    """sdq_wg_cluster_fit_splits (w4a16.h): at M = 65-256 with short splits, the largest split count <= the split-K
     grid's whose clusters all fit at once and that fills 70% of the slots (the H100's 132 slots and its measured
     cluster capacities, int4_wgmma run 33). Cases: (m, n, k, group_k16) -> splits (0 = not this path)."""
     cases = [
@@ -747,18 +747,21 @@ def test_wgmma_cluster_fit_split_rule(tmp_path):
         ((128, 6144, 4096, 8), 4),    # 24 tiles: 5 splits do not fit (22)
         ((192, 6144, 4096, 8), 2),    # 48 tiles, 2 splits: the grid's own count fits
         ((128, 4096, 14336, 8), 6),   # 14 stages a split at 8
-        ((96, 4096, 4096, 8), 0),     # M <= 96: the single-role kernel was faster
+        ((96, 4096, 4096, 8), 6),     # M = 65-96: the same clusters as M = 128 where K N < 2^25 (int4_wgmma run 76)
+        ((80, 6144, 4096, 8), 4),
+        ((80, 4096, 14336, 8), 0),    # M = 65-96 where the warp-specialized split-K takes the shape: 11-17% slower
         ((128, 10240, 8192, 8), 0),   # 21-stage splits at 3
         ((128, 8192, 28672, 8), 0),   # 56-stage splits at 4
         ((192, 10240, 8192, 8), 0),   # 80 tiles: one split
         ((300, 4096, 4096, 8), 0),    # M > 256: one launch, the grid's own split count
         ((128, 4096, 4096, 4), 0),    # group 64
     ]
-    # min_rows (int4_cuda.set_wgmma_cluster_rows): 65 takes the 128-token tile's M = 65-96 with the same split count as
-    # its M = 128 (one token tile either way); never a 64-token tile (M <= 64), and 257 takes nothing
+    # min_rows (int4_cuda.set_wgmma_cluster_rows): 65 (the default) takes the 128-token tile's M = 65-96 with the same
+    # split count as its M = 128 (one token tile either way), never a 64-token tile (M <= 64); 97 is the rule before
+    # 2026-12-07 (M = 97-256), and 257 takes nothing
     rows = [((96, 4096, 4096, 8, 65), 6), ((65, 6144, 4096, 8, 65), 4), ((64, 4096, 4096, 8, 65), 0),
-            ((96, 8192, 28672, 8, 65), 0), ((97, 4096, 4096, 8, 97), 6), ((256, 4096, 4096, 8, 257), 0),
-            ((128, 4096, 4096, 8, 129), 0)]
+            ((96, 8192, 28672, 8, 65), 0), ((96, 4096, 4096, 8, 97), 0), ((97, 4096, 4096, 8, 97), 6),
+            ((256, 4096, 4096, 8, 257), 0), ((128, 4096, 4096, 8, 129), 0)]
     cap = "{0, 0, 66, 39, 30, 22, 17, 15, 15}"
     got = _run_host_rule(tmp_path, [f"sdq_wg_cluster_fit_splits({m}, {n}, {k}, {g}, 132, 132, cap)"
                                     for (m, n, k, g), _ in cases] +

@@ -114,19 +114,26 @@ static inline int sdq_wg_ws_auto(int m, int n, int k, int group_k16, int slots, 
   return sdq_wg_split_fills(m, n, k, 128, slots, sms, 7, 10);
 }
 
-// M = 97-256 where the split-K grid's splits are short (<= 16 stages of 128 K): variant 63's warp-specialized kernel with
+// M = 65-256 where the split-K grid's splits are short (<= 16 stages of 128 K): variant 63's warp-specialized kernel with
 // its splits summed inside thread-block clusters, at the largest split count <= the grid's whose clusters all fit at once
 // (max_clusters[s]: clusters of s CTAs resident at once, s = 2..8) and that still fills 70% of the slots; 0 where there is
 // none. int4_wgmma run 35 (H100, same process, us, the single-role split-K kernel against this): 4096x4096 M = 128 /
 // 192 / 256 20.1 / 24.2 / 26.6 against 18.5 (5 splits) / 22.9 / 22.7; 4096x6144 M = 128 24.0 against 20.0 (run 36: 23.9
-// against 19.8). Not at M <= 96 (4096x4096 M = 96: 17.3 against 18.7), nor with longer splits (8192x10240 M = 128:
-// 2 splits in clusters 52.4 against 3 by a second kernel 47.7; 28672x8192 M = 128: 3 in clusters 111.5 against 4 99.3).
-// min_rows: the fewest rows it takes (SDQ_WG_CLUSTER_ROWS_DEFAULT; sdq_w4a16_set_wg_cluster_rows, for A/B runs: below
-// 97 the 128-token tile's M = 65-96 too).
-#define SDQ_WG_CLUSTER_ROWS_DEFAULT 97
+// against 19.8). Not with longer splits (8192x10240 M = 128: 2 splits in clusters 52.4 against 3 by a second kernel
+// 47.7; 28672x8192 M = 128: 3 in clusters 111.5 against 4 99.3). At M = 65-96 (a part-filled 128-token tile, the same
+// clusters as M = 128) only where sdq_wg_ws_auto leaves the shape to the single-role split-K (K N < 2^25): int4_wgmma
+// run 76 (H100, same process, us, M = 65 / 80 / 96, that kernel against this) 4096x6144 20.6 / 20.7 / 21.3 against
+// 19.5 / 18.9 / 18.4, 4096x4096 16.0 / 16.7 / 17.8 against 17.1 / 17.0 / 16.6 (run 35 had M = 96 17.3 against 18.7);
+// where the warp-specialized split-K runs it with a second-kernel sum, clusters were slower (14336x4096 29.5 / 30.0 /
+// 31.5 against 34.0 / 35.1 / 35.1). On the H200 (run 73) the clusters at M = 128 took 15.97 / 18.15 us on 4096x4096 /
+// 4096x6144, against the single-role kernel's 16.5-16.9 / 20.9-21.8 at M = 80-96.
+// min_rows: the fewest rows it takes (SDQ_WG_CLUSTER_ROWS_DEFAULT; sdq_w4a16_set_wg_cluster_rows, for A/B runs: 97 is
+// the rule before 2026-12-07 19:45 UTC).
+#define SDQ_WG_CLUSTER_ROWS_DEFAULT 65
 static inline int sdq_wg_cluster_fit_splits(int m, int n, int k, int group_k16, int slots, int sms,
                                             const int* max_clusters, int min_rows = SDQ_WG_CLUSTER_ROWS_DEFAULT) {
   if (m < min_rows || m <= 64 || m > 256 || group_k16 % 8 || k % 128) return 0;
+  if (m <= 96 && (long long)k * n >= (1LL << 25)) return 0;  // sdq_wg_ws_auto's warp-specialized split-K takes it
   const int tiles = (m + 127) / 128 * (n / 256);
   const int s0 = sdq_wg_splits(tiles, slots, k, 2 * sms);
   if (s0 < 2 || k / 128 > 16 * s0) return 0;
@@ -253,8 +260,8 @@ int sdq_w4a16_wg_one_launch_k(void);
 // through [splits, m, n] fp32 partials and a second kernel (0). Returns the previous setting.
 int sdq_w4a16_set_wg_cluster(int on);
 int sdq_w4a16_wg_cluster(void);
-// The fewest rows variant 63's cluster sum takes at the 128-token tile (sdq_wg_cluster_fit_splits' min_rows; 97 by
-// default, values clamped to 65-257, 257: never). Returns the previous setting.
+// The fewest rows variant 63's cluster sum takes at the 128-token tile (sdq_wg_cluster_fit_splits' min_rows; 65 by
+// default, 97 the rule before; values clamped to 65-257, 257: never). Returns the previous setting.
 int sdq_w4a16_set_wg_cluster_rows(int min_rows);
 int sdq_w4a16_wg_cluster_rows(void);
 // Whether the one-launch path at M > 256 uses sdq_wg_wave_splits (1, the default) or not (0).

@@ -288,7 +288,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_wg_cluster", &set_wg_cluster,
           "the warp-specialized split-K sums its splits in a cluster (1) or by a second kernel (0); returns the old");
   mod.def("set_wg_cluster_rows", &set_wg_cluster_rows,
-          "the fewest rows the cluster sum takes at the 128-token tile (97 default, 65-257); returns the old");
+          "the fewest rows the cluster sum takes at the 128-token tile (65 default, 65-257); returns the old");
   mod.def("set_wg_wave_splits", &set_wg_wave_splits,
           "the one-launch path at M > 256 splits in two where the waves gain (1) or not (0); returns the old");
   mod.def("set_wg_wave_cost", &set_wg_wave_cost,
