@@ -36,11 +36,8 @@ def one_layout_plans(table: dict, available=("reference", "dequant", "triton", "
     where the table has it)."""
     out = {}
     for name, (n, k) in SHAPES_8B.items():
-        plan = dispatch.plan_layer("int4", n, k, available, table)
-        used = [x for x in dict.fromkeys(plan.kernels) if x in ("cuda", "triton")]
-        if used:
-            plan = dispatch.plan_layer("int4", n, k, tuple(x for x in available if x not in used[1:]), table,
-                                       columns={"dequant": f"dequant_{used[0]}"})
+        plan = dispatch.plan_one_layout(lambda a, cols: dispatch.plan_layer("int4", n, k, a, table, columns=cols),
+                                        available)
         out[name] = plan.describe()
     return out
 

@@ -28,7 +28,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sdquant.errors import ConfigError
 
@@ -116,6 +116,23 @@ def pick_one_layout(plans: Sequence[Plan]) -> int:
     first = min(p.bucket_us[0] for p in plans)
     near = [i for i, p in enumerate(plans) if p.bucket_us[0] <= first * (1 + DECODE_TIE)]
     return min(near, key=lambda i: (sum(math.log(max(t, 1e-9)) for t in plans[i].bucket_us), i))
+
+
+def plan_one_layout(plan_fn: Callable[[tuple, Optional[Dict[str, str]]], Plan], available: Sequence[str],
+                    int4_kernels: Iterable[str] = ("cuda", "triton")) -> Plan:
+    """The plan of a layer that may hold one int4 layout (``QuantLinear.prepare(layouts="one")``). ``plan_fn(available,
+    columns)`` plans among ``available`` (``columns`` as for ``plan_layer``). For each int4 kernel the full plan calls,
+    every bucket is re-planned among that kernel and dequantize+cuBLAS, timed by the table's column for
+    dequantize+cuBLAS from that kernel's layout ("dequant_<kernel>") where measured; ``pick_one_layout`` keeps one."""
+    available = tuple(available)
+    plan = plan_fn(available, None)
+    kinds = set(int4_kernels)
+    used = [k for k in dict.fromkeys(plan.kernels) if k in kinds]
+    if not used:
+        return plan
+    plans = [plan_fn(tuple(k for k in available if k == keep or k not in used), {"dequant": f"dequant_{keep}"})
+             for keep in used]
+    return plans[pick_one_layout(plans)]
 
 
 def _compress(buckets: Sequence[int], kernels: Sequence[str], configs: Sequence[Tuple[int, ...]],

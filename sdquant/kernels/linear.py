@@ -275,18 +275,13 @@ class QuantLinear(_Prepared):
         plan, failed = None, set()
         while True:
             av = tuple(k for k in available if k not in failed)
-            plan = self._plan(av, device, dtype, kernels, table)
+
+            def plan_fn(a, columns):
+                return self._plan(a, device, dtype, kernels, table, columns)
+            # one layout per layer: each int4 kernel's plan with dequantize+cuBLAS from its layout, the decode
+            # (smallest-M) kernel's kept unless another is as fast there and faster over all buckets
+            plan = dispatch.plan_one_layout(plan_fn, av, _INT4_KINDS) if layouts == "one" else plan_fn(av, None)
             used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
-            if layouts == "one" and used:
-                # one layout per layer: for each int4 kernel the plan calls, re-plan every bucket among that
-                # kernel and dequantize+cuBLAS, timed by the table's column for dequantize+cuBLAS from its
-                # layout where measured ("dequant_cuda"), else by the canonical "dequant" column; keep the
-                # decode (smallest-M) kernel's plan unless another is as fast there and faster over all
-                # buckets (dispatch.pick_one_layout)
-                plans = [self._plan(tuple(k for k in av if k == keep or k not in used), device, dtype, kernels,
-                                    table, {"dequant": f"dequant_{keep}"}) for keep in used]
-                plan = plans[dispatch.pick_one_layout(plans)]
-                used = [k for k in dict.fromkeys(plan.kernels) if k in _INT4_KINDS]
             bad = next((k for k in used if k not in self._layout_keys and not self.attach_int4(k, device, dtype)),
                        None)
             if bad is None:

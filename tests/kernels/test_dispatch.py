@@ -377,6 +377,41 @@ def test_the_shipped_tables_split_tails_on_the_wide_layers_only():
     assert tails[(4096, 4096)] == tails[(6144, 4096)] == tails[(4096, 14336)] == 0
 
 
+@pytest.mark.parametrize("table", ["crossover_h100.json", "crossover_h200.json"])
+def test_the_shipped_tables_keep_the_cuda_kernel_for_batch_one_decode(table):
+    """A layer holding one int4 layout (the default) plans the CUDA kernel at M = 1-8 on every Llama-8B decode shape
+    with either shipped table: the fused decode-block ends (RMSNorm, SiLU * up, the residual, RoPE) exist only in that
+    kernel (QuantLinear.fused_why_not), and issue 6's batch-1 decode target was measured with them. A re-measured
+    table that moved a decode bucket elsewhere would drop them silently."""
+    t = dispatch.load_table(dispatch.SHIPPED_DIR / table)
+    av = ("reference", "dequant", "triton", "cuda")
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1024, 4096)]:
+        plan = dispatch.plan_one_layout(lambda a, cols: dispatch.plan_layer("int4", n, k, a, t, columns=cols), av)
+        assert [plan.select(m)[0] for m in (1, 2, 4, 8)] == ["cuda"] * 4, (table, n, k, plan.describe())
+
+
+def test_one_layout_plan_replans_each_used_kernel_with_its_own_dequant_column():
+    """plan_one_layout: the full plan calls triton at M = 1 and cuda above; each kernel's plan reads dequantize+cuBLAS
+    from its own layout's column, and the decode tie rule keeps the one faster over all buckets."""
+    t = _table()
+    e = next(x for x in t["entries"] if x["kind"] == "int4" and (x["N"], x["K"]) == (4096, 4096))
+    e["us"] = {"bf16": [9, 9, 14, 40, 200], "triton": [4.9, 9, 30, 90, 900], "cuda": [5, 6, 12, 35, 500],
+               "dequant": [20, 20, 20, 45, 210], "dequant_cuda": [21, 21, 21, 44, 211],
+               "dequant_triton": [25, 25, 25, 60, 260]}
+    calls = []
+
+    def plan_fn(a, cols):
+        calls.append((a, cols))
+        return dispatch.plan_layer("int4", 4096, 4096, a, t, columns=cols)
+    plan = dispatch.plan_one_layout(plan_fn, ("dequant", "triton", "cuda"))
+    assert calls[0] == (("dequant", "triton", "cuda"), None)
+    assert sorted(calls[1:]) == [(("dequant", "cuda"), {"dequant": "dequant_cuda"}),
+                                 (("dequant", "triton"), {"dequant": "dequant_triton"})]
+    assert [plan.select(m)[0] for m in t["buckets"]] == ["cuda", "cuda", "cuda", "cuda", "dequant"]
+    only_ref = dispatch.plan_one_layout(lambda a, cols: dispatch.uniform("reference", "cpu"), ("reference",))
+    assert only_ref.kernels == ("reference",)
+
+
 def test_the_layer_hands_its_plans_tail_to_the_cuda_op():
     """QuantLinear matches the CUDA op's arguments by name: a plan's cuda_tail reaches the op's ``tail``, and an op
     without that argument (the Triton ones) never sees it."""
