@@ -79,8 +79,8 @@ class schedule_set:
     M > 256 in one launch wherever K <= <K> (int4_cuda.set_wgmma_one_launch_k; "k4096" the default since 2026-12-07,
     "k0" none: the fill test alone); "nocl" the automatic schedule with the warp-specialized split-K summed by a second
     kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False)); "cr<N>" that cluster sum from N rows of the
-    128-token tile up (int4_cuda.set_wgmma_cluster_rows; 65 the default since 2026-12-07, "cr97" the rule before); "nowave" the automatic schedule without two
-    splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
+    128-token tile up (int4_cuda.set_wgmma_cluster_rows; 65 the default since 2026-12-07, "cr97" the rule before);
+    "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
     forces them on, the default since int4_wgmma run 39); "wc<N>" those splits' rule charging the cluster sum N stages
     (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above
     256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32-
