@@ -80,10 +80,10 @@ class schedule_set:
     "k0" none: the fill test alone); "nocl" the automatic schedule with the warp-specialized split-K summed by a second
     kernel, not inside a cluster (int4_cuda.set_wgmma_cluster(False)); "cr<N>" that cluster sum from N rows of the
     128-token tile up (int4_cuda.set_wgmma_cluster_rows; 65 the default since 2026-12-07, "cr97" the rule before);
-    "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty (int4_cuda.set_wgmma_wave_splits(False); "wave"
-    forces them on, the default since int4_wgmma run 39); "wc<N>" those splits' rule charging the cluster sum N stages
-    (int4_cuda.set_wgmma_wave_cost; 4 the default since 2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above
-    256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32-
+    "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
+    (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "wc<N>"
+    those splits' rule charging the cluster sum N stages (int4_cuda.set_wgmma_wave_cost; 4 the default since
+    2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above 256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32-
     and 64-token tiles everywhere (int4_cuda.set_wgmma_two_warpgroups("never" / "always"); "auto" has two only where the
     one-warpgroup grid holds at most one CTA a SM); "rem32" / "rem64" the
     automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own wherever
