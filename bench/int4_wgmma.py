@@ -83,8 +83,9 @@ class schedule_set:
     "nowave" the automatic schedule without two splits in clusters where one launch's last wave is part-empty
     (int4_cuda.set_wgmma_wave_splits(False); "wave" forces them on, the default since int4_wgmma run 39); "wc<N>"
     those splits' rule charging the cluster sum N stages (int4_cuda.set_wgmma_wave_cost; 4 the default since
-    2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above 256 rows (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32-
-    and 64-token tiles everywhere (int4_cuda.set_wgmma_two_warpgroups("never" / "always"); "auto" has two only where the
+    2026-12-07, "wc0" the fill rule alone); "nosk" no stream-K above 256 rows
+    (int4_cuda.set_wgmma_stream_k_above_256(False)); "1wg" / "2wg" one / two warpgroups at the 16- (raw), 32- and
+    64-token tiles everywhere (int4_cuda.set_wgmma_two_warpgroups("never" / "always"); "auto" has two only where the
     one-warpgroup grid holds at most one CTA a SM); "rem32" / "rem64" the
     automatic schedule with a last 128-token tile of at most 32 / 64 rows run as a small-M launch of its own wherever
     it occurs, "rem0" with no such launch even where the automatic rules split one off (int4_cuda.set_wgmma_remainder;
