@@ -616,7 +616,8 @@ __global__ void __launch_bounds__(128 * WGS) w4a16_wgmma_kernel(const SdqW4A16Pa
 // WGS = 2 (wg_two): two warpgroups of 128 features, each with its own all-ones wgmma for the activation sums (118-121
 // registers, two CTAs a SM as the one-warpgroup form: the same split counts). H100 int4_wgmma run 70 (same process,
 // M = 12-16): 0.994x the one-warpgroup time (0.955-1.023; docs/benchmarks/int4-wgmma.md "The raw 16-token kernel in two
-// warpgroups"), so sdq_wg_two_wg leaves it off; it stays for the H200 A/B (docs/benchmarks/pending.md, Pending 46).
+// warpgroups"); H200 int4_wgmma run 73: 2-10% slower on five of seven shapes, 2-4% faster only on 4096x4096 ("The H200's
+// A/Bs of 2026-12-07"). So sdq_wg_two_wg leaves it off; set_wg_two(2) (int4_wgmma --schedule 2wg) still runs it.
 template <typename T, int NTOK, int STAGES, bool SEPARATE, int WGS = 1>
 __global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1)
     w4a16_wgmma_raw_kernel(const SdqW4A16Params p) {
