@@ -64,8 +64,8 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
 
 
-EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "")
-# "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads
+EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_SZO=1", "")
+# "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads; SDQ_TIGHT_SZO: Pending 48
 # bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/benchmarks/pending.md)
 WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3")
 
@@ -168,6 +168,35 @@ def test_tight_prologue_loads_weights_before_the_wait():
     assert r0.returncode == 0 and r0.sass, r0.stderr[-2000:]
     earlier = _tight_funcs_wait_vs_load(r0.sass)
     assert len(earlier) == 6 and sum(wait < load for _, load, wait in earlier) >= 2, earlier
+
+
+def _tight_main_loops(sass: str) -> dict:
+    """kernel -> (main loop length, HMMAs in it, S2R in it) for every tight variant in a cuobjdump -sass text."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import sass_loops
+    out = {}
+    for name, insns in sass_loops.parse_sass(sass).items():
+        if "w4a16_tight_kernel" in name:
+            lo = max((lp for lp in sass_loops.loops(insns) if lp["HMMA"]), key=lambda lp: lp["HMMA"])
+            body = [i for a, i in insns if lo["start"] <= a <= lo["end"]]
+            out[name] = (lo["length"], lo["HMMA"], sum(sass_loops.opcode(i) == "S2R" for i in body))
+    return out
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
+                    reason="nvcc / cuobjdump not installed")
+def test_tight_group_offset_build_shortens_the_loop():
+    """Pending 48's A/B build (-DSDQ_TIGHT_SZO=1: the next group's scale / zero offset kept in a register instead of
+    recomputed from the thread index at every group end) compiles for sm_90a without spills in all six tight variants,
+    and does what it is for: each main loop is shorter than the shipped build's with the same tensor-core work, and
+    holds no S2R (the shipped build reads the thread index there)."""
+    _experiment_compiles_without_spills("-DSDQ_TIGHT_SZO=1", "w4a16_tight_kernel", 6)
+    shipped = _tight_main_loops(_experiment_builds()[""].sass)
+    szo = _tight_main_loops(_experiment_builds()["-DSDQ_TIGHT_SZO=1"].sass)
+    assert len(shipped) == 6 and shipped.keys() == szo.keys()
+    assert any(s2r for _, _, s2r in shipped.values()), shipped
+    for name, (length, hmma, s2r) in szo.items():
+        assert hmma == shipped[name][1] and length < shipped[name][0] and s2r == 0, (name, shipped[name], szo[name])
 
 
 def test_build_options_extra_flags(monkeypatch, tmp_path):

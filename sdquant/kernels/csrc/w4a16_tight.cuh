@@ -30,6 +30,9 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
+#ifndef SDQ_TIGHT_SZO  // 1: the next group's scale / zero offset kept in a register and advanced a group at a time,
+#define SDQ_TIGHT_SZO 0   // instead of recomputed from the thread index at each group end (~20 SASS instructions a
+#endif                    // group in v38). 0 (default): the measured build. A/B: ab_build --new-defines=-DSDQ_TIGHT_SZO=1
 #ifndef SDQ_TIGHT_L2PF  // 1 (default): under PDL the prologue issues an L2 prefetch of its ring before griddep_wait
 #define SDQ_TIGHT_L2PF 1  // (prefetch_l2_if); with it ptxas keeps the ring's loads ahead of the wait. 0: the earlier
 #endif                    // build, kept for A/B (docs/benchmarks/pending.md, Pending 24: -3.9 us a layer in chain, +3.5% e2e)
@@ -385,6 +388,18 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   auto flush = [&]() { group_flush<NT, RAW != 0>(acc, accg, sf, nz, xs); };
 
   int grp = c0 / gc, cig = c0 % gc;  // the current group, and the chunk's place in it
+#if SDQ_TIGHT_SZO
+  // load_group_sz's offset of group grp + 1 (lane g8's 16 bytes of block nb), advanced with grp
+  const uint32_t sz_step = static_cast<uint32_t>(nblk) * 8u;
+  uint32_t sz_next = (static_cast<uint32_t>(grp + 1) * static_cast<uint32_t>(nblk) + static_cast<uint32_t>(nb)) * 8u +
+                     static_cast<uint32_t>(g8);
+  auto load_next_sz = [&]() {
+    s_next = __ldg(reinterpret_cast<const uint4*>(p.s) + sz_next);
+    z_next = __ldg(reinterpret_cast<const uint4*>(p.zs) + sz_next);
+  };
+#else
+  auto load_next_sz = [&]() { load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next); };
+#endif
   // The prologue's weights, scales and zeros do not depend on the previous kernel (programmatic dependent launch:
   // they are meant to be in flight while it finishes; without the L2 prefetch below ptxas places the wait before them
   // in v38 / v39 and every fused build); the activations are read only after griddep_wait.
@@ -410,7 +425,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
   if (nc > 0) {
     load_x(0, xq[0]);
     begin();
-    if (gc - cig < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
+    if (gc - cig < nc) load_next_sz();
   }
 
   for (int base = 0; base < nc; base += D) {
@@ -421,7 +436,7 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
         if (cig == 0 && c > 0) {  // a new group: fold the last one in, unpack this one's, fetch the next one's
           flush();
           begin();
-          if (c + gc < nc) load_group_sz(p, grp + 1, nblk, nb, g8, s_next, z_next);
+          if (c + gc < nc) load_next_sz();
         }
         load_x(c + 1, xq[(j + 1) % 2]);
         const uint4* nxt = wsrc + static_cast<size_t>(c + D) * U * 32;
@@ -434,6 +449,9 @@ __global__ void __launch_bounds__(C::THREADS, NT == 1 ? C::MINB : 1) w4a16_tight
         if (++cig == gc) {
           cig = 0;
           ++grp;
+#if SDQ_TIGHT_SZO
+          sz_next += sz_step;
+#endif
         }
       }
     }
