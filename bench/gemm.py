@@ -250,6 +250,22 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
                 lambda c, x: op(x, c["qweight"], c["scales"], c["zeros"], c["perm"], c["locks"], None), int4_bytes)
     add("sdq_cuda", cuda_int4)
 
+    def cuda_int4_pdl():
+        """The CUDA op as the decode runtime launches it: programmatic dependent launch with the early trigger
+        (``int4_cuda.set_pdl(True, early_trigger=True)``, what ``Transformer.compile_decode`` turns on), so in the
+        graph's back-to-back calls each kernel requests its first weights while the previous one finishes."""
+        from sdquant.kernels import int4_cuda
+        make, run, nbytes = cuda_int4()
+
+        def run_pdl(c, x):
+            old = int4_cuda.set_pdl(True, early_trigger=True)
+            try:
+                return run(c, x)
+            finally:
+                int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
+        return make, run_pdl, nbytes
+    add("sdq_cuda_pdl", cuda_int4_pdl)
+
     def fp8_triton():
         from sdquant.kernels import fp8_triton as f8
         from sdquant.quant.qtensor import quantize_fp8_weight
@@ -290,6 +306,7 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
     return provs, w_ref
 
 
+PDL_MAX_M = 16  # sdq_cuda_pdl is timed at M <= 16 (decode batches), where a launch's fixed cost is a large part
 STATIC_X_AMAX = 6.0  # the per-tensor FP8 layer's calibrated activation range: the inputs are N(0, 1)
 LAYERS = ("sdq_int4_layer", "sdq_fp8_layer", "sdq_fp8_tensor_layer")
 
@@ -358,6 +375,9 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                 make, run, wbytes = p
                 if name == "tinygemm" and m > 256:  # a decode kernel: milliseconds a call, no information
                     out[name] = untimed(name, "skipped (M>256)")
+                    continue
+                if name == "sdq_cuda_pdl" and m > PDL_MAX_M:  # the decode launch mode: timed where decode runs
+                    out[name] = untimed(name, f"skipped (M>{PDL_MAX_M})")
                     continue
                 try:
                     if name not in ctx_cache:  # weight copies built once per shape and kernel
@@ -450,7 +470,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in RUN_ORDER))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_fp8_triton,"
+    ap.add_argument("--kernels", default="bf16,tinygemm,fp8_tensorwise,fp8_rowwise,sdq_triton,sdq_cuda,sdq_cuda_pdl,"
+                    "sdq_fp8_triton,"
                     "sdq_int4_layer,sdq_fp8_layer,sdq_fp8_tensor_layer")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -3,7 +3,9 @@
     python bench/issue4_targets.py gemm.json [--markdown]
 
 Every ratio compares numbers of the same run (same process, same GPU). The targets (issue 4, "Shown by"):
-- INT4 at M = 1-16 (the CUDA op): 8192x28672 <= 37 us, 4096x28672 <= 18, 14336x4096 <= 10, 4096x4096 <= 7;
+- INT4 at M = 1-16 (the CUDA op): 8192x28672 <= 37 us, 4096x28672 <= 18, 14336x4096 <= 10, 4096x4096 <= 7; read
+  for the op as launched by default and, as a line of its own, for the op launched with programmatic dependent launch
+  (sdq_cuda_pdl, the decode runtime's mode);
 - INT4 at M = 32-64 >= 2x bf16 on the large shapes (N or K = 28672); at M = 128 >= 1.3x (the same shapes);
 - the dispatched INT4 layer (sdq_int4_layer) >= 1.0x bf16 at every M;
 - the Triton INT4 op >= 75% of the CUDA op's speed at M <= 16;
@@ -38,6 +40,10 @@ def verdicts(rows) -> list:
         if (k, n) in LIMITS_US and m <= 16 and cu:
             lim = LIMITS_US[(k, n)]
             out.append((f"INT4 M 1-16 <= {lim:g} us", f"{k}x{n} M={m}", f"{cu:.1f} us", cu <= lim))
+        cp = c.get((k, n, m, "sdq_cuda_pdl"))
+        if (k, n) in LIMITS_US and m <= 16 and cp:
+            lim = LIMITS_US[(k, n)]
+            out.append((f"INT4 M 1-16 <= {lim:g} us, PDL launch", f"{k}x{n} M={m}", f"{cp:.1f} us", cp <= lim))
         if (k, n) in LARGE and bf and cu and m in (32, 64, 128):
             want = 2.0 if m < 128 else 1.3
             out.append((f"INT4 M {'32-64' if m < 128 else '128'} >= {want:g}x bf16", f"{k}x{n} M={m}",

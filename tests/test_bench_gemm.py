@@ -35,6 +35,16 @@ def test_layer_providers_run_the_prepared_layers():
     assert gemm.layer_plan(object(), 3) is None
 
 
+def test_cuda_providers_are_left_out_without_the_extension():
+    """On a machine without the CUDA extension the CUDA op's providers (the default launch and the PDL launch) are
+    marked unavailable with the reason logged, and the other kernels of the sweep still build."""
+    logged = []
+    provs, _w = gemm.build_providers(64, 256, torch.device("cpu"), torch.float32, {"bf16", "sdq_cuda", "sdq_cuda_pdl"},
+                                     log_fn=logged.append)
+    assert provs["sdq_cuda"] is None and provs["sdq_cuda_pdl"] is None and provs["bf16"] is not None
+    assert sum("not available" in ln for ln in logged) == 2
+
+
 def test_table_reads_the_layer_ratios():
     rows = [{"K": 4096, "N": 4096, "M": 16, "kernel": kn, "us": us}
             for kn, us in (("bf16", 12.0), ("fp8_tensorwise", 8.0), ("sdq_cuda", 6.0), ("sdq_int4_layer", 10.0),
@@ -64,8 +74,14 @@ def test_issue4_targets_reads_each_target_from_one_run():
     add(8192, 28672, 128, bf16=130.0, sdq_cuda=99.0, sdq_int4_layer=99.0)
     add(8192, 28672, 4096, bf16=2400.0, sdq_cuda=3300.0, sdq_int4_layer=2600.0, fp8_tensorwise=1400.0,
         sdq_fp8_layer=1600.0, sdq_fp8_tensor_layer=1450.0)
-    add(14336, 4096, 16, bf16=33.0, sdq_cuda=17.6, fp8_rowwise=38.0, sdq_fp8_layer=25.0)
+    add(14336, 4096, 16, bf16=33.0, sdq_cuda=17.6, sdq_cuda_pdl=16.9, fp8_rowwise=38.0, sdq_fp8_layer=25.0)
+    add(4096, 4096, 1, bf16=12.0, sdq_cuda=7.5, sdq_cuda_pdl=6.5)
     got = {(t, where): ok for t, where, _val, ok in targets.verdicts(rows)}
+    # the PDL launch (the decode runtime's mode) is read as a target line of its own, beside the default launch
+    assert got[("INT4 M 1-16 <= 7 us", "4096x4096 M=1")] is False
+    assert got[("INT4 M 1-16 <= 7 us, PDL launch", "4096x4096 M=1")] is True
+    assert got[("INT4 M 1-16 <= 10 us, PDL launch", "14336x4096 M=16")] is False
+    assert ("INT4 M 1-16 <= 37 us, PDL launch", "8192x28672 M=1") not in got  # not timed there
     assert got[("INT4 M 1-16 <= 37 us", "8192x28672 M=1")] is True
     assert got[("INT4 M 1-16 <= 37 us", "8192x28672 M=16")] is False
     assert got[("INT4 M 1-16 <= 10 us", "14336x4096 M=16")] is False
