@@ -15,19 +15,6 @@ set -u
 CALL_NAME=h200_ab_call.sh CALL_COMMIT="${1:-}" CALL_LIMIT="${H200_AB_LIMIT_S:-560}"
 . "$(dirname "$0")/call_lib.sh"
 
-part() {  # $1: name, $2: seconds it may take, $3: the least worth starting, the rest: the command
-  local name=$1 t=$2 least=$3
-  shift 3
-  local l
-  l=$(left)
-  [ "$t" -le "$l" ] || t=$l
-  if [ "$t" -lt "$least" ]; then echo "$name: skipped (${t}s left)"; return; fi
-  mkdir -p "$OUT/$name"
-  timeout "$t" "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? t=$((SECONDS - T0))"
-  grep -E "checks:|pass|^\|" "$OUT/$name.log" | cut -c1-300 | tail -60
-}
-
 if echo "$G" | grep -q H200; then
   cp bench/results/crossover_h200_tune_20261207.json "$OUT/t.json"
   timeout 100 python -m sdquant.cli tune-kernels --output "$OUT/t.json" --resume > "$OUT/tune.log" 2>&1

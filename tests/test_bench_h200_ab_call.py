@@ -1,6 +1,6 @@
-"""bench/h200_ab_call.sh on the CPU, with stand-ins for nvidia-smi and python: each part gets its own output folder
-and flags, the tuning resumes the committed table on an H200 only, and a part that the call's time limit cannot hold is
-skipped, not started."""
+"""The one-call device scripts bench/h200_ab_call.sh and bench/tight_pdl_call.sh on the CPU, with stand-ins for
+nvidia-smi and python: each part gets its own output folder and flags, the tuning resumes the committed table on an
+H200 only, and a part that the call's time limit cannot hold is skipped, not started."""
 import os
 import shutil
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _call(tmp_path, limit, gpu="NVIDIA H200"):
+def _call(tmp_path, limit, gpu="NVIDIA H200", script="h200_ab_call.sh", limit_env="H200_AB_LIMIT_S"):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.txt"
@@ -22,8 +22,8 @@ def _call(tmp_path, limit, gpu="NVIDIA H200"):
         f.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), H200_AB_LIMIT_S=str(limit))
-    r = subprocess.run(["bash", str(ROOT / "bench" / "h200_ab_call.sh"), "abc123"], cwd=ROOT, env=env,
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), **{limit_env: str(limit)})
+    r = subprocess.run(["bash", str(ROOT / "bench" / script), "abc123"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     calls = log.read_text().splitlines() if log.exists() else []
@@ -67,3 +67,22 @@ def test_parts_the_limit_cannot_hold_are_skipped(tmp_path):
         stdout, calls, out = _call(d, limit, gpu="NVIDIA H100 80GB HBM3")
         assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == list(ran), (limit, calls)
         assert all(f"{name}: skipped" in stdout for name in skipped), (limit, stdout)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_tight_pdl_call_runs_both_parts_and_skips_what_the_limit_cannot_hold(tmp_path):
+    kw = {"script": "tight_pdl_call.sh", "limit_env": "TIGHT_PDL_LIMIT_S", "gpu": "NVIDIA H100 80GB HBM3"}
+    stdout, calls, out = _call(tmp_path, 560, **kw)
+    assert len(calls) == 2, stdout
+    ab, pdl = calls
+    assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=1")
+    assert f"--out {out}/ab" in ab
+    assert pdl.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda,sdq_cuda_pdl" in pdl
+    assert "--ms 1,2,4,8,16" in pdl and f"--out {out}/pdl" in pdl
+    # ab needs 150 s to be worth starting, pdl 60
+    for limit, ran in ((100, ["pdl"]), (50, [])):
+        d = tmp_path / str(limit)
+        d.mkdir()
+        stdout, calls, out = _call(d, limit, **kw)
+        assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == ran, (limit, calls)
+        assert "ab: skipped" in stdout and (("pdl: skipped" in stdout) == (not ran))
