@@ -4,7 +4,8 @@
 
 For every K x N (in x out features) and M: cuBLAS bf16 ``F.linear``; torch's int4 tinygemm
 (``torch._weight_int4pack_mm``, group 128); ``torch._scaled_mm`` FP8 tensorwise and rowwise (activations
-pre-quantized: the GEMM alone); sdquant W4A16 Triton and CUDA (group 128, symmetric); sdquant FP8 Triton
+pre-quantized: the GEMM alone); sdquant W4A16 Triton and CUDA (group 128, symmetric), and at M <= 16 the CUDA op
+again as the decode runtime launches it (sdq_cuda_pdl: programmatic dependent launch); sdquant FP8 Triton
 (``sdquant.kernels.fp8_triton.fp8_linear``, includes its activation quantization) when that module exists; and the
 layers as a user runs them, ``QuantLinear`` (sdq_int4_layer) and ``Fp8Linear`` (sdq_fp8_layer: per-channel weights,
 dynamic per-token activations, the default; sdq_fp8_tensor_layer: the per-tensor recipe, one weight scale and a static
