@@ -75,7 +75,7 @@ def test_tight_pdl_call_runs_both_parts_and_skips_what_the_limit_cannot_hold(tmp
     stdout, calls, out = _call(tmp_path, 560, **kw)
     assert len(calls) == 2, stdout
     ab, pdl = calls
-    assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=1")
+    assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=0")
     assert f"--out {out}/ab" in ab
     assert pdl.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda,sdq_cuda_pdl" in pdl
     assert "--ms 1,2,4,8,16" in pdl and f"--out {out}/pdl" in pdl

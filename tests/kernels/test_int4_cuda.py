@@ -64,8 +64,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
 
 
-EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_SZO=1", "")
-# "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads; SDQ_TIGHT_SZO: Pending 48
+EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0", "")
+# "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads; the second entry is the
+# tight kernel as Pending 24 measured it (no L2 prefetch, the group end before Pending 48)
 # bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/benchmarks/pending.md)
 WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3")
 
@@ -86,7 +87,7 @@ def _unit_builds(part: str, defines: tuple) -> dict:
     def one(define: str) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as d:
             r = subprocess.run([int4_cuda.nvcc_path(), "-c", *int4_cuda.NVCC_FLAGS, *int4_cuda.TORCH_NVCC_DEFINES,
-                                *([define] if define else []), "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
+                                *define.split(), "-Xptxas", "-v", str(src), "-o", f"{d}/part.o"],
                                capture_output=True, text=True, timeout=900)
             dump = int4_cuda.cuobjdump_path()
             r.sass = (subprocess.run([dump, "-sass", f"{d}/part.o"], capture_output=True, text=True).stdout
@@ -157,14 +158,16 @@ def _tight_funcs_wait_vs_load(sass: str) -> list:
 def test_tight_prologue_loads_weights_before_the_wait():
     """In the shipped build's SASS, every tight variant's ring weight loads (LDG.E.NA.128) come before
     griddepcontrol.wait (ACQBULK), so under PDL the weights stream while the previous kernel finishes. Without the L2
-    prefetch (SDQ_TIGHT_L2PF=0) ptxas puts the wait first in variants 38 / 39, which is what the prefetch is for
-    (docs/benchmarks/pending.md, Pending 24); the second half checks that this test tells the two builds apart."""
+    prefetch (SDQ_TIGHT_L2PF=0) and with the group end before Pending 48 (SDQ_TIGHT_SZO=0), the build Pending 24
+    measured, ptxas puts the wait first in variants 38 / 39, which is what the prefetch is for; the second half checks
+    that this test tells the two builds apart. (With the shipped group end, ptxas keeps the loads first even without
+    the prefetch: Pending 50.)"""
     r = _experiment_builds()[""]
     assert r.returncode == 0 and r.sass, r.stderr[-2000:]
     shipped = _tight_funcs_wait_vs_load(r.sass)
     assert len(shipped) == 6
     assert all(load < wait for _, load, wait in shipped), shipped
-    r0 = _experiment_builds()["-DSDQ_TIGHT_L2PF=0"]
+    r0 = _experiment_builds()["-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0"]
     assert r0.returncode == 0 and r0.sass, r0.stderr[-2000:]
     earlier = _tight_funcs_wait_vs_load(r0.sass)
     assert len(earlier) == 6 and sum(wait < load for _, load, wait in earlier) >= 2, earlier
@@ -185,18 +188,18 @@ def _tight_main_loops(sass: str) -> dict:
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
                     reason="nvcc / cuobjdump not installed")
-def test_tight_group_offset_build_shortens_the_loop():
-    """Pending 48's A/B build (-DSDQ_TIGHT_SZO=1: the next group's scale / zero offset kept in a register instead of
-    recomputed from the thread index at every group end) compiles for sm_90a without spills in all six tight variants,
-    and does what it is for: each main loop is shorter than the shipped build's with the same tensor-core work, and
-    holds no S2R (the shipped build reads the thread index there)."""
-    _experiment_compiles_without_spills("-DSDQ_TIGHT_SZO=1", "w4a16_tight_kernel", 6)
+def test_tight_group_offset_shortens_the_loop():
+    """The shipped tight kernels keep the next group's scale / zero offset in a register (SDQ_TIGHT_SZO, Pending 48):
+    each main loop is shorter than the build before it (-DSDQ_TIGHT_SZO=0, here with Pending 24's prologue, which
+    must still compile without spills) with the same tensor-core work, and holds no S2R, where the build before read
+    the thread index."""
+    _experiment_compiles_without_spills("-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0", "w4a16_tight_kernel", 6)
     shipped = _tight_main_loops(_experiment_builds()[""].sass)
-    szo = _tight_main_loops(_experiment_builds()["-DSDQ_TIGHT_SZO=1"].sass)
-    assert len(shipped) == 6 and shipped.keys() == szo.keys()
-    assert any(s2r for _, _, s2r in shipped.values()), shipped
-    for name, (length, hmma, s2r) in szo.items():
-        assert hmma == shipped[name][1] and length < shipped[name][0] and s2r == 0, (name, shipped[name], szo[name])
+    before = _tight_main_loops(_experiment_builds()["-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0"].sass)
+    assert len(shipped) == 6 and shipped.keys() == before.keys()
+    assert all(s2r for _, _, s2r in before.values()), before
+    for name, (length, hmma, s2r) in shipped.items():
+        assert hmma == before[name][1] and length < before[name][0] and s2r == 0, (name, before[name], shipped[name])
 
 
 def test_build_options_extra_flags(monkeypatch, tmp_path):

@@ -30,9 +30,14 @@
 // (7 instructions a 32-bit word instead of 11 in bf16); a fifth MMA a K step with an all-ones A fragment sums the
 // activations, and each group folds in as acc += s * sum - s * (magic + z) * sum(x) in fp32 (group_flush<NT, true>;
 // the lean kernel's raw mode, whose loop was not lean enough for it to pay).
-#ifndef SDQ_TIGHT_SZO  // 1: the next group's scale / zero offset kept in a register and advanced a group at a time,
-#define SDQ_TIGHT_SZO 0   // instead of recomputed from the thread index at each group end (~20 SASS instructions a
-#endif                    // group in v38). 0 (default): the measured build. A/B: ab_build --new-defines=-DSDQ_TIGHT_SZO=1
+// SDQ_TIGHT_SZO = 1 (default): the next group's scale / zero offset is kept in a register and advanced a group at a
+// time. ptxas had rebuilt it from the thread index at every group end (an S2R and ~20 integer instructions; v38's main
+// loop 597 -> 551 SASS instructions, same 127 registers). Bit-identical outputs; ab_build run 29 (H100, 63 points, M =
+// 1-8, configs 38-40): 0.996x the time in geometric mean (0.982-1.013); the fused decode chain under PDL (chain run 9)
+// 54.8 / 54.75 -> 54.26 us a layer. 0: the build before, kept for A/B (ab_build --new-defines=-DSDQ_TIGHT_SZO=0).
+#ifndef SDQ_TIGHT_SZO
+#define SDQ_TIGHT_SZO 1
+#endif
 #ifndef SDQ_TIGHT_L2PF  // 1 (default): under PDL the prologue issues an L2 prefetch of its ring before griddep_wait
 #define SDQ_TIGHT_L2PF 1  // (prefetch_l2_if); with it ptxas keeps the ring's loads ahead of the wait. 0: the earlier
 #endif                    // build, kept for A/B (docs/benchmarks/pending.md, Pending 24: -3.9 us a layer in chain, +3.5% e2e)
