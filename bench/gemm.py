@@ -253,17 +253,14 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
 
     def cuda_int4_pdl():
         """The CUDA op as the decode runtime launches it: programmatic dependent launch with the early trigger
-        (``int4_cuda.set_pdl(True, early_trigger=True)``, what ``Transformer.compile_decode`` turns on), so in the
-        graph's back-to-back calls each kernel requests its first weights while the previous one finishes."""
-        from sdquant.kernels import int4_cuda
+        (``cuda_exp.pdl_on``, what ``Transformer.compile_decode`` turns on), so in the graph's back-to-back calls each
+        kernel requests its first weights while the previous one finishes."""
+        import cuda_exp
         make, run, nbytes = cuda_int4()
 
         def run_pdl(c, x):
-            old = int4_cuda.set_pdl(True, early_trigger=True)
-            try:
+            with cuda_exp.pdl_on():
                 return run(c, x)
-            finally:
-                int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
         return make, run_pdl, nbytes
     add("sdq_cuda_pdl", cuda_int4_pdl)
 
