@@ -5,7 +5,8 @@
 For every K x N (in x out features) and M: cuBLAS bf16 ``F.linear``; torch's int4 tinygemm
 (``torch._weight_int4pack_mm``, group 128); ``torch._scaled_mm`` FP8 tensorwise and rowwise (activations
 pre-quantized: the GEMM alone); sdquant W4A16 Triton and CUDA (group 128, symmetric), and at M <= 16 the CUDA op
-again as the decode runtime launches it (sdq_cuda_pdl: programmatic dependent launch); sdquant FP8 Triton
+again as the decode runtime launches it (sdq_cuda_pdl: programmatic dependent launch with the early trigger; not in
+the default list, sdq_cuda_pdl_late: the same without the early trigger); sdquant FP8 Triton
 (``sdquant.kernels.fp8_triton.fp8_linear``, includes its activation quantization) when that module exists; and the
 layers as a user runs them, ``QuantLinear`` (sdq_int4_layer) and ``Fp8Linear`` (sdq_fp8_layer: per-channel weights,
 dynamic per-token activations, the default; sdq_fp8_tensor_layer: the per-tensor recipe, one weight scale and a static
@@ -264,6 +265,23 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
         return make, run_pdl, nbytes
     add("sdq_cuda_pdl", cuda_int4_pdl)
 
+    def cuda_int4_pdl_late():
+        """The CUDA op with programmatic dependent launch but without the early trigger (``set_pdl(True)``): each
+        kernel lets the next one launch only after its main loop, and variant 63's split-K sum not before it ends.
+        Where the op runs only the wgmma kernels (M = 9-256) this is the build before Pending 51, which added the
+        sum's early trigger, so beside sdq_cuda_pdl it is that change's A/B in one process."""
+        from sdquant.kernels import int4_cuda
+        make, run, nbytes = cuda_int4()
+
+        def run_late(c, x):
+            old = int4_cuda.set_pdl(True, early_trigger=False)
+            try:
+                return run(c, x)
+            finally:
+                int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
+        return make, run_late, nbytes
+    add("sdq_cuda_pdl_late", cuda_int4_pdl_late)
+
     def fp8_triton():
         from sdquant.kernels import fp8_triton as f8
         from sdquant.quant.qtensor import quantize_fp8_weight
@@ -304,7 +322,8 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
     return provs, w_ref
 
 
-PDL_MAX_M = 16  # sdq_cuda_pdl is timed at M <= 16 (decode batches), where a launch's fixed cost is a large part
+PDL_KERNELS = ("sdq_cuda_pdl", "sdq_cuda_pdl_late")
+PDL_MAX_M = 16  # the PDL columns' largest M (--pdl-max-m): decode batches, where a launch's fixed cost is a large part
 STATIC_X_AMAX = 6.0  # the per-tensor FP8 layer's calibrated activation range: the inputs are N(0, 1)
 LAYERS = ("sdq_int4_layer", "sdq_fp8_layer", "sdq_fp8_tensor_layer")
 
@@ -345,7 +364,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on_shape=None, gs: int = GS,
-              rounds: int = 1):
+              rounds: int = 1, pdl_max_m: int = PDL_MAX_M):
     """Time every kernel in ``which`` at every (K, N) x M; ``on_shape(rows)`` after each shape (partial saves).
     ``rounds`` > 1: at each (K, N, M) the kernels are timed round robin that many times, each round starting one
     kernel later, and each keeps the median of its rounds (``us_rounds`` lists them, ``gpu`` is the GPU's state over
@@ -374,8 +393,8 @@ def run_sweep(shapes, ms, dev, dtype, which, copy_bw, check=True, log_fn=log, on
                 if name == "tinygemm" and m > 256:  # a decode kernel: milliseconds a call, no information
                     out[name] = untimed(name, "skipped (M>256)")
                     continue
-                if name == "sdq_cuda_pdl" and m > PDL_MAX_M:  # the decode launch mode: timed where decode runs
-                    out[name] = untimed(name, f"skipped (M>{PDL_MAX_M})")
+                if name in PDL_KERNELS and m > pdl_max_m:  # the decode launch mode: timed where decode runs
+                    out[name] = untimed(name, f"skipped (M>{pdl_max_m})")
                     continue
                 try:
                     if name not in ctx_cache:  # weight copies built once per shape and kernel
@@ -476,6 +495,7 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="time each point's kernels round robin this many times and "
                                                           "keep each one's median (a power-capped clock drifts)")
+    ap.add_argument("--pdl-max-m", type=int, default=PDL_MAX_M, help="largest M the PDL columns are timed at")
     ap.add_argument("--group-size", type=int, default=GS, help="INT4 group size of the random weights (-1: per channel)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -496,7 +516,7 @@ def main(argv=None):
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, Path(a.out) / "gemm.json")
     rows = run_sweep(shapes, ms, dev, dtype, set(kernels), bw, check=not a.no_check, on_shape=save, gs=a.group_size,
-                     rounds=a.rounds)
+                     rounds=a.rounds, pdl_max_m=a.pdl_max_m)
     save(rows)
     log(table(rows, kernels))
 

@@ -39,10 +39,35 @@ def test_cuda_providers_are_left_out_without_the_extension():
     """On a machine without the CUDA extension the CUDA op's providers (the default launch and the PDL launch) are
     marked unavailable with the reason logged, and the other kernels of the sweep still build."""
     logged = []
-    provs, _w = gemm.build_providers(64, 256, torch.device("cpu"), torch.float32, {"bf16", "sdq_cuda", "sdq_cuda_pdl"},
-                                     log_fn=logged.append)
-    assert provs["sdq_cuda"] is None and provs["sdq_cuda_pdl"] is None and provs["bf16"] is not None
-    assert sum("not available" in ln for ln in logged) == 2
+    provs, _w = gemm.build_providers(64, 256, torch.device("cpu"), torch.float32,
+                                     {"bf16", "sdq_cuda", "sdq_cuda_pdl", "sdq_cuda_pdl_late"}, log_fn=logged.append)
+    assert provs["sdq_cuda"] is None and provs["sdq_cuda_pdl"] is None and provs["sdq_cuda_pdl_late"] is None
+    assert provs["bf16"] is not None
+    assert sum("not available" in ln for ln in logged) == 3
+
+
+def test_pdl_columns_are_timed_up_to_pdl_max_m_only(monkeypatch):
+    """Both PDL columns (with and without the early trigger) are timed at M <= pdl_max_m and left untimed, with the
+    reason, above it; the other kernels are timed at every M."""
+    real = gemm.build_providers
+
+    def with_fake_pdl(n, k, dev, dtype, which, *a, **kw):
+        provs, w = real(n, k, dev, dtype, which - set(gemm.PDL_KERNELS), *a, **kw)
+        bf16 = provs["bf16"]
+        for name in gemm.PDL_KERNELS:  # the bf16 call under the PDL columns' names: a CPU stand-in for the CUDA op
+            provs[name] = bf16
+        return provs, w
+    monkeypatch.setattr(gemm, "build_providers", with_fake_pdl)
+    monkeypatch.setattr(gemm, "time_rotating", lambda call, n_rot: (call(0), 1.0)[1])
+    monkeypatch.setattr(gemm, "gpu_state", lambda: {})
+    which = {"bf16", *gemm.PDL_KERNELS}
+    rows = gemm.run_sweep([(256, 64)], [16, 32], torch.device("cpu"), torch.float32, which, 1.0, log_fn=lambda s: None)
+    timed = {(r["M"], r["kernel"]) for r in rows if r["us"] is not None}
+    assert timed == {(16, "bf16"), (16, "sdq_cuda_pdl"), (16, "sdq_cuda_pdl_late"), (32, "bf16")}
+    assert all(r["note"] == "skipped (M>16)" for r in rows if r["us"] is None)
+    rows = gemm.run_sweep([(256, 64)], [32], torch.device("cpu"), torch.float32, which, 1.0, log_fn=lambda s: None,
+                          pdl_max_m=64)
+    assert all(r["us"] == 1.0 for r in rows) and len(rows) == 3
 
 
 def test_table_reads_the_layer_ratios():

@@ -627,9 +627,13 @@ __global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1)
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
 // four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
 // CTA, which costs most where the tiles are few and the splits many: N = 4096 at M >= 32).
+// With the early trigger (p.pdl >= 2, the decode runtime's mode) it lets the next kernel launch right after its wait, as
+// the other kernels do: the next op's CTAs then request their first weights while this sum runs (their own wait still
+// waits for this grid to finish). Before, the next kernel launched only when this one ended (Pending 51).
 template <typename T>
 __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) {
   if (p.pdl) griddep_wait();
+  if (p.pdl >= 2) griddep_launch_dependents();
   const size_t n4 = static_cast<size_t>(p.m) * p.n / 4;
   const size_t stride = static_cast<size_t>(p.m) * p.n / 4;
   const float4* part = reinterpret_cast<const float4*>(p.partial);
