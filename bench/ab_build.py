@@ -12,6 +12,7 @@ end); a point that runs past --point-timeout (a hung kernel) ends the process wi
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
     python bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_L2PF=0 --configs 38,39 --ms 1 \
         --dtypes bfloat16,float16 --out $OUT
+    python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1 --configs 62,63 --ms 12,16 --pdl 2
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,4,8")
     ap.add_argument("--dtypes", default="bfloat16", help="activation dtypes, comma-separated (bfloat16, float16)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pdl", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="launch every build with programmatic dependent launch (int4_cuda.set_pdl's modes: 1 on, 2 "
+                         "with the early trigger, the decode runtime's; 3 the tight kernel's trigger first), so the "
+                         "timed back-to-back calls overlap as a decode step's do")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--point-timeout", type=float, default=180.0,
                     help="end the run if one (shape, M, config) point takes longer than this (a hung kernel); the "
@@ -96,7 +101,7 @@ def main(argv=None):
         tmp.write_text(json.dumps(
             {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": os.environ.get("SDQUANT_COMMIT"),
              "src_digest": provenance.source_digest(), "gpu_limits": limits, "old": args.old,
-             "new_defines": args.new_defines,
+             "new_defines": args.new_defines, "pdl": args.pdl,
              "complete": complete, "rows": rows}, indent=1))
         os.replace(tmp, out / "ab_build.json")
 
@@ -105,8 +110,8 @@ def main(argv=None):
         for name, ext in exts.items():
             def call(i, ext=ext, extra=(0,)):
                 L = lays[i]
-                return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64, c // 64, 0,
-                                 *extra)
+                return ext.w4a16(x, L["qweight"], L["scales"], L["zeros"], L["locks"], 0, False, c % 64, c // 64,
+                                 args.pdl, *extra)
             try:
                 outs[name] = call(0)
             except TypeError:  # a build from before the binding's x-in-shared-memory argument

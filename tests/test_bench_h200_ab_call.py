@@ -73,19 +73,23 @@ def test_parts_the_limit_cannot_hold_are_skipped(tmp_path):
 def test_tight_pdl_call_runs_its_parts_and_skips_what_the_limit_cannot_hold(tmp_path):
     kw = {"script": "tight_pdl_call.sh", "limit_env": "TIGHT_PDL_LIMIT_S", "gpu": "NVIDIA H100 80GB HBM3"}
     stdout, calls, out = _call(tmp_path, 560, **kw)
-    assert len(calls) == 3, stdout
-    pdl, late, ab = calls
+    assert len(calls) == 4, stdout
+    pdl, late, trig, ab = calls
     assert pdl.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda,sdq_cuda_pdl,sdq_cuda_pdl_late" in pdl
     assert "--ms 1,2,4,8,16" in pdl and f"--out {out}/pdl" in pdl and "--pdl-max-m" not in pdl
     assert late.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda_pdl,sdq_cuda_pdl_late" in late
     assert "--ms 16,32,64" in late and "--pdl-max-m 64" in late and f"--out {out}/late" in late
     assert len(late.split("--shapes ")[1].split()[0].split(",")) == 7
+    assert trig.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1")
+    assert "--configs 62,63" in trig and "--pdl 2" in trig and f"--out {out}/trig" in trig
     assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=0")
     assert f"--out {out}/ab" in ab
-    # pdl needs 60 s to be worth starting, late 90, ab 150; the stand-ins take no time, so what is left is the limit
-    for limit, ran in ((120, ["pdl", "late"]), (80, ["pdl"]), (50, [])):
+    # pdl needs 60 s to be worth starting, late 90, trig 120, ab 150; the stand-ins take no time, so what is left is
+    # the limit
+    for limit, ran in ((130, ["pdl", "late", "trig"]), (100, ["pdl", "late"]), (80, ["pdl"]), (50, [])):
         d = tmp_path / str(limit)
         d.mkdir()
         stdout, calls, out = _call(d, limit, **kw)
         assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == ran, (limit, calls)
-        assert all((f"{n}: skipped" in stdout) == (n not in ran) for n in ("pdl", "late", "ab")), (limit, stdout)
+        skipped = {n for n in ("pdl", "late", "trig", "ab") if f"{n}: skipped" in stdout}
+        assert skipped == {"pdl", "late", "trig", "ab"} - set(ran), (limit, stdout)

@@ -67,8 +67,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads; the second entry is the
 # tight kernel as Pending 24 measured it (no L2 prefetch, the group end before Pending 48)
-# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM (docs/benchmarks/pending.md)
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3")
+# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM; Pending 52's early trigger
+# (docs/benchmarks/pending.md)
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3", "-DSDQ_WG_EARLY_TRIGGER=1")
 
 
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
@@ -140,6 +141,37 @@ def test_wgmma_raw_three_ctas_build_compiles():
     for i in [i for i, ln in enumerate(lines) if "Compiling entry function" in ln and "w4a16_wgmma_raw_kernel" in ln]:
         used = next(ln for ln in lines[i:i + 6] if "Used" in ln and "registers" in ln)
         assert int(used.split("Used")[1].split("registers")[0]) <= 168
+
+
+def _trigger_before_first_wgmma(sass: str) -> dict:
+    """kernel name -> whether its first griddepcontrol.launch_dependents (PREEXIT) comes before its first wgmma
+    (HGMMA), for every kernel with a wgmma in a cuobjdump -sass text."""
+    out = {}
+    for f in sass.split("Function : ")[1:]:
+        lines = f.splitlines()
+        hg = next((i for i, ln in enumerate(lines) if "HGMMA" in ln), None)
+        if hg is not None:
+            out[f.split()[0]] = next(i for i, ln in enumerate(lines) if "PREEXIT" in ln) < hg
+    return out
+
+
+@pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
+                    reason="nvcc or cuobjdump not installed")
+def test_wgmma_early_trigger_build_triggers_before_the_main_loop():
+    """Pending 52's A/B build (-DSDQ_WG_EARLY_TRIGGER=1) compiles without spills or serialized wgmmas, and in it every
+    kernel of wgmma_body (the plain and the raw forms, 32 in the bf16 unit) lets its dependents launch before its first
+    wgmma, where the warp-specialized kernels (which it leaves alone) still do so only after theirs."""
+    _experiment_compiles_without_spills("-DSDQ_WG_EARLY_TRIGGER=1", "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu",
+                                        WGMMA_EXPERIMENT_DEFINES)
+    r = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WG_EARLY_TRIGGER=1"]
+    assert not [ln for ln in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
+    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
+    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
+    early = _trigger_before_first_wgmma(r.sass)
+    body = {k: v for k, v in early.items() if "w4a16_wgmma_kernel" in k or "w4a16_wgmma_raw_kernel" in k}
+    rest = {k: v for k, v in early.items() if k not in body}
+    assert len(body) == 32 and all(body.values())
+    assert rest and not any(rest.values())
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:

@@ -301,6 +301,14 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
       [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
 
+// SDQ_WG_EARLY_TRIGGER=1 (an A/B build, docs/benchmarks/pending.md Pending 52): with the early trigger (p.pdl >= 2, the
+// decode runtime's mode) wgmma_body's CTAs let the next kernel launch right after their wait, as the mma.sync kernels do,
+// instead of after their main loop. A launch's dependents start only once every CTA of it has triggered or exited, so
+// they take no slot from its own CTAs; they take the slots it leaves free (a split-K grid of 224 CTAs on 264 at 16-64
+// tokens) and request their first weights while it runs. Default 0: the measured form.
+#ifndef SDQ_WG_EARLY_TRIGGER
+#define SDQ_WG_EARLY_TRIGGER 0
+#endif
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
@@ -429,6 +437,9 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     for (int s = 0; s < PF; ++s)
       if (s < nst) load_w(sbase + s * L::STAGE, (st0 + s) * KS);
     if (p.pdl) griddep_wait();
+#if SDQ_WG_EARLY_TRIGGER
+    if (p.pdl >= 2) griddep_launch_dependents();
+#endif
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
       if (s < nst) wg_load_stage<NTOK, NT, true, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
