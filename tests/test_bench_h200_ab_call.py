@@ -81,6 +81,7 @@ def test_tight_pdl_call_runs_its_parts_and_skips_what_the_limit_cannot_hold(tmp_
     assert "--ms 16,32,64" in late and "--pdl-max-m 64" in late and f"--out {out}/late" in late
     assert len(late.split("--shapes ")[1].split()[0].split(",")) == 7
     assert trig.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1")
+    assert "--new-defines=-DSDQ_WG_EARLY_TRIGGER=3" in trig
     assert "--configs 62,63" in trig and "--pdl 2" in trig and f"--out {out}/trig" in trig
     assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=0")
     assert f"--out {out}/ab" in ab

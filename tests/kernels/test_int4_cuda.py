@@ -69,7 +69,7 @@ EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=
 # tight kernel as Pending 24 measured it (no L2 prefetch, the group end before Pending 48)
 # bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM; Pending 52's early trigger
 # (docs/benchmarks/pending.md)
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3", "-DSDQ_WG_EARLY_TRIGGER=1")
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3", "-DSDQ_WG_EARLY_TRIGGER=3")
 
 
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
@@ -158,12 +158,13 @@ def _trigger_before_first_wgmma(sass: str) -> dict:
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
                     reason="nvcc or cuobjdump not installed")
 def test_wgmma_early_trigger_build_triggers_before_the_main_loop():
-    """Pending 52's A/B build (-DSDQ_WG_EARLY_TRIGGER=1) compiles without spills or serialized wgmmas, and in it every
-    kernel of wgmma_body (the plain and the raw forms, 32 in the bf16 unit) lets its dependents launch before its first
-    wgmma, where the warp-specialized kernels (which it leaves alone) still do so only after theirs."""
-    _experiment_compiles_without_spills("-DSDQ_WG_EARLY_TRIGGER=1", "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu",
+    """Pending 51-52's A/B build with both bits (-DSDQ_WG_EARLY_TRIGGER=3) compiles without spills or serialized
+    wgmmas; in it every kernel of wgmma_body (the plain and the raw forms, 32 in the bf16 unit) lets its dependents
+    launch before its first wgmma, where the warp-specialized kernels (which it leaves alone) still do so only after
+    theirs, and variant 63's split-K sum has a trigger (the shipped build's sum has none)."""
+    _experiment_compiles_without_spills("-DSDQ_WG_EARLY_TRIGGER=3", "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu",
                                         WGMMA_EXPERIMENT_DEFINES)
-    r = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WG_EARLY_TRIGGER=1"]
+    r = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WG_EARLY_TRIGGER=3"]
     assert not [ln for ln in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
@@ -172,6 +173,12 @@ def test_wgmma_early_trigger_build_triggers_before_the_main_loop():
     rest = {k: v for k, v in early.items() if k not in body}
     assert len(body) == 32 and all(body.values())
     assert rest and not any(rest.values())
+
+    def reduce_triggers(sass: str) -> list:
+        return [f.count("PREEXIT") for f in sass.split("Function : ")[1:] if "wg_reduce_kernel" in f.split()[0]]
+    assert reduce_triggers(r.sass) == [1]
+    shipped = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WS_TRACE=1"]  # (the sum is untraced)
+    assert reduce_triggers(shipped.sass) == [0]
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:

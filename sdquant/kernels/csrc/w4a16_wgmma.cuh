@@ -301,11 +301,17 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
       [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
 
-// SDQ_WG_EARLY_TRIGGER=1 (an A/B build, docs/benchmarks/pending.md Pending 52): with the early trigger (p.pdl >= 2, the
-// decode runtime's mode) wgmma_body's CTAs let the next kernel launch right after their wait, as the mma.sync kernels do,
-// instead of after their main loop. A launch's dependents start only once every CTA of it has triggered or exited, so
-// they take no slot from its own CTAs; they take the slots it leaves free (a split-K grid of 224 CTAs on 264 at 16-64
-// tokens) and request their first weights while it runs. Default 0: the measured form.
+// SDQ_WG_EARLY_TRIGGER (A/B builds, docs/benchmarks/pending.md Pending 51-52), a bit mask; each bit acts only under the
+// early trigger (p.pdl >= 2, the decode runtime's mode), as the mma.sync kernels' early trigger does:
+//   1: wgmma_body's CTAs let the next kernel launch right after their wait instead of after their main loop. A launch's
+//      dependents start only once every CTA of it has triggered or exited, so they take no slot from its own CTAs;
+//      they take the slots it leaves free and request their first weights while it runs.
+//   2: variant 63's split-K sum (wg_reduce_kernel) lets the next kernel launch right after its wait instead of at its
+//      end. On an H100 (2026-12-08, gemm sdq_cuda_pdl against sdq_cuda_pdl_late) that was 0.92-0.97x at M = 16 on the
+//      N = 4096-10240 shapes but 1.12-1.18x at M = 32: the next kernel's CTAs then share SMs with the sum's, and a
+//      split-K grid sized to the free slots no longer fits one wave.
+//   3 (both): 0.955x the time of 2 in one process over 28 points (ab_build --pdl 2), from 0.74x to 1.04x.
+// Default 0: the form measured since PDL shipped.
 #ifndef SDQ_WG_EARLY_TRIGGER
 #define SDQ_WG_EARLY_TRIGGER 0
 #endif
@@ -437,7 +443,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     for (int s = 0; s < PF; ++s)
       if (s < nst) load_w(sbase + s * L::STAGE, (st0 + s) * KS);
     if (p.pdl) griddep_wait();
-#if SDQ_WG_EARLY_TRIGGER
+#if SDQ_WG_EARLY_TRIGGER & 1
     if (p.pdl >= 2) griddep_launch_dependents();
 #endif
 #pragma unroll
@@ -638,13 +644,14 @@ __global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1)
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
 // four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
 // CTA, which costs most where the tiles are few and the splits many: N = 4096 at M >= 32).
-// With the early trigger (p.pdl >= 2, the decode runtime's mode) it lets the next kernel launch right after its wait, as
-// the other kernels do: the next op's CTAs then request their first weights while this sum runs (their own wait still
-// waits for this grid to finish). Before, the next kernel launched only when this one ended (Pending 51).
+// (SDQ_WG_EARLY_TRIGGER & 2: it lets the next kernel launch right after its wait; the next kernel's own wait still waits
+// for this grid to finish. By default the next kernel launches when it ends.)
 template <typename T>
 __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) {
   if (p.pdl) griddep_wait();
+#if SDQ_WG_EARLY_TRIGGER & 2
   if (p.pdl >= 2) griddep_launch_dependents();
+#endif
   const size_t n4 = static_cast<size_t>(p.m) * p.n / 4;
   const size_t stride = static_cast<size_t>(p.m) * p.n / 4;
   const float4* part = reinterpret_cast<const float4*>(p.partial);
