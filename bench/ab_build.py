@@ -12,7 +12,7 @@ end); a point that runs past --point-timeout (a hung kernel) ends the process wi
     python bench/ab_build.py --old ab_old --new-defines -DSDQ_DIRECT_XS_BYTES=0 --out $OUT
     python bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_L2PF=0 --configs 38,39 --ms 1 \
         --dtypes bfloat16,float16 --out $OUT
-    python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1 --configs 62,63 --ms 12,16 --pdl 2
+    python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0 --configs 62,63 --ms 12,16 --pdl 2
 """
 from __future__ import annotations
 

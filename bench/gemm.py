@@ -268,9 +268,8 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
     def cuda_int4_pdl_late():
         """The CUDA op with programmatic dependent launch but without the early trigger (``set_pdl(True)``): each
         kernel lets the next one launch only after its main loop. Beside sdq_cuda_pdl it shows what the early trigger
-        is worth at M <= 8 (the tight kernel). At M = 9-256 the shipped wgmma kernels do the same in both modes, so
-        there the two columns time the same code, unless the build sets SDQ_WG_EARLY_TRIGGER (Pending 51-52: gemm
-        run 33 timed the split-K sum's early trigger against this column)."""
+        is worth: at M <= 8 the tight kernel's, at M = 9-16 the wgmma kernels' and variant 63's split-K sum's
+        (SDQ_WG_EARLY_TRIGGER_MAX_M); above that the two columns time the same code (Pending 51-52)."""
         from sdquant.kernels import int4_cuda
         make, run, nbytes = cuda_int4()
 

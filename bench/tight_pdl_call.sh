@@ -8,11 +8,11 @@
 #      four shapes with µs targets (Pending 49; at M = 9-16 the two PDL columns are Pending 51's A/B)
 #   late (~3 min): Pending 51's A/B on all seven shapes at M = 16-64, where variant 63's split-K sum now triggers its
 #      dependent early (sdq_cuda_pdl) or, as before, not (sdq_cuda_pdl_late); variant 62's points are the control
-#   trig (~2.5 min with its builds): Pending 52's A/B under PDL with the early trigger, the wgmma kernels' CTAs letting
-#      the next kernel launch right after their wait (-DSDQ_WG_EARLY_TRIGGER=1; =3 also variant 63's split-K sum) against
-#      the shipped build (both after their work):
-#      ab_build --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1 --new-defines=-DSDQ_WG_EARLY_TRIGGER=3 --configs 62,63
-#      --ms 12,16,32,64 --pdl 2
+#   trig (~2 min with its build): Pending 52's check under PDL with the early trigger: the shipped build (the wgmma
+#      kernels and variant 63's split-K sum let the next kernel launch right after their wait at M <= 16) against the
+#      form before (-DSDQ_WG_EARLY_TRIGGER_MAX_M=0) and the triggers at every M (=256):
+#      ab_build --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0 --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=256
+#      --configs 62,63 --ms 12,16,32,64 --pdl 2
 #   ab (~2 min with its two builds): the shipped tight kernel (the next group's scale / zero offset in a register)
 #      against the build before it, M = 1-8, outputs compared bit for bit (Pending 48):
 #      ab_build --old none --new-defines=-DSDQ_TIGHT_SZO=0 --configs 38,39,40 --ms 1,4,8
@@ -27,8 +27,8 @@ part pdl 200 60 python bench/gemm.py --shapes 8192x28672,4096x28672,14336x4096,4
   --kernels bf16,sdq_cuda,sdq_cuda_pdl,sdq_cuda_pdl_late --rounds 3
 part late 220 90 python bench/gemm.py --shapes 4096x4096,4096x6144,14336x4096,8192x10240,4096x28672,8192x28672,28672x8192 \
   --ms 16,32,64 --kernels bf16,sdq_cuda_pdl,sdq_cuda_pdl_late --rounds 3 --pdl-max-m 64
-part trig 240 120 python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1 \
-  --new-defines=-DSDQ_WG_EARLY_TRIGGER=3 --configs 62,63 --ms 12,16,32,64 --pdl 2 --rounds 3
+part trig 240 120 python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0 \
+  --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=256 --configs 62,63 --ms 12,16,32,64 --pdl 2 --rounds 3
 part ab "$(left)" 150 python bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=0 --configs 38,39,40 --ms 1,4,8 \
   --rounds 3
 ls -la "$OUT"

@@ -80,8 +80,8 @@ def test_tight_pdl_call_runs_its_parts_and_skips_what_the_limit_cannot_hold(tmp_
     assert late.startswith("abc123 bench/gemm.py") and "--kernels bf16,sdq_cuda_pdl,sdq_cuda_pdl_late" in late
     assert "--ms 16,32,64" in late and "--pdl-max-m 64" in late and f"--out {out}/late" in late
     assert len(late.split("--shapes ")[1].split()[0].split(",")) == 7
-    assert trig.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER=1")
-    assert "--new-defines=-DSDQ_WG_EARLY_TRIGGER=3" in trig
+    assert trig.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0")
+    assert "--new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=256" in trig
     assert "--configs 62,63" in trig and "--pdl 2" in trig and f"--out {out}/trig" in trig
     assert ab.startswith("abc123 bench/ab_build.py --old none --new-defines=-DSDQ_TIGHT_SZO=0")
     assert f"--out {out}/ab" in ab

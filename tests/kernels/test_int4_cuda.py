@@ -67,9 +67,9 @@ def test_nvcc_compiles_for_sm90a_without_spills():
 EXPERIMENT_DEFINES = ("-DSDQ_TIGHT_L2PF=0", "-DSDQ_TIGHT_L2PF=0 -DSDQ_TIGHT_SZO=0", "")
 # "": the shipped build, whose SASS test_tight_prologue_loads_weights_before_the_wait reads; the second entry is the
 # tight kernel as Pending 24 measured it (no L2 prefetch, the group end before Pending 48)
-# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM; Pending 52's early trigger
-# (docs/benchmarks/pending.md)
-WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3", "-DSDQ_WG_EARLY_TRIGGER=3")
+# bench/ws_trace.py's build; Pending 44's raw 16-token kernel at 3 CTAs a SM; the wgmma path without its early
+# triggers, the form before 2026-12-08 (Pending 52; docs/benchmarks/pending.md)
+WGMMA_EXPERIMENT_DEFINES = ("-DSDQ_WS_TRACE=1", "-DSDQ_WG_RAW_OCC=3", "-DSDQ_WG_EARLY_TRIGGER_MAX_M=0")
 
 
 def _experiment_builds(part: str = "bf16_nt1.cu", defines: tuple = EXPERIMENT_DEFINES) -> dict:
@@ -157,28 +157,27 @@ def _trigger_before_first_wgmma(sass: str) -> dict:
 
 @pytest.mark.skipif(int4_cuda.nvcc_path() is None or int4_cuda.cuobjdump_path() is None,
                     reason="nvcc or cuobjdump not installed")
-def test_wgmma_early_trigger_build_triggers_before_the_main_loop():
-    """Pending 51-52's A/B build with both bits (-DSDQ_WG_EARLY_TRIGGER=3) compiles without spills or serialized
-    wgmmas; in it every kernel of wgmma_body (the plain and the raw forms, 32 in the bf16 unit) lets its dependents
-    launch before its first wgmma, where the warp-specialized kernels (which it leaves alone) still do so only after
-    theirs, and variant 63's split-K sum has a trigger (the shipped build's sum has none)."""
-    _experiment_compiles_without_spills("-DSDQ_WG_EARLY_TRIGGER=3", "w4a16_wgmma_tma_kernel", 2, "wgmma_bf16.cu",
-                                        WGMMA_EXPERIMENT_DEFINES)
-    r = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WG_EARLY_TRIGGER=3"]
-    assert not [ln for ln in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
-    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln]
-    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills)
-    early = _trigger_before_first_wgmma(r.sass)
-    body = {k: v for k, v in early.items() if "w4a16_wgmma_kernel" in k or "w4a16_wgmma_raw_kernel" in k}
-    rest = {k: v for k, v in early.items() if k not in body}
-    assert len(body) == 32 and all(body.values())
-    assert rest and not any(rest.values())
+def test_wgmma_early_trigger_comes_before_the_main_loop():
+    """The shipped build (as ws_trace's, whose define touches only the warp-specialized kernels) lets its dependents
+    launch before its first wgmma in every kernel of wgmma_body (the plain and the raw forms, 32 in the bf16 unit), and
+    variant 63's split-K sum has a trigger; the warp-specialized kernels still trigger only after their wgmmas. The
+    build of before (-DSDQ_WG_EARLY_TRIGGER_MAX_M=0, kept for A/B) compiles without spills or serialized wgmmas and has
+    neither early trigger. (Which M takes the triggers is a runtime test on p.m; Pending 52.)"""
+    _experiment_compiles_without_spills("-DSDQ_WG_EARLY_TRIGGER_MAX_M=0", "w4a16_wgmma_tma_kernel", 2,
+                                        "wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
+    builds = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)
+    before = builds["-DSDQ_WG_EARLY_TRIGGER_MAX_M=0"]
+    assert not [ln for ln in before.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
 
     def reduce_triggers(sass: str) -> list:
         return [f.count("PREEXIT") for f in sass.split("Function : ")[1:] if "wg_reduce_kernel" in f.split()[0]]
-    assert reduce_triggers(r.sass) == [1]
-    shipped = _experiment_builds("wgmma_bf16.cu", WGMMA_EXPERIMENT_DEFINES)["-DSDQ_WS_TRACE=1"]  # (the sum is untraced)
-    assert reduce_triggers(shipped.sass) == [0]
+    for sass, early in ((builds["-DSDQ_WS_TRACE=1"].sass, True), (before.sass, False)):
+        order = _trigger_before_first_wgmma(sass)
+        body = {k: v for k, v in order.items() if "w4a16_wgmma_kernel" in k or "w4a16_wgmma_raw_kernel" in k}
+        rest = {k: v for k, v in order.items() if k not in body}
+        assert len(body) == 32 and all(v == early for v in body.values())
+        assert rest and not any(rest.values())
+        assert reduce_triggers(sass) == [1 if early else 0]
 
 
 def _tight_funcs_wait_vs_load(sass: str) -> list:

@@ -301,20 +301,23 @@ __device__ __forceinline__ void wg_stage_mma(uint32_t st, int wg, int warp, int 
       [&](const uint32_t(&f)[NU][4], uint64_t desc) { wg_step_mma<T, NTOK, NU>(acc, f, desc); }, before, after);
 }
 
-// SDQ_WG_EARLY_TRIGGER (A/B builds, docs/benchmarks/pending.md Pending 51-52), a bit mask; each bit acts only under the
-// early trigger (p.pdl >= 2, the decode runtime's mode), as the mma.sync kernels' early trigger does:
-//   1: wgmma_body's CTAs let the next kernel launch right after their wait instead of after their main loop. A launch's
-//      dependents start only once every CTA of it has triggered or exited, so they take no slot from its own CTAs;
-//      they take the slots it leaves free and request their first weights while it runs.
-//   2: variant 63's split-K sum (wg_reduce_kernel) lets the next kernel launch right after its wait instead of at its
-//      end. On an H100 (2026-12-08, gemm sdq_cuda_pdl against sdq_cuda_pdl_late) that was 0.92-0.97x at M = 16 on the
-//      N = 4096-10240 shapes but 1.12-1.18x at M = 32: the next kernel's CTAs then share SMs with the sum's, and a
-//      split-K grid sized to the free slots no longer fits one wave.
-//   3 (both): 0.955x the time of 2 in one process over 28 points (ab_build --pdl 2), from 0.74x to 1.04x.
-// Default 0: the form measured since PDL shipped.
-#ifndef SDQ_WG_EARLY_TRIGGER
-#define SDQ_WG_EARLY_TRIGGER 0
+// The early trigger at M <= SDQ_WG_EARLY_TRIGGER_MAX_M (default 16; 0: never, the form before 2026-12-08; 256: at every
+// M). Under PDL with the early trigger (p.pdl >= 2, the decode runtime's mode), as the mma.sync kernels do:
+// * wgmma_body's CTAs let the next kernel launch right after their wait instead of after their main loop;
+// * variant 63's split-K sum (wg_reduce_kernel) lets it launch right after its wait instead of at its end.
+// A launch's dependents start only once every CTA of it has triggered or exited, so they take no slot from its own CTAs;
+// they take the slots it leaves free and request their first weights while it runs (their own wait still waits for it
+// to finish). H100, ab_build runs 31 and 33 (docs/benchmarks/int4-wgmma.md, "Early triggers under PDL at M = 9-64"), at
+// the configs the op picks: at M = 12-16 0.94x the time (0.85-1.00x at all 14 points, both runs); at M = 32-64 0.98-0.99x
+// in geometric mean but 1.03-1.19x at four points (8192x10240 M = 32: the next kernel's CTAs share SMs with the sum's,
+// and variant 63's grid, sized to the free slots, no longer fits one wave), hence the bound. The wgmma trigger alone
+// (without the sum's) was 0.995x.
+#ifndef SDQ_WG_EARLY_TRIGGER_MAX_M
+#define SDQ_WG_EARLY_TRIGGER_MAX_M 16
 #endif
+__device__ __forceinline__ void wg_early_trigger(const SdqW4A16Params& p) {
+  if (SDQ_WG_EARLY_TRIGGER_MAX_M > 0 && p.pdl >= 2 && p.m <= SDQ_WG_EARLY_TRIGGER_MAX_M) griddep_launch_dependents();
+}
 #ifndef SDQ_WG_RAW  // 0: the 16-token tile dequantizes as the others do (A/B builds: bench/ab_build.py --new-defines)
 #define SDQ_WG_RAW 1
 #endif
@@ -443,9 +446,7 @@ __device__ __forceinline__ void wgmma_body(const SdqW4A16Params& p) {
     for (int s = 0; s < PF; ++s)
       if (s < nst) load_w(sbase + s * L::STAGE, (st0 + s) * KS);
     if (p.pdl) griddep_wait();
-#if SDQ_WG_EARLY_TRIGGER & 1
-    if (p.pdl >= 2) griddep_launch_dependents();
-#endif
+    wg_early_trigger(p);
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
       if (s < nst) wg_load_stage<NTOK, NT, true, KS>(p, sbase + s * L::STAGE, (st0 + s) * KS, nb0, m0, tid);
@@ -644,14 +645,12 @@ __global__ void __launch_bounds__(128 * WGS, WGS == 1 ? SDQ_WG_RAW_OCC : 1)
 // Variant 63's split-K reduction: y = sum over splits of [splits, m, n] fp32 partials, in split order (deterministic),
 // four outputs a thread, over the whole GPU (the last-CTA fix-up of variant 62 reads every split's partial tile in one
 // CTA, which costs most where the tiles are few and the splits many: N = 4096 at M >= 32).
-// (SDQ_WG_EARLY_TRIGGER & 2: it lets the next kernel launch right after its wait; the next kernel's own wait still waits
-// for this grid to finish. By default the next kernel launches when it ends.)
+// (At M <= SDQ_WG_EARLY_TRIGGER_MAX_M under the early trigger it lets the next kernel launch right after its wait;
+// otherwise the next kernel launches when it ends.)
 template <typename T>
 __global__ void __launch_bounds__(256) wg_reduce_kernel(const SdqW4A16Params p) {
   if (p.pdl) griddep_wait();
-#if SDQ_WG_EARLY_TRIGGER & 2
-  if (p.pdl >= 2) griddep_launch_dependents();
-#endif
+  wg_early_trigger(p);
   const size_t n4 = static_cast<size_t>(p.m) * p.n / 4;
   const size_t stride = static_cast<size_t>(p.m) * p.n / 4;
   const float4* part = reinterpret_cast<const float4*>(p.partial);
