@@ -5,9 +5,10 @@
 # little is left, so the first ones always run:
 #   pdl (~2.5 min): the CUDA op launched as the decode runtime launches it (programmatic dependent launch with the
 #      early trigger) and with PDL but no early trigger, beside its default launch and cuBLAS bf16, at M = 1-16 on the
-#      four shapes with µs targets (Pending 49; at M = 9-16 the two PDL columns are Pending 51's A/B)
-#   late (~3 min): Pending 51's A/B on all seven shapes at M = 16-64, where variant 63's split-K sum now triggers its
-#      dependent early (sdq_cuda_pdl) or, as before, not (sdq_cuda_pdl_late); variant 62's points are the control
+#      four shapes with µs targets (Pending 49; at M = 9-16 the two PDL columns differ by the wgmma path's early
+#      triggers, Pending 52)
+#   late (~1.5 min): the two PDL columns on all seven shapes at M = 16-64: at M = 16 the wgmma path's early triggers
+#      against none; above it both columns run the same code (a control)
 #   trig (~2 min with its build): Pending 52's check under PDL with the early trigger: the shipped build (the wgmma
 #      kernels and variant 63's split-K sum let the next kernel launch right after their wait at M <= 16) against the
 #      form before (-DSDQ_WG_EARLY_TRIGGER_MAX_M=0) and the triggers at every M (=256):
