@@ -55,10 +55,11 @@ def build(name: str, sources, subdir: str):
 
 
 @contextlib.contextmanager
-def pdl_on():
-    """The shipped CUDA ops launched with programmatic dependent launch (the e2e default's early trigger) inside."""
+def pdl_on(early_trigger: bool = True):
+    """The shipped CUDA ops launched with programmatic dependent launch inside: with the early trigger (the e2e
+    default's), or without it (each kernel lets the next launch only after its main loop)."""
     from sdquant.kernels import int4_cuda
-    old = int4_cuda.set_pdl(True, early_trigger=True)
+    old = int4_cuda.set_pdl(True, early_trigger=early_trigger)
     try:
         yield
     finally:

@@ -270,15 +270,12 @@ def build_providers(n: int, k: int, dev, dtype, which: set, log_fn=log, gs: int 
         kernel lets the next one launch only after its main loop. Beside sdq_cuda_pdl it shows what the early trigger
         is worth: at M <= 8 the tight kernel's, at M = 9-16 the wgmma kernels' and variant 63's split-K sum's
         (SDQ_WG_EARLY_TRIGGER_MAX_M); above that the two columns time the same code (Pending 51-52)."""
-        from sdquant.kernels import int4_cuda
+        import cuda_exp
         make, run, nbytes = cuda_int4()
 
         def run_late(c, x):
-            old = int4_cuda.set_pdl(True, early_trigger=False)
-            try:
+            with cuda_exp.pdl_on(early_trigger=False):
                 return run(c, x)
-            finally:
-                int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
         return make, run_late, nbytes
     add("sdq_cuda_pdl_late", cuda_int4_pdl_late)
 

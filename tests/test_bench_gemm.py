@@ -170,3 +170,22 @@ def test_rounds_time_the_kernels_of_a_point_round_robin_and_keep_each_median(mon
     rows = gemm.run_sweep([(256, 64)], [3], torch.device("cpu"), torch.float32, {"bf16", "sdq_int4_layer"}, 1.0,
                           log_fn=logged.append, check=False)
     assert [r["us"] for r in rows] == [4.0, 2.0] and "us_rounds" not in rows[0] and rows[1]["speedup_vs_bf16"] == 2.0
+
+
+def test_pdl_on_sets_the_launch_mode_and_restores_it():
+    """cuda_exp.pdl_on, which the PDL columns run their op in: mode 2 (the early trigger) by default, 1 without it,
+    and the mode of before afterwards, also after an exception."""
+    import cuda_exp
+    from sdquant.kernels import int4_cuda
+    old = int4_cuda.set_pdl(False)
+    try:
+        with cuda_exp.pdl_on():
+            assert int4_cuda._PDL[0] == 2
+        assert int4_cuda._PDL[0] == 0
+        with pytest.raises(RuntimeError):
+            with cuda_exp.pdl_on(early_trigger=False):
+                assert int4_cuda._PDL[0] == 1
+                raise RuntimeError("inside")
+        assert int4_cuda._PDL[0] == 0
+    finally:
+        int4_cuda.set_pdl(bool(old), early_trigger=old == 2)
