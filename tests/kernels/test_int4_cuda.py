@@ -143,15 +143,27 @@ def test_wgmma_raw_three_ctas_build_compiles():
         assert int(used.split("Used")[1].split("registers")[0]) <= 168
 
 
+def _sass_loops():
+    """bench/sass_loops (the SASS parser and loop finder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import sass_loops
+    return sass_loops
+
+
+def _sass_kernels(sass: str) -> dict:
+    """{kernel: [(address, instruction text)]} of a cuobjdump -sass text (sass_loops.parse_sass)."""
+    return _sass_loops().parse_sass(sass)
+
+
 def _trigger_before_first_wgmma(sass: str) -> dict:
     """kernel name -> whether its first griddepcontrol.launch_dependents (PREEXIT) comes before its first wgmma
     (HGMMA), for every kernel with a wgmma in a cuobjdump -sass text."""
     out = {}
-    for f in sass.split("Function : ")[1:]:
-        lines = f.splitlines()
-        hg = next((i for i, ln in enumerate(lines) if "HGMMA" in ln), None)
+    for name, insns in _sass_kernels(sass).items():
+        ops = [i for _, i in insns]
+        hg = next((j for j, i in enumerate(ops) if "HGMMA" in i), None)
         if hg is not None:
-            out[f.split()[0]] = next(i for i, ln in enumerate(lines) if "PREEXIT" in ln) < hg
+            out[name] = next(j for j, i in enumerate(ops) if "PREEXIT" in i) < hg
     return out
 
 
@@ -170,7 +182,8 @@ def test_wgmma_early_trigger_comes_before_the_main_loop():
     assert not [ln for ln in before.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in ln]
 
     def reduce_triggers(sass: str) -> list:
-        return [f.count("PREEXIT") for f in sass.split("Function : ")[1:] if "wg_reduce_kernel" in f.split()[0]]
+        return [sum("PREEXIT" in i for _, i in insns) for name, insns in _sass_kernels(sass).items()
+                if "wg_reduce_kernel" in name]
     for sass, early in ((builds["-DSDQ_WS_TRACE=1"].sass, True), (before.sass, False)):
         order = _trigger_before_first_wgmma(sass)
         body = {k: v for k, v in order.items() if "w4a16_wgmma_kernel" in k or "w4a16_wgmma_raw_kernel" in k}
@@ -213,8 +226,7 @@ def test_tight_prologue_loads_weights_before_the_wait():
 
 def _tight_main_loops(sass: str) -> dict:
     """kernel -> (main loop length, HMMAs in it, S2R in it) for every tight variant in a cuobjdump -sass text."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import sass_loops
+    sass_loops = _sass_loops()
     out = {}
     for name, insns in sass_loops.parse_sass(sass).items():
         if "w4a16_tight_kernel" in name:
