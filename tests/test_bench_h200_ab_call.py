@@ -94,3 +94,21 @@ def test_tight_pdl_call_runs_its_parts_and_skips_what_the_limit_cannot_hold(tmp_
         assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == ran, (limit, calls)
         skipped = {n for n in ("pdl", "late", "trig", "ab") if f"{n}: skipped" in stdout}
         assert skipped == {"pdl", "late", "trig", "ab"} - set(ran), (limit, stdout)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gluon_call_runs_the_prototype_first_then_the_decode_columns(tmp_path):
+    kw = {"script": "gluon_call.sh", "limit_env": "GLUON_CALL_LIMIT_S", "gpu": "NVIDIA H200"}
+    stdout, calls, out = _call(tmp_path, 560, **kw)
+    assert len(calls) == 3, stdout
+    gluon, pdl, trig = calls
+    assert gluon == f"abc123 bench/triton_gluon.py --ms 1,2,4,8,16 --out {out}/gluon"
+    assert pdl.startswith("abc123 bench/gemm.py") and "sdq_cuda_pdl,sdq_cuda_pdl_late" in pdl
+    assert f"--out {out}/pdl" in pdl
+    assert trig.startswith("abc123 bench/ab_build.py --old none") and "--pdl 2" in trig
+    # gluon needs 120 s to be worth starting, pdl 60, trig 120 (the stand-ins take no time: what is left is the limit)
+    for limit, ran in ((110, ["pdl"]), (130, ["gluon", "pdl", "trig"]), (50, [])):
+        d = tmp_path / str(limit)
+        d.mkdir()
+        stdout, calls, out = _call(d, limit, **kw)
+        assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == ran, (limit, calls)

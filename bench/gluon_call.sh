@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call (any H100 or H200, at most ~9.5 minutes): the Gluon W4A16 prototype first (Pending 53), then the
+# decode-launch columns and the early-trigger A/B of bench/tight_pdl_call.sh (Pendings 49 and 52). Each part has its own
+# time limit and is skipped when too little is left:
+#   gluon (~4-5 min with the CUDA extension's build): bench/triton_gluon.py at M = 1-16 on the seven shapes, every
+#      config checked against x @ W.T, then timed beside cuBLAS bf16, the shipped Triton op and the sdquant CUDA op
+#   pdl (~2.5 min): tight_pdl_call.sh's first part (the CUDA op launched as the decode runtime launches it)
+#   trig (~2 min): tight_pdl_call.sh's third part (the wgmma path's early triggers: as shipped, none, at every M)
+# Here:   bash bench/gluon_call.sh <full commit hash of the tree sent>   (GLUON_CALL_LIMIT_S=<s>: a shorter call)
+# Output under $OUT: gluon/triton_gluon.json, gluon.log, pdl/gemm.json, pdl.log, trig/ab_build.json, trig.log.
+set -u
+CALL_NAME=gluon_call.sh CALL_COMMIT="${1:-}" CALL_LIMIT="${GLUON_CALL_LIMIT_S:-560}"
+. "$(dirname "$0")/call_lib.sh"
+
+part gluon 330 120 python bench/triton_gluon.py --ms 1,2,4,8,16
+part pdl 200 60 python bench/gemm.py --shapes 8192x28672,4096x28672,14336x4096,4096x4096 --ms 1,2,4,8,16 \
+  --kernels bf16,sdq_cuda,sdq_cuda_pdl,sdq_cuda_pdl_late --rounds 3
+part trig "$(left)" 120 python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0 \
+  --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=256 --configs 62,63 --ms 12,16,32,64 --pdl 2 --rounds 3
+ls -la "$OUT"

@@ -1,0 +1,358 @@
+"""A prototype (not shipped): W4A16 at M = 1-16 in Gluon (Triton's explicit-layout dialect) over the CUDA kernels'
+fragment layout, timed beside the shipped Triton op, the sdquant CUDA op and cuBLAS bf16 (H200, one device call).
+docs/benchmarks/pending.md, Pending 12 and 53.
+
+    SDQUANT_COMMIT=<hash> python bench/triton_gluon.py --out $OUT [--ms 1,2,4,8,16] [--configs ...]
+    python bench/triton_gluon.py --dry      # CPU: the kernel's index arithmetic emulated in torch, checks only
+    python bench/triton_gluon.py --sass     # compile for sm_90 here (no GPU) and count the loop's SASS
+
+Why. Issue 4 asks the Triton path for >= 75% of the CUDA op's speed at M <= 16; at M = 2-16 the shipped Triton op
+reaches 0.52-0.70 on the five larger shapes (gemm run 29). Its tensor-core kernel dequantizes a tile, stores it to
+shared memory and reads it back in the wgmma operand layout (ncu: the L1/shared pipe 77.5% busy). Plain Triton gives
+no way to say that a loaded tensor already holds its wgmma fragment; Gluon does: layouts are explicit, and
+``convert_layout(..., assert_trivial=True)`` fails the compile unless the conversion moves no data.
+
+Layout: ``int4_layout.repack_cuda``'s, unchanged (qweight int32 [N/64, K/16, 32 lanes, 4 words]: word u of lane
+4g + t at K step ks holds the m16k16 A fragment of features 16u..16u+15 of the 64-feature block). Gluon loads a CTA's
+words as int32 [4 warps (block nb0 + v), 8 K steps, 32 lanes, 4 words] (16-byte loads), and by inline PTX turns nibble
+i of each word into the bf16 pair (128 + c) of nibbles (i, i + 4) (a shift and a ``lop3``). ``join`` / ``reshape`` /
+``permute`` / ``split`` put each word's four pairs at the rows (v, h, g) and K columns (kj, t4, e) of wgmma u's
+[64, 16] A tile, and the conversion to the wgmma register-operand layout is checked trivial at compile time. So the
+weights go global -> registers -> wgmma, with no shared memory and no bf16 tile.
+
+Kernel (``wg_raw_kernel``): the CUDA wgmma kernel's raw form (csrc/w4a16_wgmma.cuh, RAW) in Gluon. A CTA of one
+warpgroup takes 256 features (4 blocks, one a warp) and a K range (split-K over the grid's second axis); an iteration
+is 128 K (one group of 128 or a 128-K slice of a larger group): 8 K steps of 4 wgmmas m64 x NTOK x 16 on the raw
+codes into a group set ``g_u``, and a fifth wgmma with an all-ones A summing the activations into ``gx``. Then in fp32
+acc_u += s * g_u - s * (128 + z) * gx. The next iteration's weights and activations are loaded into registers while
+this one computes; the activations go through one shared-memory tile (the wgmma B operand). NTOK = 8 (M <= 8) or 16.
+PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
+waits for its own. Partial sums: ``w4a16_proto.reduce_splits`` (fixed order). bf16 activations, groups a multiple of
+128 or per channel, no act-order, N % 256 == 0, K % 128 == 0.
+
+Timing: ``w4a16_proto``'s (bench/gemm.py's method); every timed config is first checked against x @ W.T in fp32.
+Written against Triton 3.6 (the device) and compiled offline with 3.6 and 3.9 (this machine's; the CI test).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# waves: CTAs launched = waves x 2 x SMs (two CTAs an SM fit: 228 / 246 registers at NTOK = 16), split-K making them
+CONFIGS = {
+    "g1": {"waves": 1.0, "PIPE": False},
+    "g2": {"waves": 2.0, "PIPE": False},
+    "p1": {"waves": 1.0, "PIPE": True},
+    "p2": {"waves": 2.0, "PIPE": True},
+}
+MS = [1, 2, 4, 8, 16]
+DRY_SHAPES = [(256, 256, 128, True), (512, 256, 256, False), (384, 512, -1, False), (1024, 512, 128, False)]
+DRY_MS = (1, 2, 3, 16)
+
+_KERN: dict = {}
+
+
+def _kernels() -> dict:
+    """The Gluon kernel (built on first use: importing this module needs no Gluon)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    bar = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # (its Triton 3.6 / 3.9 names)
+    # nibble i of a word -> the bf16 pair (128 + nibble i, 128 + nibble i + 4) as two 16-bit outputs
+    rawi = "{ .reg .b32 t; shr.b32 t, $2, %d; lop3.b32 t, t, 0x000f000f, 0x43004300, 0xea; mov.b32 {$0, $1}, t; }"
+    asm = [gl.constexpr(rawi % (4 * i)) for i in range(4)]
+    a0, a1, a2, a3 = asm
+
+    @gluon.jit
+    def raw(w, I: gl.constexpr):
+        # int32 words -> their bf16 pairs of nibble I, joined along a new last axis (e)
+        if I == 0:
+            lo, hi = gl.inline_asm_elementwise(a0, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=1)
+        elif I == 1:
+            lo, hi = gl.inline_asm_elementwise(a1, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=1)
+        elif I == 2:
+            lo, hi = gl.inline_asm_elementwise(a2, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=1)
+        else:
+            lo, hi = gl.inline_asm_elementwise(a3, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=1)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def a_tiles(t, dot_a: gl.constexpr):
+        # t: int32 [4 v, 32 lanes, 4 u] (one K step) -> wgmma u's A tiles [64 rows (v, h, g), 16 K (kj, t4, e)]
+        # (nibble i of a word: row half h = i // 2, K half kj = i % 2; its pair (i, i + 4): K offset e)
+        j01 = gl.join(raw(t, 0), raw(t, 1))      # [v, lane, u, e, kj], h = 0
+        j23 = gl.join(raw(t, 2), raw(t, 3))      # h = 1
+        a = gl.join(j01, j23)                    # [v, lane, u, e, kj, h]
+        a = a.reshape([4, 8, 4, 2, 2, 2, 2, 2])  # [v, g, t4, u1, u0, e, kj, h]  (lane = 4 g + t4, u = 2 u1 + u0)
+        a = a.permute([0, 7, 1, 6, 2, 5, 3, 4])  # [v, h, g, kj, t4, e, u1, u0]
+        a = a.reshape([64, 16, 2, 2])
+        x0, x1 = gl.split(a)                     # u0
+        t0, t2 = gl.split(x0)                    # u1
+        t1, t3 = gl.split(x1)
+        return (gl.convert_layout(t0, dot_a, assert_trivial=True), gl.convert_layout(t1, dot_a, assert_trivial=True),
+                gl.convert_layout(t2, dot_a, assert_trivial=True), gl.convert_layout(t3, dot_a, assert_trivial=True))
+
+    @gluon.jit
+    def steps8(w):
+        # [4 v, 8 K steps, 32 lanes, 4 u] -> the eight steps' [v, lane, u]
+        w = w.permute([0, 2, 3, 1]).reshape([4, 32, 4, 2, 2, 2])  # step = 4 k2 + 2 k1 + k0
+        y0, y1 = gl.split(w)
+        y00, y01 = gl.split(y0)
+        y10, y11 = gl.split(y1)
+        s0, s4 = gl.split(y00)
+        s2, s6 = gl.split(y01)
+        s1, s5 = gl.split(y10)
+        s3, s7 = gl.split(y11)
+        return (s0, s1, s2, s3, s4, s5, s6, s7)
+
+    @gluon.jit
+    def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
+                      NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr):
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        nb0 = pid_n * 4
+        it0 = pid_s * ITS
+        nit = gl.minimum(ITS, K // 128 - it0)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, NTOK, 16])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NTOK // 2], threads_per_warp=[NTOK // 4, 128 // NTOK],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+        xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        xs0 = gl.allocate_shared_memory(gl.bfloat16, [NTOK, 64], xs_l)
+        xs1 = gl.allocate_shared_memory(gl.bfloat16, [NTOK, 64], xs_l)
+
+        # the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0
+        i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
+        i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
+        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
+                + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
+        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
+        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
+        xoff = xr[:, None] * K + xc[None, :]
+        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
+        # wgmma u's row r = 16 v + 8 h + g is feature 64 (nb0 + v) + 16 u + 8 h + g: scales[grp, nb0 + v, g, 2 u + h]
+        r = gl.arange(0, 64, layout=row_l)
+        soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
+
+        ones = gl.full([64, 16], 1.0, gl.bfloat16, dot_a)
+        zacc = gl.zeros([64, NTOK], gl.float32, mma)
+        acc0 = zacc
+        acc1 = zacc
+        acc2 = zacc
+        acc3 = zacc
+        w_n = gl.load(q_ptr + (nb0 * KB + it0 * 8) * 128 + woff)
+        xa_n = gl.load(x_ptr + it0 * 128 + xoff, mask=xmask, other=0.0)
+        xb_n = gl.load(x_ptr + it0 * 128 + 64 + xoff, mask=xmask, other=0.0)
+        for i in range(nit):
+            it = it0 + i
+            w_c = w_n
+            xa_c = xa_n
+            xb_c = xb_n
+            itn = gl.minimum(it + 1, it0 + nit - 1)
+            w_n = gl.load(q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            xa_n = gl.load(x_ptr + itn * 128 + xoff, mask=xmask, other=0.0)
+            xb_n = gl.load(x_ptr + itn * 128 + 64 + xoff, mask=xmask, other=0.0)
+            sb = ((it // GSI) * NB + nb0) * 64 + soff
+            s0 = gl.load(s_ptr + sb).to(gl.float32)
+            s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
+            s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
+            s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
+            z0 = gl.load(z_ptr + sb).to(gl.float32)
+            z1 = gl.load(z_ptr + sb + 2).to(gl.float32)
+            z2 = gl.load(z_ptr + sb + 4).to(gl.float32)
+            z3 = gl.load(z_ptr + sb + 6).to(gl.float32)
+
+            bar()  # every wgmma of the last iteration read the tile (each waited for its own)
+            xs0.store(xa_c)
+            xs1.store(xb_c)
+            hopper.fence_async_shared()
+            bar()
+
+            st = steps8(w_c)
+            g0 = zacc
+            g1 = zacc
+            g2 = zacc
+            g3 = zacc
+            gx = zacc
+            for ks in gl.static_range(8):
+                t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
+                if ks < 4:
+                    b = xs0.slice(16 * ks, 16, dim=1).permute([1, 0])
+                else:
+                    b = xs1.slice(16 * (ks - 4), 16, dim=1).permute([1, 0])
+                g0 = hopper.warpgroup_mma(t0, b, g0, use_acc=ks > 0, is_async=True)
+                g1 = hopper.warpgroup_mma(t1, b, g1, use_acc=ks > 0, is_async=True)
+                g2 = hopper.warpgroup_mma(t2, b, g2, use_acc=ks > 0, is_async=True)
+                g3 = hopper.warpgroup_mma(t3, b, g3, use_acc=ks > 0, is_async=True)
+                gx = hopper.warpgroup_mma(ones, b, gx, use_acc=ks > 0, is_async=True)
+                if PIPE:
+                    g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=5, deps=(g0, g1, g2, g3, gx))
+                else:
+                    g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+            if PIPE:
+                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+            acc0 = acc0 + s0[:, None] * g0 - (s0 * (128.0 + z0))[:, None] * gx
+            acc1 = acc1 + s1[:, None] * g1 - (s1 * (128.0 + z1))[:, None] * gx
+            acc2 = acc2 + s2[:, None] * g2 - (s2 * (128.0 + z2))[:, None] * gx
+            acc3 = acc3 + s3[:, None] * g3 - (s3 * (128.0 + z3))[:, None] * gx
+
+        feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
+        tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
+        omask = (tok[None, :] < M) & (feat[:, None] < N)
+        if PARTIAL:
+            pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
+            gl.store(pb, acc0, mask=omask)
+            gl.store(pb + 16, acc1, mask=omask)
+            gl.store(pb + 32, acc2, mask=omask)
+            gl.store(pb + 48, acc3, mask=omask)
+        else:
+            yb = y_ptr + tok[None, :] * N + feat[:, None]
+            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
+
+    return {"wg_raw": wg_raw_kernel}
+
+
+def applies(k: int, n: int, m: int, gs: int) -> bool:
+    return m <= 16 and n % 256 == 0 and k % 128 == 0 and (gs == -1 or gs % 128 == 0)
+
+
+def plan(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
+    """NTOK, the split count and the iterations (128 K) a split."""
+    iters = k // 128
+    want = max(1, round(cfg["waves"] * 2 * sms / (n // 256)))
+    its = -(-iters // min(want, iters))
+    return {"NTOK": 8 if m <= 8 else 16, "ITS": its, "SPLIT": -(-iters // its)}
+
+
+def emulate(x, lay, gs: int, its: int):
+    """The kernel's arithmetic in float64 on the CPU, index for index: which word, nibble and pair each wgmma row and
+    K column read, the raw codes 128 + c, the per-iteration fold acc += s g - s (128 + z) gx, the split sums."""
+    import torch
+    q = lay["qweight"].to(torch.int64) & 0xFFFFFFFF          # [NB, KB, 32 lanes, 4 u]
+    nb, kb = q.shape[0], q.shape[1]
+    n, k, m = nb * 64, kb * 16, x.shape[0]
+    nib = torch.stack([torch.stack([(q >> (4 * i)) & 0xF, (q >> (16 + 4 * i)) & 0xF], -1) for i in range(4)], -2)
+    # nib: [NB, KB, lane, u, i, e]
+    # nibble i of word u, lane 4 g + t4, pair e: feature 64 nb + 16 u + 8 (i // 2) + g, K 16 ks + 8 (i % 2) + 2 t4 + e
+    g_, t4 = torch.arange(32) // 4, torch.arange(32) % 4
+    feat = (torch.arange(nb).view(nb, 1, 1, 1, 1, 1) * 64 + torch.arange(4).view(1, 1, 1, 4, 1, 1) * 16
+            + (torch.arange(4) // 2).view(1, 1, 1, 1, 4, 1) * 8 + g_.view(1, 1, 32, 1, 1, 1))
+    kk = (torch.arange(kb).view(1, kb, 1, 1, 1, 1) * 16 + (torch.arange(4) % 2).view(1, 1, 1, 1, 4, 1) * 8
+          + t4.view(1, 1, 32, 1, 1, 1) * 2 + torch.arange(2).view(1, 1, 1, 1, 1, 2))
+    shape = nib.shape
+    raw = torch.zeros(n, k, dtype=torch.float64)
+    raw[feat.expand(shape).reshape(-1), kk.expand(shape).reshape(-1)] = nib.reshape(-1).double() + 128
+    s = lay["scales"].double().permute(0, 1, 3, 2).reshape(lay["scales"].shape[0], n)  # [G, N] (j = 2 u + h)
+    z = lay["zeros"].double().permute(0, 1, 3, 2).reshape(lay["zeros"].shape[0], n)
+    gsi = (k if gs == -1 else gs) // 128
+    xd = x.double()
+    out = torch.zeros(m, n, dtype=torch.float64)
+    for s0 in range(0, k // 128, its):                          # splits, summed in order
+        part = torch.zeros(m, n, dtype=torch.float64)
+        for it in range(s0, min(s0 + its, k // 128)):
+            sl = slice(128 * it, 128 * it + 128)
+            g = xd[:, sl] @ raw[:, sl].t()
+            gx = xd[:, sl].sum(1, keepdim=True)
+            part += s[it // gsi] * g - (s[it // gsi] * (128 + z[it // gsi])) * gx
+        out += part
+    return out.to(x.dtype)
+
+
+def run(x, lay, gs: int, cfg: dict, sms: int):
+    """y [M, N] = x [M, K] @ W.T through the prototype (a CPU x: its emulation)."""
+    import torch
+    m, k = x.shape
+    nb, kb = lay["qweight"].shape[0], lay["qweight"].shape[1]
+    n = nb * 64
+    if not applies(k, n, m, gs):
+        raise ValueError(f"triton_gluon: M={m} K={k} N={n} group {gs} is outside the prototype")
+    c = plan(cfg, m, n, k, sms)
+    if x.device.type == "cpu":
+        return emulate(x, lay, gs, c["ITS"])
+    if x.dtype != torch.bfloat16:
+        raise ValueError("triton_gluon: bf16 activations only")
+    if "wg_raw" not in _KERN:
+        _KERN.update(_kernels())
+    split = c["SPLIT"]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    gsi = (k if gs == -1 else gs) // 128
+    _KERN["wg_raw"][(n // 256, split)](lay["qweight"], lay["scales"], lay["zeros"], x, out, part, m, n, k, kb, nb,
+                                       gsi, c["ITS"], NTOK=c["NTOK"], PARTIAL=split > 1, PIPE=cfg["PIPE"],
+                                       num_warps=4)
+    if split > 1:
+        import w4a16_proto
+        w4a16_proto.reduce_splits(part, out, m, n, split)
+    return out
+
+
+def sass(ntok: int = 16, pipe: bool = False) -> dict:
+    """Compile the kernel for sm_90 here (no GPU) and return its cubin's SASS text and register count."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = _kernels()["wg_raw"]
+    types = ["*i32", "*fp16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7
+    consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe}
+    sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    attrs.update({(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("N", "K", "KB")})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()},
+                         attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "k.cubin"
+        p.write_bytes(kern.asm["cubin"])
+        text = subprocess.run([str(tool), "-sass", str(p)], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([str(tool), "-res-usage", str(p)], capture_output=True, text=True, check=True).stdout
+    regs = int(res.split("REG:")[1].split()[0])
+    return {"sass": text, "regs": regs, "local": int(res.split("LOCAL:")[1].split()[0])}
+
+
+def _sass_summary(argv) -> None:
+    import collections
+    import re
+    for ntok in (8, 16):
+        for pipe in (False, True):
+            r = sass(ntok, pipe)
+            ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", r["sass"], re.M))
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(12))
+            print(f"NTOK {ntok} PIPE {int(pipe)}: {r['regs']} registers, {r['local']} B local; {top}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--sass" in argv:
+        return _sass_summary(argv)
+    import w4a16_proto
+    from sdquant.kernels import int4_layout
+    return w4a16_proto.main(argv, __doc__, "triton_gluon", CONFIGS, int4_layout.repack_cuda, run, MS, DRY_SHAPES,
+                            DRY_MS, lambda cfg, k, n, m: applies(k, n, m, 128))
+
+
+if __name__ == "__main__":
+    main()
