@@ -43,12 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-# waves: CTAs launched = waves x 2 x SMs (two CTAs an SM fit: 228 / 246 registers at NTOK = 16), split-K making them
+# kernel "raw": the next iteration's words in registers; "ring": a cp.async ring of STAGES stages. CTAs launched =
+# waves x per_sm x SMs, split-K making them (offline, NTOK = 16: raw 228 / 246 registers (PIPE), two CTAs an SM; ring
+# 167 registers (207 with PIPE) and 20 KB a stage: two CTAs an SM at 4 stages, three at 3)
 CONFIGS = {
-    "g1": {"waves": 1.0, "PIPE": False},
-    "g2": {"waves": 2.0, "PIPE": False},
-    "p1": {"waves": 1.0, "PIPE": True},
-    "p2": {"waves": 2.0, "PIPE": True},
+    "g1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": False},
+    "p1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": True},
+    "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
+    "r4p": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": True, "STAGES": 4},
+    "r3": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3},
 }
 MS = [1, 2, 4, 8, 16]
 DRY_SHAPES = [(256, 256, 128, True), (512, 256, 256, False), (384, 512, -1, False), (1024, 512, 128, False)]
@@ -63,7 +66,10 @@ def _kernels() -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
 
-    bar = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # (its Triton 3.6 / 3.9 names)
+    bar = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # (their Triton 3.6 / 3.9 names)
+    acp = hopper.async_copy
+    cp_async = acp.async_load if hasattr(acp, "async_load") else acp.async_copy_global_to_shared
+    cp_commit, cp_wait = acp.commit_group, acp.wait_group
     # nibble i of a word -> the bf16 pair (128 + nibble i, 128 + nibble i + 4) as two 16-bit outputs
     rawi = "{ .reg .b32 t; shr.b32 t, $2, %d; lop3.b32 t, t, 0x000f000f, 0x43004300, 0xea; mov.b32 {$0, $1}, t; }"
     asm = [gl.constexpr(rawi % (4 * i)) for i in range(4)]
@@ -229,7 +235,140 @@ def _kernels() -> dict:
             gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
             gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
 
-    return {"wg_raw": wg_raw_kernel}
+    @gluon.jit
+    def k_steps(st, xa, xb, ones, zacc, dot_a: gl.constexpr, PIPE: gl.constexpr):
+        # one 128-K iteration's wgmmas: the raw sums g0..g3 of its 8 K steps (words st) and the activation sums gx
+        # (B: the two 64-K activation sub-tiles xa, xb)
+        g0 = zacc
+        g1 = zacc
+        g2 = zacc
+        g3 = zacc
+        gx = zacc
+        for ks in gl.static_range(8):
+            t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
+            if ks < 4:
+                b = xa.slice(16 * ks, 16, dim=1).permute([1, 0])
+            else:
+                b = xb.slice(16 * (ks - 4), 16, dim=1).permute([1, 0])
+            g0 = hopper.warpgroup_mma(t0, b, g0, use_acc=ks > 0, is_async=True)
+            g1 = hopper.warpgroup_mma(t1, b, g1, use_acc=ks > 0, is_async=True)
+            g2 = hopper.warpgroup_mma(t2, b, g2, use_acc=ks > 0, is_async=True)
+            g3 = hopper.warpgroup_mma(t3, b, g3, use_acc=ks > 0, is_async=True)
+            gx = hopper.warpgroup_mma(ones, b, gx, use_acc=ks > 0, is_async=True)
+            if PIPE:
+                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=5, deps=(g0, g1, g2, g3, gx))
+            else:
+                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+        if PIPE:
+            g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+        return g0, g1, g2, g3, gx
+
+    @gluon.jit
+    def store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK: gl.constexpr,
+                   mma: gl.constexpr, PARTIAL: gl.constexpr):
+        feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
+        tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
+        omask = (tok[None, :] < M) & (feat[:, None] < N)
+        if PARTIAL:
+            pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
+            gl.store(pb, acc0, mask=omask)
+            gl.store(pb + 16, acc1, mask=omask)
+            gl.store(pb + 32, acc2, mask=omask)
+            gl.store(pb + 48, acc3, mask=omask)
+        else:
+            yb = y_ptr + tok[None, :] * N + feat[:, None]
+            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
+
+    @gluon.jit
+    def wg_ring_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
+                       NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, STAGES: gl.constexpr):
+        # wg_raw_kernel's arithmetic with the CUDA kernel's pipeline: each iteration's words and activations copied
+        # by cp.async into a ring of STAGES shared-memory stages, STAGES - 1 iterations ahead; the words read back
+        # with 16-byte shared loads in the layout they were copied in (each thread its own 16 bytes)
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        nb0 = pid_n * 4
+        it0 = pid_s * ITS
+        nit = gl.minimum(ITS, K // 128 - it0)
+        last = it0 + nit - 1
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, NTOK, 16])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NTOK // 2], threads_per_warp=[NTOK // 4, 128 // NTOK],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+        ws_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
+        xring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, NTOK, 64], xs_l)
+
+        i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
+        i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
+        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
+                + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
+        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
+        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
+        xoff = xr[:, None] * K + xc[None, :]
+        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
+        r = gl.arange(0, 64, layout=row_l)
+        soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
+
+        # prologue: iterations 0 .. STAGES - 2 (clamped to the last: every iteration commits one group)
+        for j in gl.static_range(STAGES - 1):
+            itj = gl.minimum(it0 + j, last)
+            cp_async(wring.index(j), q_ptr + (nb0 * KB + itj * 8) * 128 + woff)
+            cp_async(xring.index(2 * j), x_ptr + itj * 128 + xoff, mask=xmask)
+            cp_async(xring.index(2 * j + 1), x_ptr + itj * 128 + 64 + xoff,
+                                                          mask=xmask)
+            cp_commit()
+
+        ones = gl.full([64, 16], 1.0, gl.bfloat16, dot_a)
+        zacc = gl.zeros([64, NTOK], gl.float32, mma)
+        acc0 = zacc
+        acc1 = zacc
+        acc2 = zacc
+        acc3 = zacc
+        for i in range(nit):
+            it = it0 + i
+            sb = ((it // GSI) * NB + nb0) * 64 + soff
+            s0 = gl.load(s_ptr + sb).to(gl.float32)
+            s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
+            s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
+            s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
+            z0 = gl.load(z_ptr + sb).to(gl.float32)
+            z1 = gl.load(z_ptr + sb + 2).to(gl.float32)
+            z2 = gl.load(z_ptr + sb + 4).to(gl.float32)
+            z3 = gl.load(z_ptr + sb + 6).to(gl.float32)
+            cp_wait(STAGES - 2)   # this thread's copies of iteration i landed
+            bar()                                      # everyone's; and iteration i - 1's slot is no longer read
+            jn = i + STAGES - 1
+            sn = jn % STAGES
+            itn = gl.minimum(it0 + jn, last)
+            cp_async(wring.index(sn), q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            cp_async(xring.index(2 * sn), x_ptr + itn * 128 + xoff, mask=xmask)
+            cp_async(xring.index(2 * sn + 1), x_ptr + itn * 128 + 64 + xoff,
+                                                          mask=xmask)
+            cp_commit()
+            hopper.fence_async_shared()
+            sc = i % STAGES
+            st = steps8(wring.index(sc).load(wl))
+            g0, g1, g2, g3, gx = k_steps(st, xring.index(2 * sc), xring.index(2 * sc + 1), ones, zacc, dot_a, PIPE)
+            acc0 = acc0 + s0[:, None] * g0 - (s0 * (128.0 + z0))[:, None] * gx
+            acc1 = acc1 + s1[:, None] * g1 - (s1 * (128.0 + z1))[:, None] * gx
+            acc2 = acc2 + s2[:, None] * g2 - (s2 * (128.0 + z2))[:, None] * gx
+            acc3 = acc3 + s3[:, None] * g3 - (s3 * (128.0 + z3))[:, None] * gx
+        cp_wait(0)
+        store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK, mma, PARTIAL)
+
+    return {"wg_raw": wg_raw_kernel, "wg_ring": wg_ring_kernel}
 
 
 def applies(k: int, n: int, m: int, gs: int) -> bool:
@@ -239,7 +378,7 @@ def applies(k: int, n: int, m: int, gs: int) -> bool:
 def plan(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     """NTOK, the split count and the iterations (128 K) a split."""
     iters = k // 128
-    want = max(1, round(cfg["waves"] * 2 * sms / (n // 256)))
+    want = max(1, round(cfg["waves"] * cfg["per_sm"] * sms / (n // 256)))
     its = -(-iters // min(want, iters))
     return {"NTOK": 8 if m <= 8 else 16, "ITS": its, "SPLIT": -(-iters // its)}
 
@@ -297,26 +436,27 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     gsi = (k if gs == -1 else gs) // 128
-    _KERN["wg_raw"][(n // 256, split)](lay["qweight"], lay["scales"], lay["zeros"], x, out, part, m, n, k, kb, nb,
-                                       gsi, c["ITS"], NTOK=c["NTOK"], PARTIAL=split > 1, PIPE=cfg["PIPE"],
-                                       num_warps=4)
+    extra = {"STAGES": cfg["STAGES"]} if cfg["kernel"] == "ring" else {}
+    _KERN["wg_" + cfg["kernel"]][(n // 256, split)](
+        lay["qweight"], lay["scales"], lay["zeros"], x, out, part, m, n, k, kb, nb, gsi, c["ITS"], NTOK=c["NTOK"],
+        PARTIAL=split > 1, PIPE=cfg["PIPE"], num_warps=4, **extra)
     if split > 1:
         import w4a16_proto
         w4a16_proto.reduce_splits(part, out, m, n, split)
     return out
 
 
-def sass(ntok: int = 16, pipe: bool = False) -> dict:
-    """Compile the kernel for sm_90 here (no GPU) and return its cubin's SASS text and register count."""
+def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 4) -> dict:
+    """Compile a kernel for sm_90 here (no GPU) and return its cubin's SASS text, registers, local and shared bytes."""
     import subprocess
     import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _kernels()["wg_raw"]
+    fn = _kernels()["wg_" + kernel]
     types = ["*i32", "*fp16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7
-    consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe}
+    consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe, **({"STAGES": stages} if kernel == "ring" else {})}
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     attrs.update({(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("N", "K", "KB")})
@@ -330,18 +470,19 @@ def sass(ntok: int = 16, pipe: bool = False) -> dict:
         text = subprocess.run([str(tool), "-sass", str(p)], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([str(tool), "-res-usage", str(p)], capture_output=True, text=True, check=True).stdout
     regs = int(res.split("REG:")[1].split()[0])
-    return {"sass": text, "regs": regs, "local": int(res.split("LOCAL:")[1].split()[0])}
+    return {"sass": text, "regs": regs, "local": int(res.split("LOCAL:")[1].split()[0]),
+            "shared": kern.metadata.shared}
 
 
 def _sass_summary(argv) -> None:
     import collections
     import re
-    for ntok in (8, 16):
-        for pipe in (False, True):
-            r = sass(ntok, pipe)
+    for name, cfg in CONFIGS.items():
+        for ntok in (8, 16):
+            r = sass(ntok, cfg["PIPE"], cfg["kernel"], cfg.get("STAGES", 4))
             ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", r["sass"], re.M))
-            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(12))
-            print(f"NTOK {ntok} PIPE {int(pipe)}: {r['regs']} registers, {r['local']} B local; {top}")
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(10))
+            print(f"{name} NTOK {ntok}: {r['regs']} registers, {r['local']} B local, {r['shared']} B shared; {top}")
 
 
 def main(argv=None):

@@ -49,7 +49,7 @@ def test_plan_and_bounds():
     c = tg.plan(tg.CONFIGS["g1"], 4, 28672, 8192, 132)                    # 112 tiles, 264 slots
     assert c["NTOK"] == 8 and c["SPLIT"] * c["ITS"] >= 64 and (c["SPLIT"] - 1) * c["ITS"] < 64
     assert c["SPLIT"] * 112 <= 2 * 264
-    assert tg.plan(tg.CONFIGS["g2"], 16, 4096, 4096, 132)["NTOK"] == 16
+    assert tg.plan(tg.CONFIGS["r3"], 16, 4096, 4096, 132)["NTOK"] == 16
     assert tg.applies(4096, 4096, 16, 128) and tg.applies(4096, 4096, 1, -1)
     assert not tg.applies(4096, 4096, 17, 128) and not tg.applies(4096, 4160, 1, 128)
     assert not tg.applies(4096, 4096, 1, 64)
@@ -59,20 +59,88 @@ def test_plan_and_bounds():
 
 
 def test_sm90_compile_keeps_the_weights_in_registers():
-    """Compiled here for sm_90 (no GPU), every form: 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
-    operand from registers; no shared-memory load at all (the only shared stores are the two activation sub-tiles);
-    the weights arrive by 16-byte loads; no local memory; at most 255 registers (two CTAs an SM)."""
+    """Compiled here for sm_90 (no GPU), both kernels: 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
+    operand from registers; no local memory; at most 255 registers. The register-prefetch kernel reads no shared
+    memory at all (its only shared stores are the two activation sub-tiles) and loads the words 16 bytes at a time; the
+    ring kernel copies words and activations by 16-byte cp.async and reads the words back with 8 16-byte shared loads
+    an iteration (no other shared load, no shared store). PIPE keeps a K step's five wgmmas in flight."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _, tg = _mods()
-    for ntok in (8, 16):
-        for pipe in (False, True):
-            r = tg.sass(ntok, pipe)
-            s = r["sass"]
-            hg = re.findall(r"HGMMA\.64x%dx16\.F32\.BF16 (R\d+|RZ), (\S+), gdesc" % ntok, s)
-            assert len(hg) == 40 and all(a.startswith("R") for _, a in hg), (ntok, pipe, hg[:3])
-            assert not re.search(r"\b(LDS|LDSM)\b", s), (ntok, pipe)
-            assert len(re.findall(r"\bSTS(\.\d+)?\b", s)) == 2, (ntok, pipe)
-            assert len(re.findall(r"LDG\.E\.128", s)) >= 16, (ntok, pipe)   # 8 a thread and iteration, + prologue
-            assert r["local"] == 0 and r["regs"] <= 255, (ntok, pipe, r["regs"])
-            waits = re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", s)
-            assert (waits.count("0x5") == 8) == pipe, (ntok, pipe, waits)
+    for kernel, ntok, pipe, stages in (("raw", 8, False, 0), ("raw", 16, True, 0), ("ring", 16, False, 4),
+                                       ("ring", 8, True, 3)):
+        r = tg.sass(ntok, pipe, kernel, stages)
+        s, what = r["sass"], (kernel, ntok, pipe, stages)
+        hg = re.findall(r"HGMMA\.64x%dx16\.F32\.BF16 (R\d+|RZ), (\S+), gdesc" % ntok, s)
+        assert len(hg) == 40 and all(a.startswith("R") for _, a in hg), (what, hg[:3])
+        assert r["local"] == 0 and r["regs"] <= 255, (what, r["regs"])
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", s)
+        assert (waits.count("0x5") == 8) == pipe and waits.count("0x0") == (1 if pipe else 8), (what, waits)
+        if kernel == "raw":
+            assert not re.search(r"\b(LDS|LDSM)\b", s), what
+            assert len(re.findall(r"\bSTS(\.\d+)?\b", s)) == 2, what
+            assert len(re.findall(r"LDG\.E\.128", s)) >= 16, what   # 8 a thread and iteration, + the prologue
+        else:
+            assert len(re.findall(r"\bLDS\.128\b", s)) == 8 and not re.search(r"\b(LDSM|STS)\b", s), what
+            assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128", s)) >= 8 * stages, what
+            assert r["shared"] >= stages * 16384, what
+
+
+def test_the_fragment_chain_puts_each_nibble_where_the_wgmma_reads_it(interpret):
+    """The join / reshape / permute / split chain of the kernel's ``a_tiles`` and ``steps8`` (the same ops in plain
+    Triton, which share Gluon's semantics and run under the interpreter; nibbles by shifts in place of the inline PTX)
+    puts nibble i of word u, lane 4 g + t4, K step ks (pair element e: nibble i + 4) at row 16 v + 8 (i // 2) + g and
+    column 8 (i % 2) + 2 t4 + e of tile u of step ks: the fragment of the CUDA layout."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chain(q_ptr, o_ptr):
+        # q: int32 [4 v, 8 ks, 32 lanes, 4 u]; o: [8 ks, 4 u, 64, 16] int32 codes
+        i_v = tl.arange(0, 4)[:, None, None, None]
+        i_k = tl.arange(0, 8)[None, :, None, None]
+        i_l = tl.arange(0, 32)[None, None, :, None]
+        i_u = tl.arange(0, 4)[None, None, None, :]
+        w = tl.load(q_ptr + i_v * 1024 + i_k * 128 + i_l * 4 + i_u)
+        w = w.permute([0, 2, 3, 1]).reshape([4, 32, 4, 2, 2, 2])              # steps8
+        y0, y1 = tl.split(w)
+        y00, y01 = tl.split(y0)
+        y10, y11 = tl.split(y1)
+        s0, s4 = tl.split(y00)
+        s2, s6 = tl.split(y01)
+        s1, s5 = tl.split(y10)
+        s3, s7 = tl.split(y11)
+        st = (s0, s1, s2, s3, s4, s5, s6, s7)
+        r = tl.arange(0, 64)[:, None]
+        c = tl.arange(0, 16)[None, :]
+        for ks in tl.static_range(8):
+            t = st[ks]
+            n0 = tl.join(t & 0xF, (t >> 16) & 0xF)                            # raw(t, i): pair (i, i + 4)
+            n1 = tl.join((t >> 4) & 0xF, (t >> 20) & 0xF)
+            n2 = tl.join((t >> 8) & 0xF, (t >> 24) & 0xF)
+            n3 = tl.join((t >> 12) & 0xF, (t >> 28) & 0xF)
+            a = tl.join(tl.join(n0, n1), tl.join(n2, n3))                      # a_tiles
+            a = a.reshape([4, 8, 4, 2, 2, 2, 2, 2]).permute([0, 7, 1, 6, 2, 5, 3, 4]).reshape([64, 16, 2, 2])
+            x0, x1 = tl.split(a)
+            t0, t2 = tl.split(x0)
+            t1, t3 = tl.split(x1)
+            base = o_ptr + ks * 4096 + r * 16 + c
+            tl.store(base, t0)
+            tl.store(base + 1024, t1)
+            tl.store(base + 2048, t2)
+            tl.store(base + 3072, t3)
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2**31, 2**31 - 1, (4, 8, 32, 4), dtype=torch.int64, generator=g).to(torch.int32)
+    o = torch.empty(8, 4, 64, 16, dtype=torch.int32)
+    chain[(1,)](q, o)
+    qq = q.to(torch.int64) & 0xFFFFFFFF
+    v, h, gg, kj, t4, e = torch.meshgrid(*[torch.arange(n) for n in (4, 2, 8, 2, 4, 2)], indexing="ij")
+    shift = 4 * (2 * h + kj) + 16 * e                                          # nibble i = 2 h + kj, + 4 for e = 1
+    for ks in range(8):
+        for u in range(4):
+            want = (qq[v, ks, 4 * gg + t4, u] >> shift) & 0xF
+            got = o[ks, u][16 * v + 8 * h + gg, 8 * kj + 2 * t4 + e]
+            assert torch.equal(got.to(torch.int64), want), (ks, u)
+    # and every element: the tiles hold each nibble of the iteration exactly once
+    assert torch.equal(torch.sort(o.flatten().to(torch.int64))[0],
+                       torch.sort(torch.cat([(qq >> (4 * p)) & 0xF for p in range(8)]).flatten())[0])
