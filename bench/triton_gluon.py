@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 # waves x per_sm x SMs, split-K making them (offline, NTOK = 16: raw 228 / 246 registers (PIPE), two CTAs an SM; ring
 # 167 registers (207 with PIPE) and 20 KB a stage: two CTAs an SM at 4 stages, three at 3)
 CONFIGS = {
-    "g1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": False},
     "p1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": True},
     "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
     "r4p": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": True, "STAGES": 4},
@@ -122,6 +121,73 @@ def _kernels() -> dict:
         return (s0, s1, s2, s3, s4, s5, s6, s7)
 
     @gluon.jit
+    def k_steps(st, xa, xb, ones, zacc, dot_a: gl.constexpr, PIPE: gl.constexpr):
+        # one 128-K iteration's wgmmas: the raw sums g0..g3 of its 8 K steps (words st) and the activation sums gx
+        # (B: the two 64-K activation sub-tiles xa, xb)
+        g0 = zacc
+        g1 = zacc
+        g2 = zacc
+        g3 = zacc
+        gx = zacc
+        for ks in gl.static_range(8):
+            t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
+            if ks < 4:
+                b = xa.slice(16 * ks, 16, dim=1).permute([1, 0])
+            else:
+                b = xb.slice(16 * (ks - 4), 16, dim=1).permute([1, 0])
+            g0 = hopper.warpgroup_mma(t0, b, g0, use_acc=ks > 0, is_async=True)
+            g1 = hopper.warpgroup_mma(t1, b, g1, use_acc=ks > 0, is_async=True)
+            g2 = hopper.warpgroup_mma(t2, b, g2, use_acc=ks > 0, is_async=True)
+            g3 = hopper.warpgroup_mma(t3, b, g3, use_acc=ks > 0, is_async=True)
+            gx = hopper.warpgroup_mma(ones, b, gx, use_acc=ks > 0, is_async=True)
+            if PIPE:
+                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=5, deps=(g0, g1, g2, g3, gx))
+            else:
+                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+        if PIPE:
+            g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
+        return g0, g1, g2, g3, gx
+
+    @gluon.jit
+    def group_sz(s_ptr, z_ptr, sb):
+        # the iteration's group: wgmma u's row scales s_u and -s_u (128 + z_u) (rows as ``soff``: sb = its base)
+        s0 = gl.load(s_ptr + sb).to(gl.float32)
+        s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
+        s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
+        s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
+        n0 = -s0 * (128.0 + gl.load(z_ptr + sb).to(gl.float32))
+        n1 = -s1 * (128.0 + gl.load(z_ptr + sb + 2).to(gl.float32))
+        n2 = -s2 * (128.0 + gl.load(z_ptr + sb + 4).to(gl.float32))
+        n3 = -s3 * (128.0 + gl.load(z_ptr + sb + 6).to(gl.float32))
+        return s0, s1, s2, s3, n0, n1, n2, n3
+
+    @gluon.jit
+    def fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz):
+        # acc_u += s_u g_u - s_u (128 + z_u) gx: the raw sums of one 128-K iteration, in fp32
+        s0, s1, s2, s3, n0, n1, n2, n3 = sz
+        return (acc0 + s0[:, None] * g0 + n0[:, None] * gx, acc1 + s1[:, None] * g1 + n1[:, None] * gx,
+                acc2 + s2[:, None] * g2 + n2[:, None] * gx, acc3 + s3[:, None] * g3 + n3[:, None] * gx)
+
+    @gluon.jit
+    def store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK: gl.constexpr,
+                   mma: gl.constexpr, PARTIAL: gl.constexpr):
+        feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
+        tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
+        omask = (tok[None, :] < M) & (feat[:, None] < N)
+        if PARTIAL:
+            pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
+            gl.store(pb, acc0, mask=omask)
+            gl.store(pb + 16, acc1, mask=omask)
+            gl.store(pb + 32, acc2, mask=omask)
+            gl.store(pb + 48, acc3, mask=omask)
+        else:
+            yb = y_ptr + tok[None, :] * N + feat[:, None]
+            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
+            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
+
+    @gluon.jit
     def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
                       NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr):
         pid_n = gl.program_id(0)
@@ -176,14 +242,7 @@ def _kernels() -> dict:
             xa_n = gl.load(x_ptr + itn * 128 + xoff, mask=xmask, other=0.0)
             xb_n = gl.load(x_ptr + itn * 128 + 64 + xoff, mask=xmask, other=0.0)
             sb = ((it // GSI) * NB + nb0) * 64 + soff
-            s0 = gl.load(s_ptr + sb).to(gl.float32)
-            s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
-            s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
-            s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
-            z0 = gl.load(z_ptr + sb).to(gl.float32)
-            z1 = gl.load(z_ptr + sb + 2).to(gl.float32)
-            z2 = gl.load(z_ptr + sb + 4).to(gl.float32)
-            z3 = gl.load(z_ptr + sb + 6).to(gl.float32)
+            sz = group_sz(s_ptr, z_ptr, sb)
 
             bar()  # every wgmma of the last iteration read the tile (each waited for its own)
             xs0.store(xa_c)
@@ -191,96 +250,10 @@ def _kernels() -> dict:
             hopper.fence_async_shared()
             bar()
 
-            st = steps8(w_c)
-            g0 = zacc
-            g1 = zacc
-            g2 = zacc
-            g3 = zacc
-            gx = zacc
-            for ks in gl.static_range(8):
-                t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
-                if ks < 4:
-                    b = xs0.slice(16 * ks, 16, dim=1).permute([1, 0])
-                else:
-                    b = xs1.slice(16 * (ks - 4), 16, dim=1).permute([1, 0])
-                g0 = hopper.warpgroup_mma(t0, b, g0, use_acc=ks > 0, is_async=True)
-                g1 = hopper.warpgroup_mma(t1, b, g1, use_acc=ks > 0, is_async=True)
-                g2 = hopper.warpgroup_mma(t2, b, g2, use_acc=ks > 0, is_async=True)
-                g3 = hopper.warpgroup_mma(t3, b, g3, use_acc=ks > 0, is_async=True)
-                gx = hopper.warpgroup_mma(ones, b, gx, use_acc=ks > 0, is_async=True)
-                if PIPE:
-                    g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=5, deps=(g0, g1, g2, g3, gx))
-                else:
-                    g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
-            if PIPE:
-                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
-            acc0 = acc0 + s0[:, None] * g0 - (s0 * (128.0 + z0))[:, None] * gx
-            acc1 = acc1 + s1[:, None] * g1 - (s1 * (128.0 + z1))[:, None] * gx
-            acc2 = acc2 + s2[:, None] * g2 - (s2 * (128.0 + z2))[:, None] * gx
-            acc3 = acc3 + s3[:, None] * g3 - (s3 * (128.0 + z3))[:, None] * gx
+            g0, g1, g2, g3, gx = k_steps(steps8(w_c), xs0, xs1, ones, zacc, dot_a, PIPE)
+            acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
 
-        feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
-        tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
-        omask = (tok[None, :] < M) & (feat[:, None] < N)
-        if PARTIAL:
-            pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
-            gl.store(pb, acc0, mask=omask)
-            gl.store(pb + 16, acc1, mask=omask)
-            gl.store(pb + 32, acc2, mask=omask)
-            gl.store(pb + 48, acc3, mask=omask)
-        else:
-            yb = y_ptr + tok[None, :] * N + feat[:, None]
-            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
-
-    @gluon.jit
-    def k_steps(st, xa, xb, ones, zacc, dot_a: gl.constexpr, PIPE: gl.constexpr):
-        # one 128-K iteration's wgmmas: the raw sums g0..g3 of its 8 K steps (words st) and the activation sums gx
-        # (B: the two 64-K activation sub-tiles xa, xb)
-        g0 = zacc
-        g1 = zacc
-        g2 = zacc
-        g3 = zacc
-        gx = zacc
-        for ks in gl.static_range(8):
-            t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
-            if ks < 4:
-                b = xa.slice(16 * ks, 16, dim=1).permute([1, 0])
-            else:
-                b = xb.slice(16 * (ks - 4), 16, dim=1).permute([1, 0])
-            g0 = hopper.warpgroup_mma(t0, b, g0, use_acc=ks > 0, is_async=True)
-            g1 = hopper.warpgroup_mma(t1, b, g1, use_acc=ks > 0, is_async=True)
-            g2 = hopper.warpgroup_mma(t2, b, g2, use_acc=ks > 0, is_async=True)
-            g3 = hopper.warpgroup_mma(t3, b, g3, use_acc=ks > 0, is_async=True)
-            gx = hopper.warpgroup_mma(ones, b, gx, use_acc=ks > 0, is_async=True)
-            if PIPE:
-                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=5, deps=(g0, g1, g2, g3, gx))
-            else:
-                g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
-        if PIPE:
-            g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
-        return g0, g1, g2, g3, gx
-
-    @gluon.jit
-    def store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK: gl.constexpr,
-                   mma: gl.constexpr, PARTIAL: gl.constexpr):
-        feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
-        tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
-        omask = (tok[None, :] < M) & (feat[:, None] < N)
-        if PARTIAL:
-            pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
-            gl.store(pb, acc0, mask=omask)
-            gl.store(pb + 16, acc1, mask=omask)
-            gl.store(pb + 32, acc2, mask=omask)
-            gl.store(pb + 48, acc3, mask=omask)
-        else:
-            yb = y_ptr + tok[None, :] * N + feat[:, None]
-            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
+        store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK, mma, PARTIAL)
 
     @gluon.jit
     def wg_ring_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
@@ -339,14 +312,7 @@ def _kernels() -> dict:
         for i in range(nit):
             it = it0 + i
             sb = ((it // GSI) * NB + nb0) * 64 + soff
-            s0 = gl.load(s_ptr + sb).to(gl.float32)
-            s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
-            s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
-            s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
-            z0 = gl.load(z_ptr + sb).to(gl.float32)
-            z1 = gl.load(z_ptr + sb + 2).to(gl.float32)
-            z2 = gl.load(z_ptr + sb + 4).to(gl.float32)
-            z3 = gl.load(z_ptr + sb + 6).to(gl.float32)
+            sz = group_sz(s_ptr, z_ptr, sb)
             cp_wait(STAGES - 2)   # this thread's copies of iteration i landed
             bar()                                      # everyone's; and iteration i - 1's slot is no longer read
             jn = i + STAGES - 1
@@ -361,10 +327,7 @@ def _kernels() -> dict:
             sc = i % STAGES
             st = steps8(wring.index(sc).load(wl))
             g0, g1, g2, g3, gx = k_steps(st, xring.index(2 * sc), xring.index(2 * sc + 1), ones, zacc, dot_a, PIPE)
-            acc0 = acc0 + s0[:, None] * g0 - (s0 * (128.0 + z0))[:, None] * gx
-            acc1 = acc1 + s1[:, None] * g1 - (s1 * (128.0 + z1))[:, None] * gx
-            acc2 = acc2 + s2[:, None] * g2 - (s2 * (128.0 + z2))[:, None] * gx
-            acc3 = acc3 + s3[:, None] * g3 - (s3 * (128.0 + z3))[:, None] * gx
+            acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
         cp_wait(0)
         store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK, mma, PARTIAL)
 

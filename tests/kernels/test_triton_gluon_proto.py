@@ -46,7 +46,7 @@ def test_emulation_matches_the_reference(k, n, gs, sym, m):
 
 def test_plan_and_bounds():
     _, tg = _mods()
-    c = tg.plan(tg.CONFIGS["g1"], 4, 28672, 8192, 132)                    # 112 tiles, 264 slots
+    c = tg.plan(tg.CONFIGS["p1"], 4, 28672, 8192, 132)                    # 112 tiles, 264 slots
     assert c["NTOK"] == 8 and c["SPLIT"] * c["ITS"] >= 64 and (c["SPLIT"] - 1) * c["ITS"] < 64
     assert c["SPLIT"] * 112 <= 2 * 264
     assert tg.plan(tg.CONFIGS["r3"], 16, 4096, 4096, 132)["NTOK"] == 16
@@ -55,7 +55,7 @@ def test_plan_and_bounds():
     assert not tg.applies(4096, 4096, 1, 64)
     x = torch.randn(17, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="M=17"):
-        tg.run(x, {"qweight": torch.zeros(4, 16, 32, 4, dtype=torch.int32)}, 128, tg.CONFIGS["g1"], 132)
+        tg.run(x, {"qweight": torch.zeros(4, 16, 32, 4, dtype=torch.int32)}, 128, tg.CONFIGS["p1"], 132)
 
 
 def test_sm90_compile_keeps_the_weights_in_registers():
