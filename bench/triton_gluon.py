@@ -27,8 +27,8 @@ codes into a group set ``g_u``, and a fifth wgmma with an all-ones A summing the
 acc_u += s * g_u - s * (128 + z) * gx. The next iteration's weights and activations are loaded into registers while
 this one computes; the activations go through one shared-memory tile (the wgmma B operand). NTOK = 8 (M <= 8) or 16.
 PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
-waits for its own. Partial sums: ``w4a16_proto.reduce_splits`` (fixed order). bf16 activations, groups a multiple of
-128 or per channel, no act-order, N % 256 == 0, K % 128 == 0.
+waits for its own. Partial sums: ``w4a16_proto.reduce_splits`` (fixed order). bf16 or fp16 activations (magic 128 /
+1024; the device run times bf16), groups a multiple of 128 or per channel, no act-order, N % 256 == 0, K % 128 == 0.
 
 Timing: ``w4a16_proto``'s (bench/gemm.py's method); every timed config is first checked against x @ W.T in fp32.
 Written against Triton 3.6 (the device) and compiled offline with 3.6 and 3.9 (this machine's; the CI test).
@@ -59,8 +59,9 @@ DRY_MS = (1, 2, 3, 16)
 _KERN: dict = {}
 
 
-def _kernels() -> dict:
-    """The Gluon kernel (built on first use: importing this module needs no Gluon)."""
+def _kernels(f16: bool = False) -> dict:
+    """The Gluon kernels for bf16 (magic 128) or fp16 (magic 1024) activations, built on first use: importing this
+    module needs no Gluon."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
@@ -70,24 +71,26 @@ def _kernels() -> dict:
     cp_async = acp.async_load if hasattr(acp, "async_load") else acp.async_copy_global_to_shared
     cp_commit, cp_wait = acp.commit_group, acp.wait_group
     # nibble i of a word -> the bf16 pair (128 + nibble i, 128 + nibble i + 4) as two 16-bit outputs
-    rawi = "{ .reg .b32 t; shr.b32 t, $2, %d; lop3.b32 t, t, 0x000f000f, 0x43004300, 0xea; mov.b32 {$0, $1}, t; }"
-    asm = [gl.constexpr(rawi % (4 * i)) for i in range(4)]
+    rawi = "{ .reg .b32 t; shr.b32 t, $2, %d; lop3.b32 t, t, 0x000f000f, %s, 0xea; mov.b32 {$0, $1}, t; }"
+    asm = [gl.constexpr(rawi % (4 * i, "0x64006400" if f16 else "0x43004300")) for i in range(4)]
+    DT = gl.float16 if f16 else gl.bfloat16
+    MAGIC = gl.constexpr(1024.0 if f16 else 128.0)
     a0, a1, a2, a3 = asm
 
     @gluon.jit
     def raw(w, I: gl.constexpr):
         # int32 words -> their bf16 pairs of nibble I, joined along a new last axis (e)
         if I == 0:
-            lo, hi = gl.inline_asm_elementwise(a0, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+            lo, hi = gl.inline_asm_elementwise(a0, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
                                                pack=1)
         elif I == 1:
-            lo, hi = gl.inline_asm_elementwise(a1, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+            lo, hi = gl.inline_asm_elementwise(a1, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
                                                pack=1)
         elif I == 2:
-            lo, hi = gl.inline_asm_elementwise(a2, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+            lo, hi = gl.inline_asm_elementwise(a2, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
                                                pack=1)
         else:
-            lo, hi = gl.inline_asm_elementwise(a3, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+            lo, hi = gl.inline_asm_elementwise(a3, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
                                                pack=1)
         return gl.join(lo, hi)
 
@@ -155,10 +158,10 @@ def _kernels() -> dict:
         s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
         s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
         s3 = gl.load(s_ptr + sb + 6).to(gl.float32)
-        n0 = -s0 * (128.0 + gl.load(z_ptr + sb).to(gl.float32))
-        n1 = -s1 * (128.0 + gl.load(z_ptr + sb + 2).to(gl.float32))
-        n2 = -s2 * (128.0 + gl.load(z_ptr + sb + 4).to(gl.float32))
-        n3 = -s3 * (128.0 + gl.load(z_ptr + sb + 6).to(gl.float32))
+        n0 = -s0 * (MAGIC + gl.load(z_ptr + sb).to(gl.float32))
+        n1 = -s1 * (MAGIC + gl.load(z_ptr + sb + 2).to(gl.float32))
+        n2 = -s2 * (MAGIC + gl.load(z_ptr + sb + 4).to(gl.float32))
+        n3 = -s3 * (MAGIC + gl.load(z_ptr + sb + 6).to(gl.float32))
         return s0, s1, s2, s3, n0, n1, n2, n3
 
     @gluon.jit
@@ -182,10 +185,10 @@ def _kernels() -> dict:
             gl.store(pb + 48, acc3, mask=omask)
         else:
             yb = y_ptr + tok[None, :] * N + feat[:, None]
-            gl.store(yb, acc0.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 16, acc1.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 32, acc2.to(gl.bfloat16), mask=omask)
-            gl.store(yb + 48, acc3.to(gl.bfloat16), mask=omask)
+            gl.store(yb, acc0.to(DT), mask=omask)
+            gl.store(yb + 16, acc1.to(DT), mask=omask)
+            gl.store(yb + 32, acc2.to(DT), mask=omask)
+            gl.store(yb + 48, acc3.to(DT), mask=omask)
 
     @gluon.jit
     def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
@@ -205,8 +208,8 @@ def _kernels() -> dict:
                                             warps_per_cta=[4, 1], order=[1, 0])
         xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        xs0 = gl.allocate_shared_memory(gl.bfloat16, [NTOK, 64], xs_l)
-        xs1 = gl.allocate_shared_memory(gl.bfloat16, [NTOK, 64], xs_l)
+        xs0 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
+        xs1 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
 
         # the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0
         i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
@@ -223,7 +226,7 @@ def _kernels() -> dict:
         r = gl.arange(0, 64, layout=row_l)
         soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
 
-        ones = gl.full([64, 16], 1.0, gl.bfloat16, dot_a)
+        ones = gl.full([64, 16], 1.0, DT, dot_a)
         zacc = gl.zeros([64, NTOK], gl.float32, mma)
         acc0 = zacc
         acc1 = zacc
@@ -279,7 +282,7 @@ def _kernels() -> dict:
         xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
-        xring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, NTOK, 64], xs_l)
+        xring = gl.allocate_shared_memory(DT, [2 * STAGES, NTOK, 64], xs_l)
 
         i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
         i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
@@ -303,7 +306,7 @@ def _kernels() -> dict:
                                                           mask=xmask)
             cp_commit()
 
-        ones = gl.full([64, 16], 1.0, gl.bfloat16, dot_a)
+        ones = gl.full([64, 16], 1.0, DT, dot_a)
         zacc = gl.zeros([64, NTOK], gl.float32, mma)
         acc0 = zacc
         acc1 = zacc
@@ -391,16 +394,17 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     c = plan(cfg, m, n, k, sms)
     if x.device.type == "cpu":
         return emulate(x, lay, gs, c["ITS"])
-    if x.dtype != torch.bfloat16:
-        raise ValueError("triton_gluon: bf16 activations only")
-    if "wg_raw" not in _KERN:
-        _KERN.update(_kernels())
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError("triton_gluon: bf16 or fp16 activations")
+    f16 = x.dtype == torch.float16
+    if f16 not in _KERN:
+        _KERN[f16] = _kernels(f16)
     split = c["SPLIT"]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     gsi = (k if gs == -1 else gs) // 128
     extra = {"STAGES": cfg["STAGES"]} if cfg["kernel"] == "ring" else {}
-    _KERN["wg_" + cfg["kernel"]][(n // 256, split)](
+    _KERN[f16]["wg_" + cfg["kernel"]][(n // 256, split)](
         lay["qweight"], lay["scales"], lay["zeros"], x, out, part, m, n, k, kb, nb, gsi, c["ITS"], NTOK=c["NTOK"],
         PARTIAL=split > 1, PIPE=cfg["PIPE"], num_warps=4, **extra)
     if split > 1:
@@ -409,7 +413,7 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     return out
 
 
-def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 4) -> dict:
+def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 4, f16: bool = False) -> dict:
     """Compile a kernel for sm_90 here (no GPU) and return its cubin's SASS text, registers, local and shared bytes."""
     import subprocess
     import tempfile
@@ -417,8 +421,9 @@ def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _kernels()["wg_" + kernel]
-    types = ["*i32", "*fp16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7
+    fn = _kernels(f16)["wg_" + kernel]
+    dt = "*fp16" if f16 else "*bf16"
+    types = ["*i32", "*fp16", dt, dt, dt, "*fp32"] + ["i32"] * 7
     consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe, **({"STAGES": stages} if kernel == "ring" else {})}
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}

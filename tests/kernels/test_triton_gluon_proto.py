@@ -59,18 +59,20 @@ def test_plan_and_bounds():
 
 
 def test_sm90_compile_keeps_the_weights_in_registers():
-    """Compiled here for sm_90 (no GPU), both kernels: 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
+    """Compiled here for sm_90 (no GPU), both kernels (bf16, and one fp16 form): 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
     operand from registers; no local memory; at most 255 registers. The register-prefetch kernel reads no shared
     memory at all (its only shared stores are the two activation sub-tiles) and loads the words 16 bytes at a time; the
     ring kernel copies words and activations by 16-byte cp.async and reads the words back with 8 16-byte shared loads
     an iteration (no other shared load, no shared store). PIPE keeps a K step's five wgmmas in flight."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _, tg = _mods()
-    for kernel, ntok, pipe, stages in (("raw", 8, False, 0), ("raw", 16, True, 0), ("ring", 16, False, 4),
-                                       ("ring", 8, True, 3)):
-        r = tg.sass(ntok, pipe, kernel, stages)
-        s, what = r["sass"], (kernel, ntok, pipe, stages)
-        hg = re.findall(r"HGMMA\.64x%dx16\.F32\.BF16 (R\d+|RZ), (\S+), gdesc" % ntok, s)
+    for kernel, ntok, pipe, stages, f16 in (("raw", 8, False, 0, False), ("raw", 16, True, 0, False),
+                                            ("ring", 16, False, 4, False), ("ring", 8, True, 3, False),
+                                            ("ring", 16, False, 3, True)):
+        r = tg.sass(ntok, pipe, kernel, stages, f16)
+        s, what = r["sass"], (kernel, ntok, pipe, stages, f16)
+        assert ("0x64006400" if f16 else "0x43004300") in s, what          # the magic: 1024 + c / 128 + c
+        hg = re.findall(r"HGMMA\.64x%dx16\.F32%s (R\d+|RZ), (\S+), gdesc" % (ntok, "" if f16 else r"\.BF16"), s)
         assert len(hg) == 40 and all(a.startswith("R") for _, a in hg), (what, hg[:3])
         assert r["local"] == 0 and r["regs"] <= 255, (what, r["regs"])
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", s)
