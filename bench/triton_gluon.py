@@ -152,6 +152,25 @@ def _kernels(f16: bool = False) -> dict:
         return g0, g1, g2, g3, gx
 
     @gluon.jit
+    def offsets(K, KB, M, NTOK: gl.constexpr, wl: gl.constexpr, xl: gl.constexpr, row_l: gl.constexpr):
+        # woff: the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0;
+        # xoff / xmask: a 64-K activation sub-tile [NTOK, 64]; r, soff: wgmma u's row r = 16 v + 8 h + g is feature
+        # 64 (nb0 + v) + 16 u + 8 h + g, whose scale is scales[grp, nb0 + v, g, 2 u + h]
+        i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
+        i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
+        i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
+        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
+                + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
+        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
+        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
+        xoff = xr[:, None] * K + xc[None, :]
+        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
+        r = gl.arange(0, 64, layout=row_l)
+        soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
+        return woff, xoff, xmask, r, soff
+
+    @gluon.jit
     def group_sz(s_ptr, z_ptr, sb):
         # the iteration's group: wgmma u's row scales s_u and -s_u (128 + z_u) (rows as ``soff``: sb = its base)
         s0 = gl.load(s_ptr + sb).to(gl.float32)
@@ -211,20 +230,7 @@ def _kernels(f16: bool = False) -> dict:
         xs0 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
         xs1 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
 
-        # the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0
-        i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
-        i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
-        i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
-        i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
-        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
-                + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
-        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
-        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
-        xoff = xr[:, None] * K + xc[None, :]
-        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
-        # wgmma u's row r = 16 v + 8 h + g is feature 64 (nb0 + v) + 16 u + 8 h + g: scales[grp, nb0 + v, g, 2 u + h]
-        r = gl.arange(0, 64, layout=row_l)
-        soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
+        woff, xoff, xmask, r, soff = offsets(K, KB, M, NTOK, wl, xl, row_l)
 
         ones = gl.full([64, 16], 1.0, DT, dot_a)
         zacc = gl.zeros([64, NTOK], gl.float32, mma)
@@ -284,18 +290,7 @@ def _kernels(f16: bool = False) -> dict:
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
         xring = gl.allocate_shared_memory(DT, [2 * STAGES, NTOK, 64], xs_l)
 
-        i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
-        i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
-        i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
-        i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
-        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
-                + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
-        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
-        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
-        xoff = xr[:, None] * K + xc[None, :]
-        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
-        r = gl.arange(0, 64, layout=row_l)
-        soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
+        woff, xoff, xmask, r, soff = offsets(K, KB, M, NTOK, wl, xl, row_l)
 
         # prologue: iterations 0 .. STAGES - 2 (clamped to the last: every iteration commits one group)
         for j in gl.static_range(STAGES - 1):
