@@ -4,8 +4,8 @@
 # time limit and is skipped when too little is left:
 #   gluon (~4-5 min with the CUDA extension's build): bench/triton_gluon.py at M = 1-16 on the seven shapes, every
 #      config checked against x @ W.T, then timed beside cuBLAS bf16, the shipped Triton op and the sdquant CUDA op
-#   pdl (~2.5 min): tight_pdl_call.sh's first part (the CUDA op launched as the decode runtime launches it)
-#   trig (~2 min): tight_pdl_call.sh's third part (the wgmma path's early triggers: as shipped, none, at every M)
+#   then, in the time left, tight_pdl_call.sh's parts pdl (~2.5 min: the CUDA op launched as the decode runtime
+#   launches it) and trig (~2 min: the wgmma path's early triggers as shipped, none, at every M)
 # Here:   bash bench/gluon_call.sh <full commit hash of the tree sent>   (GLUON_CALL_LIMIT_S=<s>: a shorter call)
 # Output under $OUT: gluon/triton_gluon.json, gluon.log, pdl/gemm.json, pdl.log, trig/ab_build.json, trig.log.
 set -u
@@ -13,8 +13,4 @@ CALL_NAME=gluon_call.sh CALL_COMMIT="${1:-}" CALL_LIMIT="${GLUON_CALL_LIMIT_S:-5
 . "$(dirname "$0")/call_lib.sh"
 
 part gluon 330 120 python bench/triton_gluon.py --ms 1,2,4,8,16
-part pdl 200 60 python bench/gemm.py --shapes 8192x28672,4096x28672,14336x4096,4096x4096 --ms 1,2,4,8,16 \
-  --kernels bf16,sdq_cuda,sdq_cuda_pdl,sdq_cuda_pdl_late --rounds 3
-part trig "$(left)" 120 python bench/ab_build.py --old none --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=0 \
-  --new-defines=-DSDQ_WG_EARLY_TRIGGER_MAX_M=256 --configs 62,63 --ms 12,16,32,64 --pdl 2 --rounds 3
-ls -la "$OUT"
+CALL_PARTS=pdl,trig TIGHT_PDL_LIMIT_S=$(left) bash "$(dirname "$0")/tight_pdl_call.sh" "$CALL_COMMIT"

@@ -106,6 +106,7 @@ def test_gluon_call_runs_the_prototype_first_then_the_decode_columns(tmp_path):
     assert pdl.startswith("abc123 bench/gemm.py") and "sdq_cuda_pdl,sdq_cuda_pdl_late" in pdl
     assert f"--out {out}/pdl" in pdl
     assert trig.startswith("abc123 bench/ab_build.py --old none") and "--pdl 2" in trig
+    assert "late: not asked for" in stdout and "ab: not asked for" in stdout
     # gluon needs 120 s to be worth starting, pdl 60, trig 120 (the stand-ins take no time: what is left is the limit)
     for limit, ran in ((110, ["pdl"]), (130, ["gluon", "pdl", "trig"]), (50, [])):
         d = tmp_path / str(limit)
