@@ -6,6 +6,9 @@ docs/benchmarks/pending.md, Pending 12 and 53.
     python bench/triton_gluon.py --dry      # CPU: the kernel's index arithmetic emulated in torch, checks only
     python bench/triton_gluon.py --sass     # compile for sm_90 here (no GPU) and count the loop's SASS
 
+On the GPU the sweep is preceded by ``diagnose``: every config, bf16 and fp16, on a small layer against x @ W.T, a
+wrong output summarized by which rows of the fragment and which tokens are off.
+
 Why. Issue 4 asks the Triton path for >= 75% of the CUDA op's speed at M <= 16; at M = 2-16 the shipped Triton op
 reaches 0.52-0.70 on the five larger shapes (gemm run 29). Its tensor-core kernel dequantizes a tile, stores it to
 shared memory and reads it back in the wgmma operand layout (ncu: the L1/shared pipe 77.5% busy). Plain Triton gives
@@ -448,11 +451,60 @@ def _sass_summary(argv) -> None:
             print(f"{name} NTOK {ntok}: {r['regs']} registers, {r['local']} B local, {r['shared']} B shared; {top}")
 
 
+def diagnose(sms: int, device: str = "cuda") -> list:
+    """On the GPU, before the sweep: every config and dtype on a small asymmetric layer (K 1024, N 512, group 128) at
+    M = 1 and 16, one split and the planned ones, against x @ W.T. A wrong output is summarized by where it is wrong:
+    the bad features' positions in their 64-feature block (u = f % 64 // 16, h = f % 16 // 8, g = f % 8), the bad tokens,
+    so that a layout slip can be read from one call's log."""
+    import json
+
+    import torch
+
+    import gemm
+    from sdquant.kernels import int4_layout
+    rows = []
+    qw = gemm.random_int4(512, 1024, gs=128, symmetric=False, device=torch.device(device), seed=11)
+    wf = qw.dequantize().float()
+    for dt in (torch.bfloat16, torch.float16):
+        lay = int4_layout.repack_cuda(qw, dt)
+        for m in (1, 16):
+            x = torch.randn(m, 1024, device=device, dtype=dt)
+            ref = x.float() @ wf.t()
+            for name, cfg in CONFIGS.items():
+                for one_split in (False, True):
+                    c = dict(cfg, waves=1e-9) if one_split else cfg        # waves -> 0: one split
+                    row = {"diag": name, "dtype": str(dt).split(".")[1], "M": m, "one_split": one_split}
+                    try:
+                        y = run(x, lay, 128, c, sms).float()
+                    except Exception as ex:
+                        row["fail"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        continue
+                    row["rel_err"] = ((y - ref).norm() / ref.norm()).item()
+                    col = ((y - ref).norm(dim=0) / ref.norm(dim=0).clamp_min(1e-6))      # per feature
+                    bad = torch.nonzero(col > 1e-2).flatten()
+                    if len(bad):
+                        f = bad % 64
+                        row["bad_features"] = len(bad)
+                        row["bad_u"] = torch.bincount(f // 16, minlength=4).tolist()
+                        row["bad_h"] = torch.bincount(f % 16 // 8, minlength=2).tolist()
+                        row["bad_g"] = torch.bincount(f % 8, minlength=8).tolist()
+                        tok = ((y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-6))
+                        row["bad_tokens"] = torch.nonzero(tok > 1e-2).flatten().tolist()[:16]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--sass" in argv:
         return _sass_summary(argv)
     import w4a16_proto
+    if "--dry" not in argv:
+        import torch
+        diagnose(torch.cuda.get_device_properties(0).multi_processor_count)
     from sdquant.kernels import int4_layout
     return w4a16_proto.main(argv, __doc__, "triton_gluon", CONFIGS, int4_layout.repack_cuda, run, MS, DRY_SHAPES,
                             DRY_MS, lambda cfg, k, n, m: applies(k, n, m, 128))

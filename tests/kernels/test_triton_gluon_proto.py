@@ -44,6 +44,15 @@ def test_emulation_matches_the_reference(k, n, gs, sym, m):
     assert ((tg.emulate(x, bad, gs, 1) - ref).norm() / ref.norm()).item() > 0.1
 
 
+def test_diagnose_reports_clean_rows_on_the_emulation():
+    """The device run's first step, on the CPU (``run`` emulates there): one row per config, dtype, M and split form,
+    each correct and with no bad features to summarize."""
+    _, tg = _mods()
+    rows = tg.diagnose(132, device="cpu")
+    assert len(rows) == len(tg.CONFIGS) * 2 * 2 * 2
+    assert all(r["rel_err"] < 1e-2 and "bad_features" not in r and "fail" not in r for r in rows), rows
+
+
 def test_plan_and_bounds():
     _, tg = _mods()
     c = tg.plan(tg.CONFIGS["p1"], 4, 28672, 8192, 132)                    # 112 tiles, 264 slots
