@@ -31,7 +31,8 @@ acc_u += s * g_u - s * (128 + z) * gx. The next iteration's weights and activati
 this one computes; the activations go through one shared-memory tile (the wgmma B operand). NTOK = 8 (M <= 8) or 16.
 PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
 waits for its own. Partial sums: ``w4a16_proto.reduce_splits`` (fixed order). bf16 or fp16 activations (magic 128 /
-1024; the device run times bf16), groups a multiple of 128 or per channel, no act-order, N % 256 == 0, K % 128 == 0.
+1024; the device run times bf16), groups a multiple of 128 or per channel, act-order (x's columns gathered first, as the CUDA op does), N % 256 == 0,
+K % 128 == 0.
 
 Timing: ``w4a16_proto``'s (bench/gemm.py's method); every timed config is first checked against x @ W.T in fp32.
 Written against Triton 3.6 (the device) and compiled offline with 3.6 and 3.9 (this machine's; the CI test).
@@ -390,6 +391,9 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     if not applies(k, n, m, gs):
         raise ValueError(f"triton_gluon: M={m} K={k} N={n} group {gs} is outside the prototype")
     c = plan(cfg, m, n, k, sms)
+    if lay.get("perm") is not None:       # act-order: the layout's K is permuted, so gather x's columns (as the CUDA op)
+        perm = lay["perm"]
+        x = x.index_select(1, perm.long() if x.device.type == "cpu" else perm).contiguous()
     if x.device.type == "cpu":
         return emulate(x, lay, gs, c["ITS"])
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -453,7 +457,7 @@ def _sass_summary(argv) -> None:
 
 def diagnose(sms: int, device: str = "cuda") -> list:
     """On the GPU, before the sweep: every config and dtype on a small asymmetric layer (K 1024, N 512, group 128) at
-    M = 1 and 16, one split and the planned ones, against x @ W.T. A wrong output is summarized by where it is wrong:
+    M = 1 and 16, one split and the planned ones, and an act-order layer at M = 16, against x @ W.T. A wrong output is summarized by where it is wrong:
     the bad features' positions in their 64-feature block (u = f % 64 // 16, h = f % 16 // 8, g = f % 8), the bad tokens,
     so that a layout slip can be read from one call's log."""
     import json
@@ -494,6 +498,15 @@ def diagnose(sms: int, device: str = "cuda") -> list:
                         row["bad_tokens"] = torch.nonzero(tok > 1e-2).flatten().tolist()[:16]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+    qa = gemm.random_int4(512, 1024, gs=128, symmetric=False, act_order=True, device=torch.device(device), seed=12)
+    lay = int4_layout.repack_cuda(qa, torch.bfloat16)
+    x = torch.randn(16, 1024, device=device, dtype=torch.bfloat16)
+    ref = x.float() @ qa.dequantize().float().t()
+    for name, cfg in CONFIGS.items():
+        y = run(x, lay, 128, cfg, sms).float()
+        rows.append({"diag": name, "dtype": "bfloat16", "M": 16, "act_order": True,
+                     "rel_err": ((y - ref).norm() / ref.norm()).item()})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

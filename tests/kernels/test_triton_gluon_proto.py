@@ -44,12 +44,28 @@ def test_emulation_matches_the_reference(k, n, gs, sym, m):
     assert ((tg.emulate(x, bad, gs, 1) - ref).norm() / ref.norm()).item() > 0.1
 
 
+def test_act_order_gathers_the_activations():
+    """With act-order the CUDA layout holds K permuted; ``run`` gathers x's columns by the layout's perm first (on the
+    CPU into the emulation), and the result is x @ W.T in the original order."""
+    gemm, tg = _mods()
+    from sdquant.kernels import int4_layout
+    qw = gemm.random_int4(256, 512, gs=128, symmetric=False, act_order=True, seed=21)
+    lay = int4_layout.repack_cuda(qw, torch.float16)
+    assert lay["perm"] is not None
+    x = torch.randn(5, 512, dtype=torch.float16)
+    ref = x.double() @ qw.dequantize().double().t()
+    y = tg.run(x, lay, 128, tg.CONFIGS["r3"], 4)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3
+    unperm = dict(lay, perm=None)                         # without the gather the columns meet the wrong weights
+    assert ((tg.run(x, unperm, 128, tg.CONFIGS["r3"], 4).double() - ref).norm() / ref.norm()).item() > 0.1
+
+
 def test_diagnose_reports_clean_rows_on_the_emulation():
     """The device run's first step, on the CPU (``run`` emulates there): one row per config, dtype, M and split form,
     each correct and with no bad features to summarize."""
     _, tg = _mods()
     rows = tg.diagnose(132, device="cpu")
-    assert len(rows) == len(tg.CONFIGS) * 2 * 2 * 2
+    assert len(rows) == len(tg.CONFIGS) * (2 * 2 * 2 + 1)
     assert all(r["rel_err"] < 1e-2 and "bad_features" not in r and "fail" not in r for r in rows), rows
 
 
