@@ -341,10 +341,20 @@ def applies(k: int, n: int, m: int, gs: int) -> bool:
 
 
 def plan(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
-    """NTOK, the split count and the iterations (128 K) a split."""
-    iters = k // 128
-    want = max(1, round(cfg["waves"] * cfg["per_sm"] * sms / (n // 256)))
-    its = -(-iters // min(want, iters))
+    """NTOK, the split count and the iterations (128 K) a split. The split count: cfg's "split" if set, else the one of
+    1 .. 2 x waves x per_sm x SMs / tiles whose grid fills its last wave of resident CTAs best (the fewest splits on a
+    tie): every CTA has the same work, so a part-filled last wave leaves SMs idle for a whole CTA's time."""
+    iters, tiles = k // 128, n // 256
+    if "split" in cfg:
+        its = -(-iters // min(cfg["split"], iters))
+    else:
+        slots = cfg["per_sm"] * sms
+        top = max(1, 2 * round(cfg["waves"] * slots / tiles))
+
+        def fill(its):  # how full the grid's last wave is, and the split count
+            split = -(-iters // its)
+            return (round((tiles * split / slots) / -(-tiles * split // slots), 3), -split)
+        its = max((i for i in range(1, iters + 1) if -(-iters // i) <= top), key=fill)
     return {"NTOK": 8 if m <= 8 else 16, "ITS": its, "SPLIT": -(-iters // its)}
 
 
@@ -476,7 +486,7 @@ def diagnose(sms: int, device: str = "cuda") -> list:
             ref = x.float() @ wf.t()
             for name, cfg in CONFIGS.items():
                 for one_split in (False, True):
-                    c = dict(cfg, waves=1e-9) if one_split else cfg        # waves -> 0: one split
+                    c = dict(cfg, split=1) if one_split else cfg
                     row = {"diag": name, "dtype": str(dt).split(".")[1], "M": m, "one_split": one_split}
                     try:
                         y = run(x, lay, 128, c, sms).float()

@@ -75,6 +75,11 @@ def test_plan_and_bounds():
     assert c["NTOK"] == 8 and c["SPLIT"] * c["ITS"] >= 64 and (c["SPLIT"] - 1) * c["ITS"] < 64
     assert c["SPLIT"] * 112 <= 2 * 264
     assert tg.plan(tg.CONFIGS["r3"], 16, 4096, 4096, 132)["NTOK"] == 16
+    assert tg.plan(dict(tg.CONFIGS["r3"], split=1), 16, 4096, 4096, 132)["SPLIT"] == 1
+    # the split count that fills the last wave of resident CTAs best: 16 tiles x 23 splits (5 of the 112 iterations
+    # each) is 368 of the 396 slots of 3 CTAs an SM (0.93 of a wave)
+    c = tg.plan(tg.CONFIGS["r3"], 16, 4096, 14336, 132)
+    assert (c["SPLIT"], c["ITS"]) == (23, 5)
     assert tg.applies(4096, 4096, 16, 128) and tg.applies(4096, 4096, 1, -1)
     assert not tg.applies(4096, 4096, 17, 128) and not tg.applies(4096, 4160, 1, 128)
     assert not tg.applies(4096, 4096, 1, 64)
