@@ -55,6 +55,7 @@ CONFIGS = {
     "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
     "r4p": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": True, "STAGES": 4},
     "r3": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3},
+    "r3f": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3, "FOLD": True},
 }
 MS = [1, 2, 4, 8, 16]
 DRY_SHAPES = [(256, 256, 128, True), (512, 256, 256, False), (384, 512, -1, False), (1024, 512, 128, False)]
@@ -195,27 +196,50 @@ def _kernels(f16: bool = False) -> dict:
                 acc2 + s2[:, None] * g2 + n2[:, None] * gx, acc3 + s3[:, None] * g3 + n3[:, None] * gx)
 
     @gluon.jit
-    def store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK: gl.constexpr,
-                   mma: gl.constexpr, PARTIAL: gl.constexpr):
+    def store_tile(y_ptr, part_ptr, lock_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_n, pid_s, M, N, SPLIT,
+                   NTOK: gl.constexpr, mma: gl.constexpr, PARTIAL: gl.constexpr, FOLD: gl.constexpr):
+        # one split: y itself; else the split's fp32 partial ([SPLIT, M, N]), and with FOLD the last CTA of the tile
+        # to count in on lock_ptr[pid_n] sums the partials in split order from 0.0 (the second kernel's order and
+        # start: the same bits), stores y and resets the counter (int4_triton_gemv._fold's protocol)
         feat = (nb0 + (r >> 4)) * 64 + ((r >> 3) & 1) * 8 + (r & 7)  # + 16 u
         tok = gl.arange(0, NTOK, layout=gl.SliceLayout(0, mma))
         omask = (tok[None, :] < M) & (feat[:, None] < N)
+        yb = y_ptr + tok[None, :] * N + feat[:, None]
         if PARTIAL:
             pb = part_ptr + (pid_s * M + tok[None, :]) * N + feat[:, None]
             gl.store(pb, acc0, mask=omask)
             gl.store(pb + 16, acc1, mask=omask)
             gl.store(pb + 32, acc2, mask=omask)
             gl.store(pb + 48, acc3, mask=omask)
+            if FOLD:
+                bar()
+                if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                    p0 = part_ptr + tok[None, :] * N + feat[:, None]
+                    zero = gl.zeros([64, NTOK], gl.float32, mma)
+                    t0 = zero
+                    t1 = zero
+                    t2 = zero
+                    t3 = zero
+                    for q in range(SPLIT):
+                        pq = p0 + q * M * N
+                        t0 += gl.load(pq, mask=omask, other=0.0, cache_modifier=".cg")
+                        t1 += gl.load(pq + 16, mask=omask, other=0.0, cache_modifier=".cg")
+                        t2 += gl.load(pq + 32, mask=omask, other=0.0, cache_modifier=".cg")
+                        t3 += gl.load(pq + 48, mask=omask, other=0.0, cache_modifier=".cg")
+                    gl.store(yb, t0.to(DT), mask=omask)
+                    gl.store(yb + 16, t1.to(DT), mask=omask)
+                    gl.store(yb + 32, t2.to(DT), mask=omask)
+                    gl.store(yb + 48, t3.to(DT), mask=omask)
+                    gl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
         else:
-            yb = y_ptr + tok[None, :] * N + feat[:, None]
             gl.store(yb, acc0.to(DT), mask=omask)
             gl.store(yb + 16, acc1.to(DT), mask=omask)
             gl.store(yb + 32, acc2.to(DT), mask=omask)
             gl.store(yb + 48, acc3.to(DT), mask=omask)
 
     @gluon.jit
-    def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
-                      NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr):
+    def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, KB, NB, GSI, ITS, SPLIT,
+                      NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
         nb0 = pid_n * 4
@@ -266,11 +290,13 @@ def _kernels(f16: bool = False) -> dict:
             g0, g1, g2, g3, gx = k_steps(steps8(w_c), xs0, xs1, ones, zacc, dot_a, PIPE)
             acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
 
-        store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK, mma, PARTIAL)
+        store_tile(y_ptr, part_ptr, lock_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_n, pid_s, M, N, SPLIT, NTOK, mma,
+                   PARTIAL, FOLD)
 
     @gluon.jit
-    def wg_ring_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, M, N, K, KB, NB, GSI, ITS,
-                       NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, STAGES: gl.constexpr):
+    def wg_ring_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, KB, NB, GSI, ITS, SPLIT,
+                       NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr,
+                       STAGES: gl.constexpr):
         # wg_raw_kernel's arithmetic with the CUDA kernel's pipeline: each iteration's words and activations copied
         # by cp.async into a ring of STAGES shared-memory stages, STAGES - 1 iterations ahead; the words read back
         # with 16-byte shared loads in the layout they were copied in (each thread its own 16 bytes)
@@ -331,7 +357,8 @@ def _kernels(f16: bool = False) -> dict:
             g0, g1, g2, g3, gx = k_steps(st, xring.index(2 * sc), xring.index(2 * sc + 1), ones, zacc, dot_a, PIPE)
             acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
         cp_wait(0)
-        store_tile(y_ptr, part_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_s, M, N, NTOK, mma, PARTIAL)
+        store_tile(y_ptr, part_ptr, lock_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_n, pid_s, M, N, SPLIT, NTOK, mma,
+                   PARTIAL, FOLD)
 
     return {"wg_raw": wg_raw_kernel, "wg_ring": wg_ring_kernel}
 
@@ -416,16 +443,18 @@ def run(x, lay, gs: int, cfg: dict, sms: int):
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     gsi = (k if gs == -1 else gs) // 128
     extra = {"STAGES": cfg["STAGES"]} if cfg["kernel"] == "ring" else {}
+    fold = split > 1 and bool(cfg.get("FOLD"))
     _KERN[f16]["wg_" + cfg["kernel"]][(n // 256, split)](
-        lay["qweight"], lay["scales"], lay["zeros"], x, out, part, m, n, k, kb, nb, gsi, c["ITS"], NTOK=c["NTOK"],
-        PARTIAL=split > 1, PIPE=cfg["PIPE"], num_warps=4, **extra)
-    if split > 1:
+        lay["qweight"], lay["scales"], lay["zeros"], x, out, part, lay["locks"], m, n, k, kb, nb, gsi, c["ITS"], split,
+        NTOK=c["NTOK"], PARTIAL=split > 1, PIPE=cfg["PIPE"], FOLD=fold, num_warps=4, **extra)
+    if split > 1 and not fold:
         import w4a16_proto
         w4a16_proto.reduce_splits(part, out, m, n, split)
     return out
 
 
-def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 4, f16: bool = False) -> dict:
+def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 4, f16: bool = False,
+         fold: bool = False) -> dict:
     """Compile a kernel for sm_90 here (no GPU) and return its cubin's SASS text, registers, local and shared bytes."""
     import subprocess
     import tempfile
@@ -435,10 +464,11 @@ def sass(ntok: int = 16, pipe: bool = False, kernel: str = "raw", stages: int = 
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = _kernels(f16)["wg_" + kernel]
     dt = "*fp16" if f16 else "*bf16"
-    types = ["*i32", "*fp16", dt, dt, dt, "*fp32"] + ["i32"] * 7
-    consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe, **({"STAGES": stages} if kernel == "ring" else {})}
+    types = ["*i32", "*fp16", dt, dt, dt, "*fp32", "*i32"] + ["i32"] * 8
+    consts = {"NTOK": ntok, "PARTIAL": True, "PIPE": pipe, "FOLD": fold,
+              **({"STAGES": stages} if kernel == "ring" else {})}
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts)))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     attrs.update({(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("N", "K", "KB")})
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()},
                          attrs=attrs)
@@ -459,7 +489,7 @@ def _sass_summary(argv) -> None:
     import re
     for name, cfg in CONFIGS.items():
         for ntok in (8, 16):
-            r = sass(ntok, cfg["PIPE"], cfg["kernel"], cfg.get("STAGES", 4))
+            r = sass(ntok, cfg["PIPE"], cfg["kernel"], cfg.get("STAGES", 4), fold=bool(cfg.get("FOLD")))
             ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", r["sass"], re.M))
             top = ", ".join(f"{o} {c}" for o, c in ops.most_common(10))
             print(f"{name} NTOK {ntok}: {r['regs']} registers, {r['local']} B local, {r['shared']} B shared; {top}")
@@ -496,6 +526,12 @@ def diagnose(sms: int, device: str = "cuda") -> list:
                         print(json.dumps(row), flush=True)
                         continue
                     row["rel_err"] = ((y - ref).norm() / ref.norm()).item()
+                    if cfg.get("FOLD") and not one_split:  # the counters back at zero, the bits of the second kernel's sum
+                        again = run(x, lay, 128, c, sms).float()
+                        plain = run(x, lay, 128, dict(c, FOLD=False), sms).float()
+                        row["fold_repeat_equal"] = bool(torch.equal(again, y))
+                        row["fold_equals_reduce"] = bool(torch.equal(plain, y))
+                        row["locks_zero"] = bool((lay["locks"] == 0).all().item())
                     col = ((y - ref).norm(dim=0) / ref.norm(dim=0).clamp_min(1e-6))      # per feature
                     bad = torch.nonzero(col > 1e-2).flatten()
                     if len(bad):
