@@ -495,64 +495,59 @@ def _sass_summary(argv) -> None:
             print(f"{name} NTOK {ntok}: {r['regs']} registers, {r['local']} B local, {r['shared']} B shared; {top}")
 
 
+def _where_wrong(y, ref) -> dict:
+    """A wrong output's signature: how many features are off, their positions in their 64-feature block (u = f % 64 //
+    16, h = f % 16 // 8, g = f % 8) and the tokens that are off."""
+    import torch
+    col = (y - ref).norm(dim=0) / ref.norm(dim=0).clamp_min(1e-6)
+    bad = torch.nonzero(col > 1e-2).flatten()
+    if not len(bad):
+        return {}
+    f = bad % 64
+    tok = (y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-6)
+    return {"bad_features": len(bad), "bad_u": torch.bincount(f // 16, minlength=4).tolist(),
+            "bad_h": torch.bincount(f % 16 // 8, minlength=2).tolist(),
+            "bad_g": torch.bincount(f % 8, minlength=8).tolist(),
+            "bad_tokens": torch.nonzero(tok > 1e-2).flatten().tolist()[:16]}
+
+
 def diagnose(sms: int, device: str = "cuda") -> list:
-    """On the GPU, before the sweep: every config and dtype on a small asymmetric layer (K 1024, N 512, group 128) at
-    M = 1 and 16, one split and the planned ones, and an act-order layer at M = 16, against x @ W.T. A wrong output is summarized by where it is wrong:
-    the bad features' positions in their 64-feature block (u = f % 64 // 16, h = f % 16 // 8, g = f % 8), the bad tokens,
-    so that a layout slip can be read from one call's log."""
+    """On the GPU, before the sweep, on small asymmetric layers (K 1024, N 512, group 128) against x @ W.T: every config
+    in bf16 at M = 1 and 16 (the kernels the sweep compiles anyway), r3 with one split (y stored directly), r3 in fp16,
+    every config on an act-order layer, and FOLD's bits and counters. A wrong output is summarized by where it is wrong
+    (``_where_wrong``), so that a layout slip can be read from one call's log."""
     import json
 
     import torch
 
     import gemm
     from sdquant.kernels import int4_layout
-    rows = []
-    qw = gemm.random_int4(512, 1024, gs=128, symmetric=False, device=torch.device(device), seed=11)
-    wf = qw.dequantize().float()
-    for dt in (torch.bfloat16, torch.float16):
-        lay = int4_layout.repack_cuda(qw, dt)
-        for m in (1, 16):
-            x = torch.randn(m, 1024, device=device, dtype=dt)
-            ref = x.float() @ wf.t()
-            for name, cfg in CONFIGS.items():
-                for one_split in (False, True):
-                    c = dict(cfg, split=1) if one_split else cfg
-                    row = {"diag": name, "dtype": str(dt).split(".")[1], "M": m, "one_split": one_split}
-                    try:
-                        y = run(x, lay, 128, c, sms).float()
-                    except Exception as ex:
-                        row["fail"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                        continue
-                    row["rel_err"] = ((y - ref).norm() / ref.norm()).item()
-                    if cfg.get("FOLD") and not one_split:  # the counters back at zero, the bits of the second kernel's sum
-                        again = run(x, lay, 128, c, sms).float()
-                        plain = run(x, lay, 128, dict(c, FOLD=False), sms).float()
-                        row["fold_repeat_equal"] = bool(torch.equal(again, y))
-                        row["fold_equals_reduce"] = bool(torch.equal(plain, y))
-                        row["locks_zero"] = bool((lay["locks"] == 0).all().item())
-                    col = ((y - ref).norm(dim=0) / ref.norm(dim=0).clamp_min(1e-6))      # per feature
-                    bad = torch.nonzero(col > 1e-2).flatten()
-                    if len(bad):
-                        f = bad % 64
-                        row["bad_features"] = len(bad)
-                        row["bad_u"] = torch.bincount(f // 16, minlength=4).tolist()
-                        row["bad_h"] = torch.bincount(f % 16 // 8, minlength=2).tolist()
-                        row["bad_g"] = torch.bincount(f % 8, minlength=8).tolist()
-                        tok = ((y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-6))
-                        row["bad_tokens"] = torch.nonzero(tok > 1e-2).flatten().tolist()[:16]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    qa = gemm.random_int4(512, 1024, gs=128, symmetric=False, act_order=True, device=torch.device(device), seed=12)
-    lay = int4_layout.repack_cuda(qa, torch.bfloat16)
-    x = torch.randn(16, 1024, device=device, dtype=torch.bfloat16)
-    ref = x.float() @ qa.dequantize().float().t()
-    for name, cfg in CONFIGS.items():
-        y = run(x, lay, 128, cfg, sms).float()
-        rows.append({"diag": name, "dtype": "bfloat16", "M": 16, "act_order": True,
-                     "rel_err": ((y - ref).norm() / ref.norm()).item()})
-        print(json.dumps(rows[-1]), flush=True)
+    dev = torch.device(device)
+    qw = gemm.random_int4(512, 1024, gs=128, symmetric=False, device=dev, seed=11)
+    qa = gemm.random_int4(512, 1024, gs=128, symmetric=False, act_order=True, device=dev, seed=12)
+    cases = [(name, cfg, torch.bfloat16, m, qw, "") for name, cfg in CONFIGS.items() for m in (1, 16)]
+    cases += [("r3", dict(CONFIGS["r3"], split=1), torch.bfloat16, m, qw, "one_split") for m in (1, 16)]
+    cases += [("r3", CONFIGS["r3"], torch.float16, 16, qw, "")]
+    cases += [(name, cfg, torch.bfloat16, 16, qa, "act_order") for name, cfg in CONFIGS.items()]
+    rows, lays = [], {}
+    for name, cfg, dt, m, q, what in cases:
+        lay = lays.setdefault((id(q), dt), int4_layout.repack_cuda(q, dt))
+        x = torch.randn(m, 1024, device=dev, dtype=dt)
+        ref = x.float() @ q.dequantize().float().t()
+        row = {"diag": name, "dtype": str(dt).split(".")[1], "M": m, "case": what}
+        try:
+            y = run(x, lay, 128, cfg, sms).float()
+        except Exception as ex:  # a form that does not compile or launch is a result, not a crash
+            row["fail"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        else:
+            row["rel_err"] = ((y - ref).norm() / ref.norm()).item()
+            row.update(_where_wrong(y, ref))
+            if cfg.get("FOLD") and what == "":  # the counters back at zero, the bits of the second kernel's sum
+                row["fold_repeat_equal"] = bool(torch.equal(run(x, lay, 128, cfg, sms).float(), y))
+                row["fold_equals_reduce"] = bool(torch.equal(run(x, lay, 128, dict(cfg, FOLD=False), sms).float(), y))
+                row["locks_zero"] = bool((lay["locks"] == 0).all().item())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 

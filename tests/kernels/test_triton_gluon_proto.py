@@ -65,7 +65,7 @@ def test_diagnose_reports_clean_rows_on_the_emulation():
     each correct and with no bad features to summarize."""
     _, tg = _mods()
     rows = tg.diagnose(132, device="cpu")
-    assert len(rows) == len(tg.CONFIGS) * (2 * 2 * 2 + 1)
+    assert len(rows) == len(tg.CONFIGS) * 3 + 3
     assert all(r["rel_err"] < 1e-2 and "bad_features" not in r and "fail" not in r for r in rows), rows
 
 
