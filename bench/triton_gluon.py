@@ -6,8 +6,9 @@ docs/benchmarks/pending.md, Pending 12 and 53.
     python bench/triton_gluon.py --dry      # CPU: the kernel's index arithmetic emulated in torch, checks only
     python bench/triton_gluon.py --sass     # compile for sm_90 here (no GPU) and count the loop's SASS
 
-On the GPU the sweep is preceded by ``diagnose``: every config, bf16 and fp16, on a small layer against x @ W.T, a
-wrong output summarized by which rows of the fragment and which tokens are off.
+On the GPU the sweep is preceded by ``diagnose``: every config on small layers (bf16, one form in fp16 and with one
+split, act-order, FOLD's bits and counters) against x @ W.T, a wrong output summarized by which rows of the fragment
+and which tokens are off.
 
 Why. Issue 4 asks the Triton path for >= 75% of the CUDA op's speed at M <= 16; at M = 2-16 the shipped Triton op
 reaches 0.52-0.70 on the five larger shapes (gemm run 29). Its tensor-core kernel dequantizes a tile, stores it to
@@ -23,16 +24,21 @@ i of each word into the bf16 pair (128 + c) of nibbles (i, i + 4) (a shift and a
 [64, 16] A tile, and the conversion to the wgmma register-operand layout is checked trivial at compile time. So the
 weights go global -> registers -> wgmma, with no shared memory and no bf16 tile.
 
-Kernel (``wg_raw_kernel``): the CUDA wgmma kernel's raw form (csrc/w4a16_wgmma.cuh, RAW) in Gluon. A CTA of one
-warpgroup takes 256 features (4 blocks, one a warp) and a K range (split-K over the grid's second axis); an iteration
-is 128 K (one group of 128 or a 128-K slice of a larger group): 8 K steps of 4 wgmmas m64 x NTOK x 16 on the raw
-codes into a group set ``g_u``, and a fifth wgmma with an all-ones A summing the activations into ``gx``. Then in fp32
-acc_u += s * g_u - s * (128 + z) * gx. The next iteration's weights and activations are loaded into registers while
-this one computes; the activations go through one shared-memory tile (the wgmma B operand). NTOK = 8 (M <= 8) or 16.
-PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
-waits for its own. Partial sums: ``w4a16_proto.reduce_splits`` (fixed order). bf16 or fp16 activations (magic 128 /
-1024; the device run times bf16), groups a multiple of 128 or per channel, act-order (x's columns gathered first, as the CUDA op does), N % 256 == 0,
-K % 128 == 0.
+Kernels: the CUDA wgmma kernel's raw form (csrc/w4a16_wgmma.cuh, RAW) in Gluon. A CTA of one warpgroup takes 256
+features (4 blocks, one a warp) and a K range (split-K over the grid's second axis); an iteration is 128 K (one group
+of 128 or a 128-K slice of a larger group): 8 K steps of 4 wgmmas m64 x NTOK x 16 on the raw codes into a group set
+``g_u``, and a fifth wgmma with an all-ones A summing the activations into ``gx``; then in fp32
+acc_u += s * g_u - s * (128 + z) * gx. NTOK = 8 (M <= 8) or 16.
+- ``wg_raw_kernel``: the next iteration's words and activations are loaded into registers while this one computes;
+  the activations go through one shared-memory tile (the wgmma B operand).
+- ``wg_ring_kernel``: the CUDA kernel's pipeline, a cp.async ring of STAGES stages of words and activations, the
+  words read back by 16-byte shared loads.
+- PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
+  waits for its own.
+- Split-K partials: ``w4a16_proto.reduce_splits`` (a second kernel, fixed order), or with FOLD the tile's last CTA
+  after a count-in on the layout's ``locks`` (``int4_triton_gemv._fold``'s protocol, the same bits).
+- bf16 or fp16 activations (magic 128 / 1024; the device run times bf16), groups a multiple of 128 or per channel,
+  act-order (x's columns gathered first, as the CUDA op does), N % 256 == 0, K % 128 == 0.
 
 Timing: ``w4a16_proto``'s (bench/gemm.py's method); every timed config is first checked against x @ W.T in fp32.
 Written against Triton 3.6 (the device) and compiled offline with 3.6 and 3.9 (this machine's; the CI test).
@@ -75,7 +81,7 @@ def _kernels(f16: bool = False) -> dict:
     acp = hopper.async_copy
     cp_async = acp.async_load if hasattr(acp, "async_load") else acp.async_copy_global_to_shared
     cp_commit, cp_wait = acp.commit_group, acp.wait_group
-    # nibble i of a word -> the bf16 pair (128 + nibble i, 128 + nibble i + 4) as two 16-bit outputs
+    # nibble i of a word -> the pair (magic + nibble i, magic + nibble i + 4) as two 16-bit outputs
     rawi = "{ .reg .b32 t; shr.b32 t, $2, %d; lop3.b32 t, t, 0x000f000f, %s, 0xea; mov.b32 {$0, $1}, t; }"
     asm = [gl.constexpr(rawi % (4 * i, "0x64006400" if f16 else "0x43004300")) for i in range(4)]
     DT = gl.float16 if f16 else gl.bfloat16
@@ -84,19 +90,15 @@ def _kernels(f16: bool = False) -> dict:
 
     @gluon.jit
     def raw(w, I: gl.constexpr):
-        # int32 words -> their bf16 pairs of nibble I, joined along a new last axis (e)
+        # int32 words -> their pairs of nibble I in the activation dtype, joined along a new last axis (e)
         if I == 0:
-            lo, hi = gl.inline_asm_elementwise(a0, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
-                                               pack=1)
+            lo, hi = gl.inline_asm_elementwise(a0, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True, pack=1)
         elif I == 1:
-            lo, hi = gl.inline_asm_elementwise(a1, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
-                                               pack=1)
+            lo, hi = gl.inline_asm_elementwise(a1, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True, pack=1)
         elif I == 2:
-            lo, hi = gl.inline_asm_elementwise(a2, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
-                                               pack=1)
+            lo, hi = gl.inline_asm_elementwise(a2, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True, pack=1)
         else:
-            lo, hi = gl.inline_asm_elementwise(a3, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True,
-                                               pack=1)
+            lo, hi = gl.inline_asm_elementwise(a3, "=h,=h,r", [w], dtype=(DT, DT), is_pure=True, pack=1)
         return gl.join(lo, hi)
 
     @gluon.jit
@@ -177,7 +179,7 @@ def _kernels(f16: bool = False) -> dict:
 
     @gluon.jit
     def group_sz(s_ptr, z_ptr, sb):
-        # the iteration's group: wgmma u's row scales s_u and -s_u (128 + z_u) (rows as ``soff``: sb = its base)
+        # the iteration's group: wgmma u's row scales s_u and -s_u (magic + z_u) (rows as ``soff``: sb = its base)
         s0 = gl.load(s_ptr + sb).to(gl.float32)
         s1 = gl.load(s_ptr + sb + 2).to(gl.float32)
         s2 = gl.load(s_ptr + sb + 4).to(gl.float32)
@@ -190,7 +192,7 @@ def _kernels(f16: bool = False) -> dict:
 
     @gluon.jit
     def fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz):
-        # acc_u += s_u g_u - s_u (128 + z_u) gx: the raw sums of one 128-K iteration, in fp32
+        # acc_u += s_u g_u - s_u (magic + z_u) gx: the raw sums of one 128-K iteration, in fp32
         s0, s1, s2, s3, n0, n1, n2, n3 = sz
         return (acc0 + s0[:, None] * g0 + n0[:, None] * gx, acc1 + s1[:, None] * g1 + n1[:, None] * gx,
                 acc2 + s2[:, None] * g2 + n2[:, None] * gx, acc3 + s3[:, None] * g3 + n3[:, None] * gx)
