@@ -102,7 +102,7 @@ def test_gluon_call_runs_the_prototype_first_then_the_decode_columns(tmp_path):
     stdout, calls, out = _call(tmp_path, 560, **kw)
     assert len(calls) == 3, stdout
     gluon, pdl, trig = calls
-    assert gluon == f"abc123 bench/triton_gluon.py --ms 1,2,4,8,16 --out {out}/gluon"
+    assert gluon == f"abc123 bench/triton_gluon.py --ms 2,4,8,16 --out {out}/gluon"
     assert pdl.startswith("abc123 bench/gemm.py") and "sdq_cuda_pdl,sdq_cuda_pdl_late" in pdl
     assert f"--out {out}/pdl" in pdl
     assert trig.startswith("abc123 bench/ab_build.py --old none") and "--pdl 2" in trig
