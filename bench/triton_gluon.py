@@ -33,6 +33,8 @@ acc_u += s * g_u - s * (128 + z) * gx. NTOK = 8 (M <= 8) or 16.
   the activations go through one shared-memory tile (the wgmma B operand).
 - ``wg_ring_kernel``: the CUDA kernel's pipeline, a cp.async ring of STAGES stages of words and activations, the
   words read back by 16-byte shared loads.
+- ``wg_mma_kernel``: the same tiles on mma.sync m16n8k16 (as the CUDA tight kernel at M = 1-8), no shared memory: the
+  next iteration's words in registers, each K step's activations loaded straight into the B-operand layout.
 - PIPE: each K step's wgmmas stay in flight while the next step unpacks (``warpgroup_mma_wait(5)``); else each step
   waits for its own.
 - Split-K partials: ``w4a16_proto.reduce_splits`` (a second kernel, fixed order), or with FOLD the tile's last CTA
@@ -53,15 +55,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-# kernel "raw": the next iteration's words in registers; "ring": a cp.async ring of STAGES stages. CTAs launched =
-# waves x per_sm x SMs, split-K making them (offline, NTOK = 16: raw 228 / 246 registers (PIPE), two CTAs an SM; ring
-# 167 registers (207 with PIPE) and 20 KB a stage: two CTAs an SM at 4 stages, three at 3)
+# kernel "raw": the next iteration's words in registers; "ring": a cp.async ring of STAGES stages; "mma": mma.sync,
+# no shared memory. CTAs launched = waves x per_sm (CTAs resident an SM, by NTOK where it differs) x SMs, split-K making
+# them (offline, NTOK = 16: raw 228 / 246 registers (PIPE), two CTAs an SM; ring 167 registers (207 with PIPE) and
+# 20 KB a stage: two CTAs an SM at 4 stages, three at 3; mma 126 / 166 registers at NTOK 8 / 16: four / three)
 CONFIGS = {
     "p1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": True},
     "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
     "r4p": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": True, "STAGES": 4},
     "r3": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3},
     "r3f": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3, "FOLD": True},
+    "m4": {"kernel": "mma", "waves": 1.0, "per_sm": {8: 4, 16: 3}, "PIPE": False},
+    "m4f": {"kernel": "mma", "waves": 1.0, "per_sm": {8: 4, 16: 3}, "PIPE": False, "FOLD": True},
 }
 MS = [1, 2, 4, 8, 16]
 DRY_SHAPES = [(256, 256, 128, True), (512, 256, 256, False), (384, 512, -1, False), (1024, 512, 128, False)]
@@ -75,7 +80,7 @@ def _kernels(f16: bool = False) -> dict:
     module needs no Gluon."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia import ampere, hopper
 
     bar = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # (their Triton 3.6 / 3.9 names)
     acp = hopper.async_copy
@@ -159,23 +164,26 @@ def _kernels(f16: bool = False) -> dict:
         return g0, g1, g2, g3, gx
 
     @gluon.jit
-    def offsets(K, KB, M, NTOK: gl.constexpr, wl: gl.constexpr, xl: gl.constexpr, row_l: gl.constexpr):
+    def word_offsets(KB, wl: gl.constexpr, row_l: gl.constexpr):
         # woff: the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0;
-        # xoff / xmask: a 64-K activation sub-tile [NTOK, 64]; r, soff: wgmma u's row r = 16 v + 8 h + g is feature
-        # 64 (nb0 + v) + 16 u + 8 h + g, whose scale is scales[grp, nb0 + v, g, 2 u + h]
+        # r, soff: the m64 tile's row r = 16 v + 8 h + g is feature 64 (nb0 + v) + 16 u + 8 h + g of tile u, whose
+        # scale is scales[grp, nb0 + v, g, 2 u + h]
         i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
         i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
         i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
         i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
         woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
                 + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
-        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
-        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
-        xoff = xr[:, None] * K + xc[None, :]
-        xmask = (xr[:, None] < M) & (xc[None, :] < 64)
         r = gl.arange(0, 64, layout=row_l)
         soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
-        return woff, xoff, xmask, r, soff
+        return woff, r, soff
+
+    @gluon.jit
+    def x_offsets(K, M, NTOK: gl.constexpr, xl: gl.constexpr):
+        # a 64-K activation sub-tile [NTOK, 64]: offsets from its first element, and the rows below M
+        xr = gl.arange(0, NTOK, layout=gl.SliceLayout(1, xl))
+        xc = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
+        return xr[:, None] * K + xc[None, :], (xr[:, None] < M) & (xc[None, :] < 64)
 
     @gluon.jit
     def group_sz(s_ptr, z_ptr, sb):
@@ -260,7 +268,8 @@ def _kernels(f16: bool = False) -> dict:
         xs0 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
         xs1 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
 
-        woff, xoff, xmask, r, soff = offsets(K, KB, M, NTOK, wl, xl, row_l)
+        woff, r, soff = word_offsets(KB, wl, row_l)
+        xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         ones = gl.full([64, 16], 1.0, DT, dot_a)
         zacc = gl.zeros([64, NTOK], gl.float32, mma)
@@ -322,7 +331,8 @@ def _kernels(f16: bool = False) -> dict:
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
         xring = gl.allocate_shared_memory(DT, [2 * STAGES, NTOK, 64], xs_l)
 
-        woff, xoff, xmask, r, soff = offsets(K, KB, M, NTOK, wl, xl, row_l)
+        woff, r, soff = word_offsets(KB, wl, row_l)
+        xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         # prologue: iterations 0 .. STAGES - 2 (clamped to the last: every iteration commits one group)
         for j in gl.static_range(STAGES - 1):
@@ -362,7 +372,61 @@ def _kernels(f16: bool = False) -> dict:
         store_tile(y_ptr, part_ptr, lock_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_n, pid_s, M, N, SPLIT, NTOK, mma,
                    PARTIAL, FOLD)
 
-    return {"wg_raw": wg_raw_kernel, "wg_ring": wg_ring_kernel}
+    @gluon.jit
+    def wg_mma_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, KB, NB, GSI, ITS, SPLIT,
+                      NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
+        # the same tiles and arithmetic on mma.sync (m16n8k16, as the CUDA tight kernel at M = 1-8): every warp
+        # streams its own block, the words of the next iteration in registers, the activations read per K step
+        # straight into the B-operand layout (L1: every warp of the SM reads the same few KB); no shared memory
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        nb0 = pid_n * 4
+        it0 = pid_s * ITS
+        nit = gl.minimum(ITS, K // 128 - it0)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
+        woff, r, soff = word_offsets(KB, wl, gl.SliceLayout(1, mma))
+        bk = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_b))
+        bt = gl.arange(0, NTOK, layout=gl.SliceLayout(0, dot_b))
+        boff = bt[None, :] * K + bk[:, None]                    # B [16 K, NTOK tokens] of one K step
+        bmask = (bt[None, :] < M) & (bk[:, None] < 16)
+
+        ones = gl.full([64, 16], 1.0, DT, dot_a)
+        zacc = gl.zeros([64, NTOK], gl.float32, mma)
+        acc0 = zacc
+        acc1 = zacc
+        acc2 = zacc
+        acc3 = zacc
+        w_n = gl.load(q_ptr + (nb0 * KB + it0 * 8) * 128 + woff)
+        for i in range(nit):
+            it = it0 + i
+            w_c = w_n
+            itn = gl.minimum(it + 1, it0 + nit - 1)
+            w_n = gl.load(q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            sz = group_sz(s_ptr, z_ptr, ((it // GSI) * NB + nb0) * 64 + soff)
+            st = steps8(w_c)
+            g0 = zacc
+            g1 = zacc
+            g2 = zacc
+            g3 = zacc
+            gx = zacc
+            for ks in gl.static_range(8):
+                b = gl.load(x_ptr + it * 128 + 16 * ks + boff, mask=bmask, other=0.0)
+                t0, t1, t2, t3 = a_tiles(st[ks], dot_a)
+                g0 = ampere.mma_v2(t0, b, g0)
+                g1 = ampere.mma_v2(t1, b, g1)
+                g2 = ampere.mma_v2(t2, b, g2)
+                g3 = ampere.mma_v2(t3, b, g3)
+                gx = ampere.mma_v2(ones, b, gx)
+            acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
+        store_tile(y_ptr, part_ptr, lock_ptr, acc0, acc1, acc2, acc3, r, nb0, pid_n, pid_s, M, N, SPLIT, NTOK, mma,
+                   PARTIAL, FOLD)
+
+    return {"wg_raw": wg_raw_kernel, "wg_ring": wg_ring_kernel, "wg_mma": wg_mma_kernel}
 
 
 def applies(k: int, n: int, m: int, gs: int) -> bool:
@@ -377,7 +441,8 @@ def plan(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     if "split" in cfg:
         its = -(-iters // min(cfg["split"], iters))
     else:
-        slots = cfg["per_sm"] * sms
+        ntok = 8 if m <= 8 else 16
+        slots = (cfg["per_sm"] if isinstance(cfg["per_sm"], int) else cfg["per_sm"][ntok]) * sms
         top = max(1, 2 * round(cfg["waves"] * slots / tiles))
 
         def fill(its):  # how full the grid's last wave is, and the split count

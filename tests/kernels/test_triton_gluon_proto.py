@@ -89,17 +89,19 @@ def test_plan_and_bounds():
 
 
 def test_sm90_compile_keeps_the_weights_in_registers():
-    """Compiled here for sm_90 (no GPU), both kernels (bf16, and one fp16 form): 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
+    """Compiled here for sm_90 (no GPU), the three kernels (bf16, and one fp16 form): 40 HGMMA a 128-K iteration (8 K steps x 5), each taking its A
     operand from registers; no local memory; at most 255 registers. The register-prefetch kernel reads no shared
     memory at all (its only shared stores are the two activation sub-tiles) and loads the words 16 bytes at a time; the
     ring kernel copies words and activations by 16-byte cp.async and reads the words back with 8 16-byte shared loads
-    an iteration (no other shared load, no shared store). PIPE keeps a K step's five wgmmas in flight. FOLD adds the
+    an iteration (no other shared load, no shared store); the mma.sync kernel takes no shared memory, 40 HMMA an
+    iteration and n8 tile. PIPE keeps a K step's five wgmmas in flight. FOLD adds the
     split-K count-in: one atomic add and one reset of the tile's counter, and the partials read back through L2."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _, tg = _mods()
     for kernel, ntok, pipe, stages, f16, fold in (("raw", 8, False, 0, False, False), ("raw", 16, True, 0, False, True),
                                                   ("ring", 16, False, 4, False, False), ("ring", 8, True, 3, False, False),
-                                                  ("ring", 16, False, 3, True, True)):
+                                                  ("ring", 16, False, 3, True, True),
+                                                  ("mma", 8, False, 0, False, False), ("mma", 16, False, 0, False, True)):
         r = tg.sass(ntok, pipe, kernel, stages, f16, fold)
         s, what = r["sass"], (kernel, ntok, pipe, stages, f16, fold)
         # FOLD: one counter add (acq_rel at gpu scope: STRONG.GPU) and one reset; the partials read back through L2
@@ -107,17 +109,24 @@ def test_sm90_compile_keeps_the_weights_in_registers():
         assert sorted(atoms) == (["ADD", "EXCH"] if fold else []), what
         assert ("LDG.E.STRONG.GPU" in s) == fold, what
         assert ("0x64006400" if f16 else "0x43004300") in s, what          # the magic: 1024 + c / 128 + c
-        hg = re.findall(r"HGMMA\.64x%dx16\.F32%s (R\d+|RZ), (\S+), gdesc" % (ntok, "" if f16 else r"\.BF16"), s)
-        assert len(hg) == 40 and all(a.startswith("R") for _, a in hg), (what, hg[:3])
+        if kernel == "mma":   # 5 m16n8k16 a K step and n8 tile, 8 K steps
+            assert len(re.findall(r"HMMA\.16816\.F32%s " % ("" if f16 else r"\.BF16"), s)) == 40 * ntok // 8, what
+        else:
+            hg = re.findall(r"HGMMA\.64x%dx16\.F32%s (R\d+|RZ), (\S+), gdesc" % (ntok, "" if f16 else r"\.BF16"), s)
+            assert len(hg) == 40 and all(a.startswith("R") for _, a in hg), (what, hg[:3])
         assert r["local"] == 0 and r["regs"] <= 255, (what, r["regs"])
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", s)
-        assert (waits.count("0x5") == 8) == pipe and waits.count("0x0") == (1 if pipe else 8), (what, waits)
+        if kernel != "mma":
+            assert (waits.count("0x5") == 8) == pipe and waits.count("0x0") == (1 if pipe else 8), (what, waits)
         live = "\n".join(ln for ln in s.splitlines() if "@!PT" not in ln)   # (never-issued padding aside)
         lds = re.findall(r"\bLDS(\.\d+)?\b", live)
         sts = re.findall(r"\bSTS(\.\d+)?\b", live)
         assert "LDSM" not in live, what
         # FOLD's scalar count-in is broadcast through shared memory: one more store and one more load
-        if kernel == "raw":
+        if kernel == "mma":   # no shared memory but FOLD's broadcast; the words by 16-byte loads
+            assert lds == [""] * int(fold) and sts == [""] * int(fold), what
+            assert len(re.findall(r"LDG\.E\.128", s)) >= 16, what
+        elif kernel == "raw":
             assert (lds.count(""), lds.count(".128")) == (int(fold), 0), what
             assert (sts.count(""), len(sts) - sts.count("")) == (int(fold), 2), what   # the two sub-tiles: 8 / 16 B
             assert len(re.findall(r"LDG\.E\.128", s)) >= 16, what   # 8 a thread and iteration, + the prologue
