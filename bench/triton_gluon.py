@@ -62,7 +62,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 CONFIGS = {
     "p1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": True},
     "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
-    "r4p": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": True, "STAGES": 4},
     "r3": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3},
     "r3f": {"kernel": "ring", "waves": 1.0, "per_sm": 3, "PIPE": False, "STAGES": 3, "FOLD": True},
     "m4": {"kernel": "mma", "waves": 1.0, "per_sm": {8: 4, 16: 3}, "PIPE": False},
