@@ -90,6 +90,9 @@ def _kernels(f16: bool = False) -> dict:
     asm = [gl.constexpr(rawi % (4 * i, "0x64006400" if f16 else "0x43004300")) for i in range(4)]
     DT = gl.float16 if f16 else gl.bfloat16
     MAGIC = gl.constexpr(1024.0 if f16 else 128.0)
+    # a CTA's words of one iteration: int32 [4 warps (blocks), 8 K steps, 32 lanes, 4 words], 16 bytes a thread and step
+    WL = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                       warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0]))
     a0, a1, a2, a3 = asm
 
     @gluon.jit
@@ -161,6 +164,14 @@ def _kernels(f16: bool = False) -> dict:
         if PIPE:
             g0, g1, g2, g3, gx = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(g0, g1, g2, g3, gx))
         return g0, g1, g2, g3, gx
+
+    @gluon.jit
+    def tile_range(K, ITS):
+        # the CTA's 256 features (blocks nb0 .. nb0 + 3) and its split's iterations it0 .. it0 + nit - 1 (128 K each)
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        it0 = pid_s * ITS
+        return pid_n, pid_s, pid_n * 4, it0, gl.minimum(ITS, K // 128 - it0)
 
     @gluon.jit
     def word_offsets(KB, wl: gl.constexpr, row_l: gl.constexpr):
@@ -249,17 +260,11 @@ def _kernels(f16: bool = False) -> dict:
     @gluon.jit
     def wg_raw_kernel(q_ptr, s_ptr, z_ptr, x_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, KB, NB, GSI, ITS, SPLIT,
                       NTOK: gl.constexpr, PARTIAL: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
-        pid_n = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        nb0 = pid_n * 4
-        it0 = pid_s * ITS
-        nit = gl.minimum(ITS, K // 128 - it0)
+        pid_n, pid_s, nb0, it0, nit = tile_range(K, ITS)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
-                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NTOK // 2], threads_per_warp=[NTOK // 4, 128 // NTOK],
                                             warps_per_cta=[4, 1], order=[1, 0])
         xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -267,7 +272,7 @@ def _kernels(f16: bool = False) -> dict:
         xs0 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
         xs1 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
 
-        woff, r, soff = word_offsets(KB, wl, row_l)
+        woff, r, soff = word_offsets(KB, WL, row_l)
         xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         ones = gl.full([64, 16], 1.0, DT, dot_a)
@@ -310,18 +315,12 @@ def _kernels(f16: bool = False) -> dict:
         # wg_raw_kernel's arithmetic with the CUDA kernel's pipeline: each iteration's words and activations copied
         # by cp.async into a ring of STAGES shared-memory stages, STAGES - 1 iterations ahead; the words read back
         # with 16-byte shared loads in the layout they were copied in (each thread its own 16 bytes)
-        pid_n = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        nb0 = pid_n * 4
-        it0 = pid_s * ITS
-        nit = gl.minimum(ITS, K // 128 - it0)
+        pid_n, pid_s, nb0, it0, nit = tile_range(K, ITS)
         last = it0 + nit - 1
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
-                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NTOK // 2], threads_per_warp=[NTOK // 4, 128 // NTOK],
                                             warps_per_cta=[4, 1], order=[1, 0])
         ws_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
@@ -330,7 +329,7 @@ def _kernels(f16: bool = False) -> dict:
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
         xring = gl.allocate_shared_memory(DT, [2 * STAGES, NTOK, 64], xs_l)
 
-        woff, r, soff = word_offsets(KB, wl, row_l)
+        woff, r, soff = word_offsets(KB, WL, row_l)
         xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         # prologue: iterations 0 .. STAGES - 2 (clamped to the last: every iteration commits one group)
@@ -364,7 +363,7 @@ def _kernels(f16: bool = False) -> dict:
             cp_commit()
             hopper.fence_async_shared()
             sc = i % STAGES
-            st = steps8(wring.index(sc).load(wl))
+            st = steps8(wring.index(sc).load(WL))
             g0, g1, g2, g3, gx = k_steps(st, xring.index(2 * sc), xring.index(2 * sc + 1), ones, zacc, dot_a, PIPE)
             acc0, acc1, acc2, acc3 = fold(acc0, acc1, acc2, acc3, g0, g1, g2, g3, gx, sz)
         cp_wait(0)
@@ -377,18 +376,12 @@ def _kernels(f16: bool = False) -> dict:
         # the same tiles and arithmetic on mma.sync (m16n8k16, as the CUDA tight kernel at M = 1-8): every warp
         # streams its own block, the words of the next iteration in registers, the activations read per K step
         # straight into the B-operand layout (L1: every warp of the SM reads the same few KB); no shared memory
-        pid_n = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        nb0 = pid_n * 4
-        it0 = pid_s * ITS
-        nit = gl.minimum(ITS, K // 128 - it0)
+        pid_n, pid_s, nb0, it0, nit = tile_range(K, ITS)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1, 4], threads_per_warp=[1, 1, 32, 1],
-                                            warps_per_cta=[4, 1, 1, 1], order=[3, 2, 1, 0])
-        woff, r, soff = word_offsets(KB, wl, gl.SliceLayout(1, mma))
+        woff, r, soff = word_offsets(KB, WL, gl.SliceLayout(1, mma))
         bk = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_b))
         bt = gl.arange(0, NTOK, layout=gl.SliceLayout(0, dot_b))
         boff = bt[None, :] * K + bk[:, None]                    # B [16 K, NTOK tokens] of one K step
