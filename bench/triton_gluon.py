@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # kernel "raw": the next iteration's words in registers; "ring": a cp.async ring of STAGES stages; "mma": mma.sync,
 # no shared memory. CTAs launched = waves x per_sm (CTAs resident an SM, by NTOK where it differs) x SMs, split-K making
-# them (offline, NTOK = 16: raw 228 / 246 registers (PIPE), two CTAs an SM; ring 167 registers (207 with PIPE) and
-# 20 KB a stage: two CTAs an SM at 4 stages, three at 3; mma 126 / 166 registers at NTOK 8 / 16: four / three)
+# them (offline, Triton 3.6, NTOK = 8 / 16: raw with PIPE 208 / 247 registers, two CTAs an SM; ring 158-168 registers
+# and 20 KB a stage: two CTAs an SM at 4 stages, three at 3; mma 128 / 168 registers: four / three)
 CONFIGS = {
     "p1": {"kernel": "raw", "waves": 1.0, "per_sm": 2, "PIPE": True},
     "r4": {"kernel": "ring", "waves": 1.0, "per_sm": 2, "PIPE": False, "STAGES": 4},
@@ -174,15 +174,15 @@ def _kernels(f16: bool = False) -> dict:
         return pid_n, pid_s, pid_n * 4, it0, gl.minimum(ITS, K // 128 - it0)
 
     @gluon.jit
-    def word_offsets(KB, wl: gl.constexpr, row_l: gl.constexpr):
-        # woff: the words of an iteration (8 K steps) of blocks nb0 .. nb0 + 3, int32 units from block nb0's step 0;
+    def word_offsets(nb0, KB, wl: gl.constexpr, row_l: gl.constexpr):
+        # woff: the words of iteration 0 (8 K steps) of blocks nb0 .. nb0 + 3, int32 units (iteration it: + 1024 it);
         # r, soff: the m64 tile's row r = 16 v + 8 h + g is feature 64 (nb0 + v) + 16 u + 8 h + g of tile u, whose
         # scale is scales[grp, nb0 + v, g, 2 u + h]
         i_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
         i_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, wl))))
         i_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, wl))))
         i_u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, wl))))
-        woff = (i_v[:, None, None, None] * (KB * 128) + i_k[None, :, None, None] * 128
+        woff = ((nb0 + i_v[:, None, None, None]) * (KB * 128) + i_k[None, :, None, None] * 128
                 + i_l[None, None, :, None] * 4 + i_u[None, None, None, :])
         r = gl.arange(0, 64, layout=row_l)
         soff = (r >> 4) * 64 + (r & 7) * 8 + ((r >> 3) & 1)
@@ -272,7 +272,7 @@ def _kernels(f16: bool = False) -> dict:
         xs0 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
         xs1 = gl.allocate_shared_memory(DT, [NTOK, 64], xs_l)
 
-        woff, r, soff = word_offsets(KB, WL, row_l)
+        woff, r, soff = word_offsets(nb0, KB, WL, row_l)
         xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         ones = gl.full([64, 16], 1.0, DT, dot_a)
@@ -281,7 +281,7 @@ def _kernels(f16: bool = False) -> dict:
         acc1 = zacc
         acc2 = zacc
         acc3 = zacc
-        w_n = gl.load(q_ptr + (nb0 * KB + it0 * 8) * 128 + woff)
+        w_n = gl.load(q_ptr + woff + it0 * 1024)
         xa_n = gl.load(x_ptr + it0 * 128 + xoff, mask=xmask, other=0.0)
         xb_n = gl.load(x_ptr + it0 * 128 + 64 + xoff, mask=xmask, other=0.0)
         for i in range(nit):
@@ -290,7 +290,7 @@ def _kernels(f16: bool = False) -> dict:
             xa_c = xa_n
             xb_c = xb_n
             itn = gl.minimum(it + 1, it0 + nit - 1)
-            w_n = gl.load(q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            w_n = gl.load(q_ptr + woff + itn * 1024)
             xa_n = gl.load(x_ptr + itn * 128 + xoff, mask=xmask, other=0.0)
             xb_n = gl.load(x_ptr + itn * 128 + 64 + xoff, mask=xmask, other=0.0)
             sb = ((it // GSI) * NB + nb0) * 64 + soff
@@ -329,13 +329,13 @@ def _kernels(f16: bool = False) -> dict:
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, 32, 4], ws_l)
         xring = gl.allocate_shared_memory(DT, [2 * STAGES, NTOK, 64], xs_l)
 
-        woff, r, soff = word_offsets(KB, WL, row_l)
+        woff, r, soff = word_offsets(nb0, KB, WL, row_l)
         xoff, xmask = x_offsets(K, M, NTOK, xl)
 
         # prologue: iterations 0 .. STAGES - 2 (clamped to the last: every iteration commits one group)
         for j in gl.static_range(STAGES - 1):
             itj = gl.minimum(it0 + j, last)
-            cp_async(wring.index(j), q_ptr + (nb0 * KB + itj * 8) * 128 + woff)
+            cp_async(wring.index(j), q_ptr + woff + itj * 1024)
             cp_async(xring.index(2 * j), x_ptr + itj * 128 + xoff, mask=xmask)
             cp_async(xring.index(2 * j + 1), x_ptr + itj * 128 + 64 + xoff,
                                                           mask=xmask)
@@ -356,7 +356,7 @@ def _kernels(f16: bool = False) -> dict:
             jn = i + STAGES - 1
             sn = jn % STAGES
             itn = gl.minimum(it0 + jn, last)
-            cp_async(wring.index(sn), q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            cp_async(wring.index(sn), q_ptr + woff + itn * 1024)
             cp_async(xring.index(2 * sn), x_ptr + itn * 128 + xoff, mask=xmask)
             cp_async(xring.index(2 * sn + 1), x_ptr + itn * 128 + 64 + xoff,
                                                           mask=xmask)
@@ -381,7 +381,7 @@ def _kernels(f16: bool = False) -> dict:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        woff, r, soff = word_offsets(KB, WL, gl.SliceLayout(1, mma))
+        woff, r, soff = word_offsets(nb0, KB, WL, gl.SliceLayout(1, mma))
         bk = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_b))
         bt = gl.arange(0, NTOK, layout=gl.SliceLayout(0, dot_b))
         boff = bt[None, :] * K + bk[:, None]                    # B [16 K, NTOK tokens] of one K step
@@ -393,12 +393,12 @@ def _kernels(f16: bool = False) -> dict:
         acc1 = zacc
         acc2 = zacc
         acc3 = zacc
-        w_n = gl.load(q_ptr + (nb0 * KB + it0 * 8) * 128 + woff)
+        w_n = gl.load(q_ptr + woff + it0 * 1024)
         for i in range(nit):
             it = it0 + i
             w_c = w_n
             itn = gl.minimum(it + 1, it0 + nit - 1)
-            w_n = gl.load(q_ptr + (nb0 * KB + itn * 8) * 128 + woff)
+            w_n = gl.load(q_ptr + woff + itn * 1024)
             sz = group_sz(s_ptr, z_ptr, ((it // GSI) * NB + nb0) * 64 + soff)
             st = steps8(w_c)
             g0 = zacc
